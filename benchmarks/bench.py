@@ -1,0 +1,253 @@
+"""jax_ep benchmark: our CUDA kernels beside lax.all_to_all and lax.ragged_all_to_all, one run,
+same GPUs, one process over all of them.
+
+Each op is timed as a jit-compiled lax.scan of --iters calls (host dispatch excluded): wall time
+of the whole scan / iters, after warm-up, median over --reps runs. Prints a table, writes
+results.json and a plot into --out.
+
+  python benchmarks/bench.py --ranks 2 4 --mode ht ll --out /tmp/bench
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
+import jax_ep  # noqa: E402
+
+
+def timed_scan(mesh, body, args, iters, reps, carry_dep=False):
+    """Median seconds per call of body(*args) repeated `iters` times inside one lax.scan."""
+    def shard(*a):
+        def step(c, _):
+            a2 = a
+            if carry_dep:  # baselines: make the input loop-variant so XLA cannot hoist them
+                a2 = (a[0] + c.astype(a[0].dtype),) + tuple(a[1:])
+            out = body(*a2)
+            leaf = jax.tree_util.tree_leaves(out)[0]
+            return c + leaf.reshape(-1)[0].astype(jnp.float32) * 0, None
+        c, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), None, length=iters)
+        return c[None]
+
+    f = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                              check_vma=False))
+    for _ in range(2):
+        f(*args).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(*args).block_until_ready()
+        ts.append((time.perf_counter() - t0) / iters)
+    return float(np.median(ts)), float(np.min(ts)), float(np.max(ts))
+
+
+def routing(rng, n, K, E):
+    return np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int32)
+
+
+def ht_suite(mesh, R, a, sms_list, rows):
+    T, H, K, E = a.tokens, a.hidden, a.topk, a.experts_per_rank * R
+    L = E // R
+    rng = np.random.default_rng(0)
+    shard = NamedSharding(mesh, P("ep"))
+    x = jax.device_put(jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16), shard)
+    idx_np = routing(rng, R * T, K, E)
+    idx = jax.device_put(jnp.asarray(idx_np), shard)
+    w = jax.device_put(jnp.asarray(rng.random((R * T, K)), jnp.float32), shard)
+    xq, xs = jax.jit(jax_ep.quantize_fp8)(x)
+    # bytes: DeepEP counts bytes received per rank (each token once per rank, self included)
+    dest = idx_np // L
+    in_rank = np.zeros((R * T, R), bool)
+    for k in range(K):
+        in_rank[np.arange(R * T), dest[:, k]] = True
+    recv_tok = in_rank.reshape(R, T, R).sum(axis=(0, 1)).mean()            # per receiving rank
+    sent_remote = np.mean([in_rank[s * T:(s + 1) * T][:, [q for q in range(R) if q != s]].sum()
+                           for s in range(R)])
+    row_bf16, row_fp8 = 2 * H, H + 4 * (H // 128)
+    it, reps = a.iters, a.reps
+
+    def record(op, impl, sms, t, row_bytes):
+        med, lo, hi = t
+        rows.append(dict(mode="ht", ranks=R, op=op, impl=impl, sms=sms, us=med * 1e6,
+                         us_min=lo * 1e6, us_max=hi * 1e6,
+                         recv_GBps=recv_tok * row_bytes / med / 1e9,
+                         egress_GBps=sent_remote * row_bytes / med / 1e9,
+                         tokens=T, hidden=H, topk=K, experts=E))
+        print(f"  R={R} {op:22s} {impl:24s} sms={sms!s:>4} {med * 1e6:10.1f} us "
+              f"(recv {recv_tok * row_bytes / med / 1e9:6.1f} GB/s, egress "
+              f"{sent_remote * row_bytes / med / 1e9:6.1f} GB/s)", flush=True)
+
+    for sms in sms_list:
+        jax_ep.set_num_blocks(sms)
+        t = timed_scan(mesh, lambda x, i, w: jax_ep.dispatch(
+            x, i, w, num_experts=E, backend="cuda").recv_x, (x, idx, w), it, reps)
+        record("dispatch_bf16", "jax_ep", sms, t, row_bf16)
+        t = timed_scan(mesh, lambda q, s, i, w: jax_ep.dispatch(
+            (q, s), i, w, num_experts=E, backend="cuda").recv_x[0], (xq, xs, idx, w), it, reps)
+        record("dispatch_fp8", "jax_ep", sms, t, row_fp8)
+
+        def comb(x, i, w):
+            r = jax_ep.dispatch(x, i, w, num_experts=E, backend="cuda")
+            return r.recv_x, r.handle
+        spec = P("ep")
+        recv_x, handle = jax.jit(jax.shard_map(comb, mesh=mesh, in_specs=spec, out_specs=spec,
+                                               check_vma=False))(x, idx, w)
+        t = timed_scan(mesh, lambda y, *h: jax_ep.combine(
+            y, jax_ep.DispatchHandle(h[0], h[1], h[2][0], h[3][0], h[4][0]), backend="cuda"),
+            (recv_x, handle.recv_src, handle.send_rows, handle.recv_count.reshape(-1),
+             handle.num_dropped.reshape(-1), handle.num_invalid.reshape(-1)), it, reps)
+        record("combine_bf16", "jax_ep", sms, t, row_bf16)
+    jax_ep.set_num_blocks(None)
+    cap = int(np.ceil(1.25 * in_rank.reshape(R, T, R).sum(axis=1).mean()))
+    t = timed_scan(mesh, lambda x, i: baselines.all_to_all_dispatch(
+        x, i, num_experts=E, axis_name="ep", capacity=cap)[0], (x, idx), it, reps, True)
+    record("dispatch_bf16", "lax.all_to_all(cap 1.25)", "-", t, row_bf16)
+    t = timed_scan(mesh, lambda x, i: baselines.ragged_dispatch(
+        x, i, num_experts=E, axis_name="ep")[0], (x, idx), max(2, it // 5), max(3, reps // 2),
+        True)
+    record("dispatch_bf16", "lax.ragged_all_to_all", "-", t, row_bf16)
+
+    def a2a_combine(x, i):
+        recv, lay = baselines.all_to_all_dispatch(x, i, num_experts=E, axis_name="ep",
+                                                  capacity=cap)
+        return baselines.all_to_all_combine(recv, lay, axis_name="ep", num_tokens=T)
+    t = timed_scan(mesh, a2a_combine, (x, idx), it, reps, True)
+    record("dispatch+combine_bf16", "lax.all_to_all(cap 1.25)", "-", t, row_bf16)
+
+
+def ll_suite(mesh, R, a, rows):
+    T = M = a.ll_tokens
+    H, K, E = a.hidden, a.topk, a.experts_per_rank * R
+    rng = np.random.default_rng(1)
+    shard = NamedSharding(mesh, P("ep"))
+    x = jax.device_put(jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16), shard)
+    idx_np = routing(rng, R * T, K, E)
+    idx = jax.device_put(jnp.asarray(idx_np), shard)
+    w = jax.device_put(jnp.asarray(rng.random((R * T, K)), jnp.float32), shard)
+    pairs = R * T * K / R                                   # (token, expert) rows per rank
+    it, reps = a.iters * 4, a.reps
+
+    def record(op, impl, t, row_bytes):
+        med, lo, hi = t
+        rows.append(dict(mode="ll", ranks=R, op=op, impl=impl, sms="-", us=med * 1e6,
+                         us_min=lo * 1e6, us_max=hi * 1e6,
+                         recv_GBps=pairs * row_bytes / med / 1e9, tokens=T, hidden=H, topk=K,
+                         experts=E))
+        print(f"  R={R} LL {op:19s} {impl:24s} {med * 1e6:10.1f} us", flush=True)
+
+    t = timed_scan(mesh, lambda x, i: jax_ep.low_latency_dispatch(
+        x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=True, backend="cuda").recv_x[0],
+        (x, idx), it, reps)
+    record("dispatch_fp8", "jax_ep", t, H + 4 * H // 128)
+    t = timed_scan(mesh, lambda x, i: jax_ep.low_latency_dispatch(
+        x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=False, backend="cuda").recv_x,
+        (x, idx), it, reps)
+    record("dispatch_bf16", "jax_ep", t, 2 * H)
+
+    def disp(x, i):
+        r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
+                                        use_fp8=False, backend="cuda")
+        return r.recv_x, r.handle.src_to_row
+    spec = P("ep")
+    y, s2r = jax.jit(jax.shard_map(disp, mesh=mesh, in_specs=spec, out_specs=spec,
+                                   check_vma=False))(x, idx)
+    L = E // R
+    t = timed_scan(mesh, lambda y, s, i, w: jax_ep.low_latency_combine(
+        y, i, w, jax_ep.LowLatencyHandle(jnp.zeros((L, R * M), jnp.int32), s,
+                                         jnp.zeros((), jnp.int32)), backend="cuda"),
+        (y, s2r, idx, w), it, reps)
+    record("combine_bf16", "jax_ep", t, 2 * H)
+    cap = int(np.ceil(1.25 * T * (1 - (1 - 1 / R) ** K)))
+    t = timed_scan(mesh, lambda x, i: baselines.all_to_all_dispatch(
+        x, i, num_experts=E, axis_name="ep", capacity=cap)[0], (x, idx), it, reps, True)
+    record("dispatch_bf16", "lax.all_to_all(cap 1.25)", t, 2 * H)
+    t = timed_scan(mesh, lambda x, i: baselines.ragged_dispatch(
+        x, i, num_experts=E, axis_name="ep")[0], (x, idx), it, reps, True)
+    record("dispatch_bf16", "lax.ragged_all_to_all", t, 2 * H)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--mode", nargs="+", default=["ht", "ll"], choices=["ht", "ll"])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--ll-tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts-per-rank", type=int, default=32)
+    p.add_argument("--sms", type=int, nargs="+", default=[24, 64, 132])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    gpus = jax.devices()
+    print(f"devices: {len(gpus)} x {gpus[0].device_kind}; jax {jax.__version__}")
+    rows = []
+    for R in a.ranks:
+        if R > len(gpus):
+            print(f"skip R={R}: only {len(gpus)} devices")
+            continue
+        mesh = Mesh(np.array(gpus[:R]), ("ep",))
+        if "ht" in a.mode:
+            ht_suite(mesh, R, a, a.sms, rows)
+        if "ll" in a.mode:
+            ll_suite(mesh, R, a, rows)
+    meta = dict(device=gpus[0].device_kind, jax=jax.__version__, args=vars(a),
+                runtime=jax_ep.runtime_info())
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
+    print_table(rows)
+    try:
+        plot(rows, os.path.join(a.out, "bench.png"))
+    except Exception as e:  # matplotlib missing: the JSON has everything
+        print(f"(no plot: {e})")
+
+
+def print_table(rows):
+    print("\n| mode | GPUs | op | impl | SMs | median us | recv GB/s | speed-up vs all_to_all | "
+          "vs ragged |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        base = {b["impl"]: b["us"] for b in rows if b["mode"] == r["mode"] and
+                b["ranks"] == r["ranks"] and b["impl"] != "jax_ep" and
+                b["op"] == "dispatch_bf16"}
+        a2a = base.get("lax.all_to_all(cap 1.25)")
+        rag = base.get("lax.ragged_all_to_all")
+        sp = lambda b: f"{b / r['us']:.1f}x" if (b and r["impl"] == "jax_ep") else "-"  # noqa
+        print(f"| {r['mode']} | {r['ranks']} | {r['op']} | {r['impl']} | {r['sms']} | "
+              f"{r['us']:.1f} | {r['recv_GBps']:.0f} | {sp(a2a)} | {sp(rag)} |")
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(11, 5))
+    labels = [f"{r['mode']} R={r['ranks']}\n{r['op']}\n{r['impl']}"
+              f"{'' if r['sms'] == '-' else ' ' + str(r['sms']) + 'SM'}" for r in rows]
+    ax.bar(range(len(rows)), [r["us"] for r in rows],
+           color=["tab:green" if r["impl"] == "jax_ep" else "tab:gray" for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("median us per call (log)")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=90, fontsize=6)
+    ax.set_title("jax_ep vs lax.all_to_all / lax.ragged_all_to_all (same run, same GPUs)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

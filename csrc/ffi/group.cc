@@ -1,0 +1,41 @@
+#include "ffi/group.h"
+
+#include <sstream>
+
+namespace jax_ep {
+
+namespace ffi = xla::ffi;
+
+ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t group_size,
+                         int64_t slot, GroupInfo* out) {
+  if (group_size < 1 || group_size > kMaxRanks)
+    return ffi::Error::InvalidArgument("jax_ep: EP group size " + std::to_string(group_size) +
+                                       " is outside [1, " + std::to_string(kMaxRanks) + "]");
+  if (slot < 0 || slot >= kNumSlots)
+    return ffi::Error::InvalidArgument("jax_ep: slot out of range");
+  const int64_t n = static_cast<int64_t>(groups.size());
+  for (int64_t i = 0; i < n; ++i) {
+    if (groups[i] != device) continue;
+    const int64_t g = i / group_size;
+    out->device = device;
+    out->peers.num_ranks = static_cast<int>(group_size);
+    out->peers.rank = static_cast<int>(i % group_size);
+    for (int r = 0; r < group_size; ++r) {
+      const int d = static_cast<int>(groups[g * group_size + r]);
+      Workspace* ws = workspace_for(d);
+      if (ws == nullptr) {
+        std::ostringstream os;
+        os << "jax_ep: no workspace on device " << d
+           << " (jax_ep.runtime was not initialised for it)";
+        return ffi::Error(ffi::ErrorCode::kFailedPrecondition, os.str());
+      }
+      out->peers.slot[r] = &ws->slots[slot];
+    }
+    return ffi::Error::Success();
+  }
+  std::ostringstream os;
+  os << "jax_ep: device " << device << " is not in the EP group table of this op";
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, os.str());
+}
+
+}  // namespace jax_ep

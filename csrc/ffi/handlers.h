@@ -1,0 +1,14 @@
+// Every XLA FFI handler of the extension. Operands, results and attributes of each are
+// documented in docs/ffi.md; the Python side that builds the calls is jax_ep/_ffi.py.
+#pragma once
+#include "xla/ffi/api/ffi.h"
+
+// layout.cc: local layout count (tokens per rank / per expert, token-in-rank mask).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLayout);
+// high_throughput.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpHtDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpHtGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpHtCombine);
+// low_latency.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombine);

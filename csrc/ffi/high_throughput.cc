@@ -1,0 +1,310 @@
+// jax_ep_ht_dispatch / jax_ep_ht_gather / jax_ep_ht_combine: decode, validate shapes (host-side,
+// cheap), launch. Operands, results and attributes: docs/ffi.md. Kernels:
+// csrc/kernels/high_throughput.cu.
+#include <cuda_runtime.h>
+
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "ffi/group.h"
+#include "ffi/handlers.h"
+#include "kernels/high_throughput.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using jax_ep::ht::CombineArgs;
+using jax_ep::ht::DispatchArgs;
+using jax_ep::ht::DType;
+using jax_ep::ht::GatherArgs;
+
+namespace {
+
+constexpr int64_t kMaxInt = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxBlocks = 4096;
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// Checks `dims == want`; on mismatch returns a message naming the op and the buffer.
+bool shape_is(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want,
+              const char* op, const char* name, std::string* err) {
+  bool ok = dims.size() == want.size();
+  size_t i = 0;
+  for (int64_t w : want) {
+    if (!ok) break;
+    ok = dims[i++] == w;
+  }
+  if (!ok) {
+    std::vector<int64_t> w(want);
+    *err = std::string(op) + ": " + name + " must have shape " +
+           dims_str(ffi::Span<const int64_t>(w.data(), w.size())) + ", got " + dims_str(dims);
+  }
+  return ok;
+}
+
+ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks) {
+  if (timeout_ns <= 0)
+    return ffi::Error::InvalidArgument(std::string(op) + ": timeout_ns must be positive");
+  if (num_blocks < 1 || num_blocks > kMaxBlocks)
+    return ffi::Error::InvalidArgument(std::string(op) + ": num_blocks must be in [1, " +
+                                       std::to_string(kMaxBlocks) + "], got " +
+                                       std::to_string(num_blocks));
+  return ffi::Error::Success();
+}
+
+#define JAX_EP_RETURN_IF_ERROR(expr)       \
+  do {                                     \
+    ffi::Error _e = (expr);                \
+    if (_e.failure()) return _e;           \
+  } while (0)
+#define JAX_EP_CHECK_SHAPE(buf, op, name, ...)                                  \
+  do {                                                                          \
+    std::string _m;                                                             \
+    if (!shape_is((buf).dimensions(), {__VA_ARGS__}, op, name, &_m))            \
+      return ffi::Error::InvalidArgument(_m);                                   \
+  } while (0)
+
+// ------------------------------------------------------------------------------------------
+ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8> x,
+                          ffi::Buffer<ffi::F32> x_scales, ffi::Buffer<ffi::S32> topk_idx,
+                          ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::Buffer<ffi::U8>> recv_x,
+                          ffi::Result<ffi::Buffer<ffi::F32>> recv_scales,
+                          ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
+                          ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
+                          ffi::Result<ffi::Buffer<ffi::S32>> recv_src,
+                          ffi::Result<ffi::Buffer<ffi::S32>> send_rows,
+                          ffi::Result<ffi::Buffer<ffi::S32>> recv_tokens_per_expert,
+                          ffi::Result<ffi::Buffer<ffi::S32>> stats,
+                          ffi::Result<ffi::Buffer<ffi::S32>> scratch,
+                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t slot,
+                          int64_t timeout_ns, int64_t num_blocks, int64_t num_experts) {
+  const char* op = "jax_ep_ht_dispatch";
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
+  jax_ep::GroupInfo gi;
+  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, slot, &gi));
+  const int64_t R = group_size;
+  if (num_experts < R || num_experts % R != 0 || num_experts > kMaxInt)
+    return ffi::Error::InvalidArgument(std::string(op) + ": num_experts (" +
+                                       std::to_string(num_experts) +
+                                       ") must be a positive multiple of the EP group size (" +
+                                       std::to_string(R) + ")");
+  const int64_t L = num_experts / R;
+  const auto dx = x.dimensions();
+  if (dx.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": x must be [T, Hb] u8, got " +
+                                       dims_str(dx));
+  const int64_t T = dx[0], Hb = dx[1];
+  const auto dk = topk_idx.dimensions();
+  if (dk.size() != 2 || dk[0] != T)
+    return ffi::Error::InvalidArgument(std::string(op) + ": topk_idx must be [T=" +
+                                       std::to_string(T) + ", K], got " + dims_str(dk));
+  const int64_t K = dk[1];
+  const auto ds = x_scales.dimensions();
+  if (ds.size() != 2 || ds[0] != T)
+    return ffi::Error::InvalidArgument(std::string(op) + ": x_scales must be [T=" +
+                                       std::to_string(T) + ", G], got " + dims_str(ds));
+  const int64_t G = ds[1];
+  const auto dc = recv_src->dimensions();
+  if (dc.size() != 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": recv_src must be [C], got " +
+                                       dims_str(dc));
+  const int64_t C = dc[0];
+  JAX_EP_CHECK_SHAPE(topk_weights, op, "topk_weights", T, K);
+  JAX_EP_CHECK_SHAPE(*recv_x, op, "recv_x", C, Hb);
+  JAX_EP_CHECK_SHAPE(*recv_scales, op, "recv_scales", C, G);
+  JAX_EP_CHECK_SHAPE(*recv_topk_idx, op, "recv_topk_idx", C, K);
+  JAX_EP_CHECK_SHAPE(*recv_topk_weights, op, "recv_topk_weights", C, K);
+  JAX_EP_CHECK_SHAPE(*send_rows, op, "send_rows", T, R);
+  JAX_EP_CHECK_SHAPE(*recv_tokens_per_expert, op, "recv_tokens_per_expert", L);
+  JAX_EP_CHECK_SHAPE(*stats, op, "stats", 4);
+  const int64_t need = R * T + R * R + 64;
+  if (static_cast<int64_t>(scratch->element_count()) < need)
+    return ffi::Error::InvalidArgument(std::string(op) + ": scratch must hold R*T + R*R + 64 = " +
+                                       std::to_string(need) + " int32, got " +
+                                       dims_str(scratch->dimensions()));
+  if (R * T > kMaxInt || C > kMaxInt || K > (1 << 20) || G > kMaxInt)
+    return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
+
+  DispatchArgs a{};
+  a.ps = gi.peers;
+  a.timeout_ns = timeout_ns;
+  a.num_blocks = static_cast<int>(num_blocks);
+  a.x = x.typed_data();
+  a.x_scales = G > 0 ? x_scales.typed_data() : nullptr;
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_weights = topk_weights.typed_data();
+  a.T = static_cast<int>(T);
+  a.K = static_cast<int>(K);
+  a.E = static_cast<int>(num_experts);
+  a.L = static_cast<int>(L);
+  a.C = static_cast<int>(C);
+  a.G = static_cast<int>(G);
+  a.Hb = Hb;
+  a.recv_x = recv_x->typed_data();
+  a.recv_scales = G > 0 ? recv_scales->typed_data() : nullptr;
+  a.recv_topk_idx = recv_topk_idx->typed_data();
+  a.recv_topk_weights = recv_topk_weights->typed_data();
+  a.recv_src = recv_src->typed_data();
+  a.send_rows = send_rows->typed_data();
+  a.recv_tokens_per_expert = recv_tokens_per_expert->typed_data();
+  a.stats = stats->typed_data();
+  a.scratch = scratch->typed_data();
+  jax_ep::ht::launch_dispatch(a, stream);
+  return jax_ep::cuda_error("jax_ep_ht_dispatch launch");
+}
+
+// ------------------------------------------------------------------------------------------
+ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8> x,
+                        ffi::Buffer<ffi::S32> recv_src, ffi::Buffer<ffi::S32> stats,
+                        ffi::Result<ffi::Buffer<ffi::U8>> recv_x, ffi::Span<const int64_t> groups,
+                        int64_t group_size, int64_t slot, int64_t timeout_ns, int64_t num_blocks) {
+  const char* op = "jax_ep_ht_gather";
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
+  jax_ep::GroupInfo gi;
+  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, slot, &gi));
+  const auto dx = x.dimensions();
+  if (dx.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": x must be [T, Hb] u8, got " +
+                                       dims_str(dx));
+  const int64_t T = dx[0], Hb = dx[1];
+  const auto dc = recv_src.dimensions();
+  if (dc.size() != 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": recv_src must be [C], got " +
+                                       dims_str(dc));
+  const int64_t C = dc[0];
+  JAX_EP_CHECK_SHAPE(stats, op, "stats", 4);
+  JAX_EP_CHECK_SHAPE(*recv_x, op, "recv_x", C, Hb);
+  if (group_size * T > kMaxInt || C > kMaxInt)
+    return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
+
+  GatherArgs a{};
+  a.ps = gi.peers;
+  a.timeout_ns = timeout_ns;
+  a.num_blocks = static_cast<int>(num_blocks);
+  a.x = x.typed_data();
+  a.recv_src = recv_src.typed_data();
+  a.stats = stats.typed_data();
+  a.T = static_cast<int>(T);
+  a.C = static_cast<int>(C);
+  a.Hb = Hb;
+  a.recv_x = recv_x->typed_data();
+  jax_ep::ht::launch_gather(a, stream);
+  return jax_ep::cuda_error("jax_ep_ht_gather launch");
+}
+
+// ------------------------------------------------------------------------------------------
+ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+                         ffi::Buffer<ffi::S32> send_rows, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t slot,
+                         int64_t timeout_ns, int64_t num_blocks) {
+  const char* op = "jax_ep_ht_combine";
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
+  jax_ep::GroupInfo gi;
+  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, slot, &gi));
+  DType dt;
+  switch (y.element_type()) {
+    case ffi::DataType::F32: dt = DType::kF32; break;
+    case ffi::DataType::BF16: dt = DType::kBF16; break;
+    case ffi::DataType::F16: dt = DType::kF16; break;
+    default:
+      return ffi::Error::InvalidArgument(std::string(op) +
+                                         ": y must be float32, bfloat16 or float16");
+  }
+  if (out->element_type() != y.element_type())
+    return ffi::Error::InvalidArgument(std::string(op) + ": out must have the dtype of y");
+  // y is [C, H] (trailing dimensions, if any, are flattened into H); out is [T, same].
+  const auto dy = y.dimensions();
+  if (dy.size() < 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": y must be [C, H], got a scalar");
+  const int64_t C = dy[0];
+  int64_t H = 1;
+  for (size_t i = 1; i < dy.size(); ++i) H *= dy[i];
+  const auto dr = send_rows.dimensions();
+  if (dr.size() != 2 || dr[1] != group_size)
+    return ffi::Error::InvalidArgument(std::string(op) + ": send_rows must be [T, R=" +
+                                       std::to_string(group_size) + "], got " + dims_str(dr));
+  const int64_t T = dr[0];
+  const auto dout = out->dimensions();
+  bool out_ok = dout.size() == dy.size() && dout[0] == T;
+  for (size_t i = 1; out_ok && i < dy.size(); ++i) out_ok = dout[i] == dy[i];
+  if (!out_ok)
+    return ffi::Error::InvalidArgument(std::string(op) + ": out must be [T=" + std::to_string(T) +
+                                       "] + y.shape[1:] (y " + dims_str(dy) + "), got " +
+                                       dims_str(dout));
+  if (C > kMaxInt || T * group_size > kMaxInt)
+    return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
+
+  CombineArgs a{};
+  a.ps = gi.peers;
+  a.timeout_ns = timeout_ns;
+  a.num_blocks = static_cast<int>(num_blocks);
+  a.dtype = dt;
+  a.y = y.untyped_data();
+  a.send_rows = send_rows.typed_data();
+  a.T = static_cast<int>(T);
+  a.C = static_cast<int>(C);
+  a.H = H;
+  a.out = out->untyped_data();
+  jax_ep::ht::launch_combine(a, stream);
+  return jax_ep::cuda_error("jax_ep_ht_combine launch");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtDispatch, HtDispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // x [T, Hb]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x_scales [T, G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights [T, K]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // recv_x [C, Hb]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_scales [C, G]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_topk_idx [C, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_topk_weights [C, K]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src [C]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_rows [T, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_tokens_per_expert [L]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // stats [4]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch [R*T + R*R + 64]
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("slot")
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("num_blocks")
+                                  .Attr<int64_t>("num_experts"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtGather, HtGatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // x [T, Hb]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_src [C]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // stats [4]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // recv_x [C, Hb]
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("slot")
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("num_blocks"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtCombine, HtCombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // y [C, H] f32 / bf16 / f16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // send_rows [T, R]
+                                  .Ret<ffi::AnyBuffer>()         // out [T, H], dtype of y
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("slot")
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("num_blocks"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

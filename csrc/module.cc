@@ -1,0 +1,45 @@
+// The nanobind module jax_ep._C: FFI handler capsules and the one-process runtime.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cuda_runtime.h>
+
+#include "ffi/handlers.h"
+#include "runtime/workspace.h"
+
+namespace nb = nanobind;
+
+template <typename T>
+static nb::capsule encapsulate(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+NB_MODULE(_C, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_ep_layout"] = encapsulate(JaxEpLayout);
+    d["jax_ep_ht_dispatch"] = encapsulate(JaxEpHtDispatch);
+    d["jax_ep_ht_gather"] = encapsulate(JaxEpHtGather);
+    d["jax_ep_ht_combine"] = encapsulate(JaxEpHtCombine);
+    d["jax_ep_ll_dispatch"] = encapsulate(JaxEpLlDispatch);
+    d["jax_ep_ll_combine"] = encapsulate(JaxEpLlCombine);
+    return d;
+  });
+  m.def("init_peer_runtime", &jax_ep::init_peer_runtime, nb::arg("devices"),
+        "Allocate the workspace on each CUDA device and enable peer access between them.");
+  m.def("runtime_devices", &jax_ep::runtime_devices);
+  m.def("runtime_description", &jax_ep::runtime_description);
+  m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
+  m.def("cuda_device_count", []() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return n;
+  });
+  m.attr("max_ranks") = jax_ep::kMaxRanks;
+  m.attr("num_slots") = jax_ep::kNumSlots;
+  m.attr("max_local_experts") = jax_ep::kMaxLocalExperts;
+}

@@ -1,0 +1,41 @@
+// Per-device workspace: a small block of device memory that every peer in the process can
+// read and write (peer access). It holds, per call-site slot, the addresses each op publishes
+// for its peers and the epoch flags that order the ranks. Data never goes through it: peers
+// read each other's XLA buffers directly (pull design), so its size does not depend on shapes.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jax_ep {
+
+constexpr int kMaxRanks = 8;       // EP group size limit for the one-process (peer) transport
+constexpr int kNumSlots = 64;      // call-site slots; each op names one (attribute "slot")
+constexpr int kMaxPtrs = 8;        // addresses one op can publish
+constexpr int kMaxLocalExperts = 1024;
+
+// One slot. Flags are monotonically increasing epochs: never reset, so no cleaning kernel.
+struct alignas(128) Slot {
+  unsigned long long ptrs[kMaxPtrs];   // addresses published by this rank for the current call
+  unsigned long long ready;            // epoch e: ptrs of call e are valid
+  unsigned long long done[kMaxRanks];  // done[s] = last epoch in which rank s finished reading us
+  unsigned long long epoch;            // epoch of the last finished call (touched by owner only)
+  unsigned int block_counter;          // last-block-done counter (owner only), returns to 0
+  unsigned int grid_counter;           // in-kernel grid barrier counter (owner only)
+  int counters[kMaxLocalExperts];      // per-op scratch counters, left at 0 by every op
+};
+
+struct Workspace {
+  Slot slots[kNumSlots];
+};
+
+// Host side registry, keyed by CUDA device ordinal.
+// init_peer_runtime allocates (once) a zeroed Workspace on every listed device and enables peer
+// access between all pairs ("already enabled" counts as success). Idempotent; thread-safe.
+void init_peer_runtime(const std::vector<int>& devices);
+// Workspace of a device, or nullptr when init_peer_runtime did not cover it.
+Workspace* workspace_for(int device);
+std::vector<int> runtime_devices();
+std::string runtime_description();
+
+}  // namespace jax_ep

@@ -1,0 +1,18 @@
+"""jax_ep: expert-parallel (MoE) dispatch and combine for JAX, as XLA FFI custom calls.
+
+Public contract: API.md (shared). Ops run per shard inside `jax.shard_map` over the EP axis.
+"""
+from jax_ep.high_throughput import DispatchHandle, DispatchResult, combine, dispatch
+from jax_ep.low_latency import (LowLatencyHandle, LowLatencyResult, low_latency_combine,
+                                low_latency_dispatch)
+from jax_ep.reference import dequantize_fp8, quantize_fp8
+from jax_ep.runtime import initialize, runtime_info, set_num_blocks
+from jax_ep.layout import get_dispatch_layout
+
+__all__ = [
+    "dispatch", "combine", "DispatchResult", "DispatchHandle",
+    "low_latency_dispatch", "low_latency_combine", "LowLatencyResult", "LowLatencyHandle",
+    "quantize_fp8", "dequantize_fp8", "get_dispatch_layout",
+    "initialize", "runtime_info", "set_num_blocks",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,78 @@
+"""Trace-time argument checks shared by the ops: clear errors naming argument, got, expected."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+BACKENDS = ("auto", "reference", "cuda")
+
+
+def dtype_name(d):
+    return jnp.dtype(d).name
+
+
+def expect_rank(name, a, ndim, what):
+    if not hasattr(a, "shape") or len(a.shape) != ndim:
+        got = getattr(a, "shape", type(a).__name__)
+        raise ValueError(f"{name}: expected a rank-{ndim} array {what}, got shape {got}")
+
+
+def expect_dtype(name, a, allowed):
+    if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in allowed]:
+        raise TypeError(f"{name}: dtype {dtype_name(a.dtype)} is not supported; expected one of "
+                        f"{', '.join(dtype_name(d) for d in allowed)}")
+
+
+def static_int(name, v, minimum=None):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be a static Python int, got {type(v).__name__} ({v!r})")
+    v = int(v)
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def experts_per_rank(num_experts, num_ranks):
+    num_experts = static_int("num_experts", num_experts, 1)
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size "
+                         f"{num_ranks}: every rank must hold num_experts // R experts")
+    return num_experts // num_ranks
+
+
+def topk(name, topk_idx, T):
+    expect_rank(name, topk_idx, 2, "[T, K]")
+    expect_dtype(name, topk_idx, (jnp.int32, jnp.int64))
+    if topk_idx.shape[0] != T:
+        raise ValueError(f"{name}: has {topk_idx.shape[0]} rows, expected T={T} (one per token "
+                         "of x)")
+
+
+def weights(name, w, shape):
+    expect_rank(name, w, 2, "[T, K]")
+    expect_dtype(name, w, (jnp.float32,))
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {tuple(shape)} (as topk_idx)")
+
+
+def backend_name(backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    return backend
+
+
+def resolve_backend(backend):
+    """'reference' or 'cuda' for this trace."""
+    from jax_ep import runtime
+
+    backend = backend_name(backend)
+    if backend == "reference":
+        return "reference"
+    ok = runtime.cuda_backend_available()
+    if backend == "cuda" and not ok:
+        raise ValueError("backend='cuda' needs the built CUDA extension and CUDA GPUs "
+                         f"(extension built: {runtime.extension() is not None}, "
+                         f"jax backend: {jax.default_backend()})")
+    return "cuda" if ok else "reference"

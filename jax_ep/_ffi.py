@@ -1,0 +1,103 @@
+"""The custom-call primitive behind every CUDA op: shape rule, lowering and registration.
+
+One primitive serves all targets. Its lowering adds what only the lowering knows: the EP group
+table (CUDA device ordinals of every group along `axis_name`, from the enclosing shard_map's
+mesh, in the flat device order the executable is compiled for), and makes sure the peer
+runtime covers those devices. Calls are marked side-effecting so XLA never merges or drops them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+from jax._src import core
+from jax.interpreters import mlir
+
+from jax_ep import runtime
+
+try:  # jax >= 0.4.36
+    from jax.extend.core import Primitive
+except ImportError:  # pragma: no cover
+    from jax.core import Primitive  # type: ignore
+
+ep_call_p = Primitive("jax_ep_call")
+ep_call_p.multiple_results = True
+
+_registered = False
+
+
+def _register_targets():
+    global _registered
+    if _registered:
+        return
+    ext = runtime.extension()
+    if ext is None:
+        raise RuntimeError("jax_ep: the CUDA extension is not built")
+    for name, capsule in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    _registered = True
+
+
+def _abstract_eval(*avals, target, out_types, attrs, axis_name, has_groups):
+    del target, attrs, axis_name, has_groups
+    core.standard_vma_rule("jax_ep_call", *avals)
+    base = avals[0]
+    sharding = core.get_cur_mesh_sharding()
+    return [base.update(shape=tuple(s), dtype=np.dtype(d), weak_type=False, sharding=sharding)
+            for s, d in out_types]
+
+
+ep_call_p.def_abstract_eval(_abstract_eval)
+
+
+def group_table(mesh, axis_name) -> np.ndarray:
+    """[num_groups, R] CUDA device ordinals: every EP group along `axis_name`, in axis order."""
+    names = list(mesh.axis_names)
+    if axis_name not in names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {names}")
+    devs = np.asarray(mesh.devices)
+    devs = np.moveaxis(devs, names.index(axis_name), -1)
+    ids = np.vectorize(lambda d: int(d.local_hardware_id if d.local_hardware_id is not None
+                                     else d.id))(devs)
+    return ids.reshape(-1, devs.shape[-1]).astype(np.int64)
+
+
+def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups):
+    del out_types
+    _register_targets()
+    kwargs = dict(attrs)
+    if has_groups:
+        mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+        if mesh is None or not hasattr(mesh, "devices"):
+            raise ValueError(
+                "jax_ep: the CUDA backend runs inside jax.shard_map over a concrete Mesh "
+                f"(no mesh found while lowering {target})")
+        table = group_table(mesh, axis_name)
+        runtime.ensure_peer_runtime(list(np.asarray(mesh.devices).flat))
+        kwargs["groups"] = table.reshape(-1)
+        kwargs["group_size"] = np.int64(table.shape[1])
+        kwargs["slot"] = np.int64(runtime.next_slot())
+        kwargs["timeout_ns"] = np.int64(runtime.timeout_ns())
+    return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *args, **kwargs)
+
+
+mlir.register_lowering(ep_call_p, _lowering, platform="cuda")
+
+
+def call(target, args, out_types, *, axis_name=None, **attrs):
+    """Bind a custom call. out_types: [(shape, dtype)]; attrs: static scalars.
+
+    With axis_name, the lowering adds groups / group_size / slot / timeout_ns.
+    """
+    frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
+    out_types = tuple((tuple(int(x) for x in s), np.dtype(d).name) for s, d in out_types)
+    return ep_call_p.bind(*args, target=target, out_types=out_types, attrs=frozen,
+                          axis_name=axis_name, has_groups=axis_name is not None)
+
+
+def _freeze(v):
+    if isinstance(v, bool):
+        return bool(v)
+    if isinstance(v, (int, np.integer)):
+        return np.int64(v)
+    raise TypeError(f"unsupported attribute {v!r}")

@@ -1,0 +1,243 @@
+"""High-throughput dispatch / combine (training, prefill): arguments, shape rules, custom VJPs.
+
+dispatch = layout + gather of rows (x, FP8 scales, expert ids, weights) to the ranks that hold
+their experts, once per rank; combine = gather-and-sum back. With D the linear map x -> recv_x,
+combine is D^T, so each is the other's VJP.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import _checks, _ffi, reference as ref
+from jax_ep import runtime
+
+
+class DispatchHandle(NamedTuple):
+    """What combine (and the VJPs) need. A pytree of arrays: fine across jit, scan, remat."""
+    recv_src: jax.Array     # [C] int32: src_rank * T + src_token, -1 on padding rows
+    send_rows: jax.Array    # [T, R] int32: row of own token t on rank q, -1 if not there
+    recv_count: jax.Array   # [] int32
+    num_dropped: jax.Array  # [] int32: tokens not received here because capacity was too small
+    num_invalid: jax.Array  # [] int32: own expert ids outside [-1, E)
+
+
+class DispatchResult(NamedTuple):
+    recv_x: Any                          # [C, H] (or (fp8 [C, H], scales [C, H // 128]))
+    recv_topk_idx: jax.Array             # [C, K] int32 local expert ids, -1 elsewhere
+    recv_topk_weights: Optional[jax.Array]  # [C, K] float32, or None
+    recv_count: jax.Array                # [] int32
+    recv_tokens_per_expert: jax.Array    # [L] int32
+    handle: DispatchHandle
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend cores (no autodiff here)
+# ---------------------------------------------------------------------------------------------
+
+def _to_bytes(a):
+    return ref._as_bytes(a).reshape(a.shape[0], -1)
+
+
+def _from_bytes(b, dtype, shape):
+    dtype = jnp.dtype(dtype)
+    b = b.reshape(*shape, dtype.itemsize)
+    return jax.lax.bitcast_convert_type(b if dtype.itemsize > 1 else b[..., 0], dtype)
+
+
+def _dispatch_core(xs, idx, w, cfg):
+    """-> (recv_xs tuple, recv_topk_idx, recv_topk_weights, per_expert, handle)."""
+    num_experts, capacity, axis_name, backend = cfg
+    R, _ = ref.axis_info(axis_name)
+    T, K = idx.shape
+    L = num_experts // R
+    C = capacity
+    if backend == "reference":
+        recv_xs, ridx, rw, per_expert, lay = ref.ht_dispatch(
+            xs, idx, w, num_experts=num_experts, capacity=C, axis_name=axis_name)
+        handle = DispatchHandle(lay["recv_src"], lay["send_rows"], lay["recv_count"],
+                                lay["num_dropped"], lay["num_invalid"])
+        return recv_xs, ridx, rw, per_expert, handle
+    x = xs[0]
+    scales = xs[1] if len(xs) > 1 else jnp.zeros((T, 0), jnp.float32)
+    xb = _to_bytes(x)
+    G = scales.shape[1]
+    outs = _ffi.call(
+        "jax_ep_ht_dispatch",
+        [xb, scales, idx.astype(jnp.int32), w.astype(jnp.float32)],
+        [((C, xb.shape[1]), jnp.uint8), ((C, G), jnp.float32), ((C, K), jnp.int32),
+         ((C, K), jnp.float32), ((C,), jnp.int32), ((T, R), jnp.int32), ((L,), jnp.int32),
+         ((4,), jnp.int32), ((R * T + R * R + 64,), jnp.int32)],
+        axis_name=axis_name, num_experts=num_experts, num_blocks=runtime.num_blocks())
+    rxb, rscales, ridx, rw, recv_src, send_rows, per_expert, stats, _ = outs
+    recv_x = _from_bytes(rxb, x.dtype, (C,) + x.shape[1:])
+    recv_xs = (recv_x, rscales) if len(xs) > 1 else (recv_x,)
+    handle = DispatchHandle(recv_src, send_rows, stats[0], stats[1], stats[2])
+    return recv_xs, ridx, rw, per_expert, handle
+
+
+def _gather_core(rows, handle, cfg):
+    """Rows [T, ...] to their receivers along an existing layout: [C, ...] (combine's VJP)."""
+    _, _, axis_name, backend = cfg
+    if backend == "reference":
+        return ref.ht_gather(rows, handle.send_rows, handle.recv_src, axis_name=axis_name)
+    C = handle.recv_src.shape[0]
+    rb = _to_bytes(rows)
+    stats = jnp.stack([handle.recv_count, handle.num_dropped, handle.num_invalid,
+                       jnp.zeros((), jnp.int32)])
+    (out,) = _ffi.call("jax_ep_ht_gather", [rb, handle.recv_src, stats],
+                       [((C, rb.shape[1]), jnp.uint8)], axis_name=axis_name,
+                       num_blocks=runtime.num_blocks())
+    return _from_bytes(out, rows.dtype, (C,) + rows.shape[1:])
+
+
+def _combine_core(y, handle, cfg):
+    """y [C, N] -> [T, N] in y's dtype, summed in float32 over the ranks that hold each token."""
+    _, _, axis_name, backend = cfg
+    T = handle.send_rows.shape[0]
+    if backend == "reference":
+        return ref.ht_combine(y, handle.recv_src, T, axis_name=axis_name).astype(y.dtype)
+    (out,) = _ffi.call("jax_ep_ht_combine", [y, handle.send_rows],
+                       [((T,) + y.shape[1:], y.dtype)], axis_name=axis_name,
+                       num_blocks=runtime.num_blocks())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiable wrappers: combine is dispatch's transpose and vice versa
+# ---------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch_diff(x, w, idx, cfg):
+    (rx,), ridx, rw, per_expert, handle = _dispatch_core((x,), idx, w, cfg)
+    return rx, ridx, rw, per_expert, handle
+
+
+def _dispatch_fwd(x, w, idx, cfg):
+    out = _dispatch_diff(x, w, idx, cfg)
+    return out, (out[1], out[4])
+
+
+def _dispatch_bwd(cfg, res, g):
+    ridx, handle = res
+    g_rx, _, g_rw, _, _ = g
+    dx = _combine_core(g_rx, handle, cfg)
+    # recv_topk_weights[j, k] copies w[src, k] where the expert lives here, else is 0.
+    g_rw = jnp.where(ridx >= 0, g_rw.astype(jnp.float32), 0.0)
+    dw = _combine_core(g_rw, handle, cfg)
+    return dx, dw, None
+
+
+_dispatch_diff.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _dispatch_fp8(xs, w, idx, cfg):
+    return _dispatch_core(xs, idx, w, cfg)
+
+
+@_dispatch_fp8.defjvp
+def _dispatch_fp8_jvp(cfg, primals, tangents):
+    raise TypeError("jax_ep.dispatch: a dispatch of an FP8 tuple (x_fp8, x_scales) is not "
+                    "differentiable; dispatch the bfloat16/float32 activations to get gradients")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _combine_diff(y, handle, cfg):
+    return _combine_core(y, handle, cfg)
+
+
+def _combine_fwd(y, handle, cfg):
+    return _combine_core(y, handle, cfg), handle
+
+
+def _combine_bwd(cfg, handle, g):
+    return _gather_core(g, handle, cfg), None
+
+
+_combine_diff.defvjp(_combine_fwd, _combine_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------------
+
+def _check_counts(check, handle):
+    if not runtime.check_enabled(check):
+        return
+
+    def raise_if(num_invalid, num_dropped):
+        if int(num_invalid) or int(num_dropped):
+            raise RuntimeError(
+                f"jax_ep.dispatch(check=True): {int(num_invalid)} expert ids outside [-1, E) "
+                f"and {int(num_dropped)} tokens dropped for lack of capacity on this rank")
+
+    jax.debug.callback(raise_if, handle.num_invalid, handle.num_dropped)
+
+
+def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", capacity=None,
+             backend="auto", check=None) -> DispatchResult:
+    """Send each token once to every rank that holds one of its top-k experts.
+
+    Runs per shard inside `jax.shard_map` over `axis_name`. See API.md for the full contract.
+    """
+    fp8 = isinstance(x, (tuple, list))
+    if fp8:
+        if len(x) != 2:
+            raise ValueError("x: an FP8 input is a tuple (x_fp8 [T, H], x_scales [T, H // 128])")
+        xq, xs = x
+        _checks.expect_rank("x[0] (x_fp8)", xq, 2, "[T, H]")
+        _checks.expect_dtype("x[0] (x_fp8)", xq, (jnp.float8_e4m3fn,))
+        T, H = xq.shape
+        if H % ref.FP8_GROUP:
+            raise ValueError(f"x[0] (x_fp8): hidden size H={H} must be a multiple of 128 for FP8")
+        _checks.expect_rank("x[1] (x_scales)", xs, 2, "[T, H // 128]")
+        _checks.expect_dtype("x[1] (x_scales)", xs, (jnp.float32,))
+        if tuple(xs.shape) != (T, H // ref.FP8_GROUP):
+            raise ValueError(f"x[1] (x_scales): shape {tuple(xs.shape)}, expected "
+                             f"{(T, H // ref.FP8_GROUP)}")
+    else:
+        _checks.expect_rank("x", x, 2, "[T, H]")
+        _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
+        T, H = x.shape
+    _checks.topk("topk_idx", topk_idx, T)
+    if topk_weights is not None:
+        _checks.weights("topk_weights", topk_weights, topk_idx.shape)
+    be = _checks.resolve_backend(backend)
+    R, _ = ref.axis_info(axis_name)
+    _checks.experts_per_rank(num_experts, R)
+    capacity = R * T if capacity is None else _checks.static_int("capacity", capacity, 1)
+    cfg = (int(num_experts), capacity, axis_name, be)
+    idx = topk_idx.astype(jnp.int32)
+    w = (jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None else topk_weights)
+    if fp8:
+        recv_xs, ridx, rw, per_expert, handle = _dispatch_fp8(tuple(x), w, idx, cfg)
+        recv_x = tuple(recv_xs)
+    else:
+        recv_x, ridx, rw, per_expert, handle = _dispatch_diff(x, w, idx, cfg)
+    _check_counts(check, handle)
+    return DispatchResult(recv_x, ridx, None if topk_weights is None else rw,
+                          handle.recv_count, per_expert, handle)
+
+
+def combine(y, handle: DispatchHandle, *, axis_name="ep", backend="auto", check=None):
+    """Send expert outputs back to their tokens and sum them: the transpose of `dispatch`."""
+    del check  # combine cannot drop or see invalid ids; accepted for uniformity
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle: expected the DispatchHandle of a dispatch, got "
+                        f"{type(handle).__name__}")
+    _checks.expect_rank("y", y, 2, "[capacity, H]")
+    _checks.expect_dtype("y", y, _checks.FLOAT_DTYPES)
+    C = handle.recv_src.shape[0]
+    if y.shape[0] != C:
+        raise ValueError(f"y: has {y.shape[0]} rows, expected capacity={C} (one per recv_x row "
+                         "of the dispatch)")
+    be = _checks.resolve_backend(backend)
+    R, _ = ref.axis_info(axis_name)
+    if handle.send_rows.shape[1] != R:
+        raise ValueError(f"handle: made for an EP group of {handle.send_rows.shape[1]} ranks, "
+                         f"but axis {axis_name!r} has {R}")
+    return _combine_diff(y, handle, (0, C, axis_name, be))

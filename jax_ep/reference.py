@@ -1,0 +1,282 @@
+"""The pure-JAX semantics of jax_ep: readable as the spec, the tests' oracle, the CPU backend.
+
+Every function runs per shard inside `shard_map` and communicates with `lax.all_to_all` /
+`lax.all_gather` over `axis_name`. Memory is O(R * T * H) per shard: meant for correctness and
+for small problems, not for speed. The CUDA kernels implement exactly the same functions
+(docs/ffi.md states them in kernel terms).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+FP8_MAX = 448.0
+FP8_GROUP = 128
+AMAX_MIN = 1e-4
+
+
+def axis_info(axis_name):
+    """(R, r) of the EP axis; a ValueError naming the axis when it is not bound."""
+    try:
+        size = lax.axis_size(axis_name)
+        rank = lax.axis_index(axis_name)
+    except (NameError, KeyError, ValueError) as e:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not an axis of the enclosing shard_map / mesh; jax_ep "
+            "ops run per shard inside jax.shard_map over the EP axis") from e
+    return int(size), rank
+
+
+def sanitize(topk_idx, num_experts):
+    """Ids outside [-1, E) act as -1; returns (clean int32 ids, count of such ids)."""
+    idx = topk_idx.astype(jnp.int32)
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    return jnp.where(bad, -1, idx), jnp.sum(bad).astype(jnp.int32)
+
+
+def _as_bytes(a):
+    """View any array as uint8 with the element bytes in a trailing axis (exact transport)."""
+    if a.dtype == jnp.uint8:
+        return a[..., None]
+    return lax.bitcast_convert_type(a, jnp.uint8).reshape(*a.shape, -1)
+
+
+def _from_bytes(b, dtype):
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.uint8:
+        return b[..., 0]
+    return lax.bitcast_convert_type(b, dtype) if dtype.itemsize > 1 else \
+        lax.bitcast_convert_type(b[..., 0], dtype)
+
+
+def _a2a(x, axis_name):
+    """[R, ...] -> [R, ...]: block q goes to rank q; block s of the result came from rank s."""
+    return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# High-throughput mode
+# ----------------------------------------------------------------------------------------------
+
+def ht_layout(topk_idx, *, num_experts, capacity, axis_name):
+    """Layout of a high-throughput dispatch.
+
+    Returns a dict: idx (sanitised [T, K]), send_rows [T, R] (row of token t on rank q, or -1),
+    recv_src [C] (src_rank * T + src_token, -1 on padding), recv_mask [R, T] (token t of rank s
+    is received here, dropped or not), recv_count, num_dropped, num_invalid.
+    """
+    R, r = axis_info(axis_name)
+    T = topk_idx.shape[0]
+    L = num_experts // R
+    C = capacity
+    idx, num_invalid = sanitize(topk_idx, num_experts)
+    dest = jnp.where(idx >= 0, idx // L, -1)                                   # [T, K]
+    in_rank = jnp.any(dest[:, :, None] == jnp.arange(R)[None, None, :], axis=1)  # [T, R]
+    counts = jnp.sum(in_rank, axis=0).astype(jnp.int32)                        # [R] to each q
+    cnt = lax.all_gather(counts, axis_name)                                    # [R(s), R(q)]
+    # Rows on rank q: sources in rank order, tokens in index order.
+    offset = jnp.sum(jnp.where(jnp.arange(R)[:, None] < r, cnt, 0), axis=0)    # [R(q)] for me
+    local = jnp.cumsum(in_rank, axis=0).astype(jnp.int32) - 1                  # [T, R]
+    rows = offset[None, :] + local
+    send_rows = jnp.where(in_rank & (rows < C), rows, -1)
+    # Receiver side: which tokens of which source come here, in order.
+    recv_mask = _a2a(in_rank.T[:, :, None], axis_name)[:, :, 0]                # [R(s), T]
+    flat = recv_mask.reshape(-1)
+    pos = jnp.cumsum(flat).astype(jnp.int32) - 1
+    total = jnp.sum(cnt[:, r])
+    keep = flat & (pos < C)
+    src_ids = jnp.arange(R * T, dtype=jnp.int32)
+    recv_src = jnp.full((C,), -1, jnp.int32).at[jnp.where(keep, pos, C)].set(src_ids, mode="drop")
+    recv_count = jnp.minimum(total, C).astype(jnp.int32)
+    return dict(idx=idx, send_rows=send_rows, recv_src=recv_src, recv_mask=recv_mask,
+                recv_count=recv_count, num_dropped=(total - recv_count).astype(jnp.int32),
+                num_invalid=num_invalid)
+
+
+def ht_gather(rows, send_rows, recv_src, *, axis_name):
+    """Move rows to the ranks that receive them: [T, ...] -> [C, ...], zeros on padding.
+
+    This is the data movement of dispatch, and the transpose of `ht_combine`.
+    """
+    R, _ = axis_info(axis_name)
+    T = rows.shape[0]
+    b = _as_bytes(rows)                                                       # [T, ..., nb]
+    mask = (send_rows >= 0).T                                                 # [R(q), T]
+    send = jnp.where(mask.reshape(R, T, *([1] * (b.ndim - 1))), b[None], 0)   # [R(q), T, ...]
+    got = _a2a(send, axis_name).reshape(R * T, *b.shape[1:])                  # [R(s)*T, ...]
+    valid = recv_src >= 0
+    out = got[jnp.where(valid, recv_src, 0)]
+    out = jnp.where(valid.reshape(-1, *([1] * (b.ndim - 1))), out, 0)
+    return _from_bytes(out, rows.dtype)
+
+
+def ht_combine(y, recv_src, num_tokens, *, axis_name):
+    """out[t] = sum over ranks q that received t of y_q[row of t on q], in float32."""
+    R, _ = axis_info(axis_name)
+    T = num_tokens
+    valid = recv_src >= 0
+    s = jnp.where(valid, recv_src // T, R)                                    # R: dropped
+    t = jnp.where(valid, recv_src % T, 0)
+    buf = jnp.zeros((R, T) + y.shape[1:], jnp.float32).at[s, t].set(
+        y.astype(jnp.float32), mode="drop")
+    back = _a2a(buf, axis_name)                                               # [R(q), T, ...]
+    # Sum in rank order q = 0..R-1 (what the kernel does), not a tree.
+    acc = back[0]
+    for q in range(1, R):
+        acc = acc + back[q]
+    return acc
+
+
+def ht_dispatch(xs, topk_idx, topk_weights, *, num_experts, capacity, axis_name):
+    """Reference dispatch. xs: tuple of [T, ...] arrays moved together (x, or x_fp8 and scales).
+
+    Returns (recv_xs, recv_topk_idx, recv_topk_weights, recv_tokens_per_expert, layout).
+    """
+    R, r = axis_info(axis_name)
+    L = num_experts // R
+    lay = ht_layout(topk_idx, num_experts=num_experts, capacity=capacity, axis_name=axis_name)
+    send_rows, recv_src = lay["send_rows"], lay["recv_src"]
+    recv_xs = tuple(ht_gather(a, send_rows, recv_src, axis_name=axis_name) for a in xs)
+    gidx = ht_gather(lay["idx"], send_rows, recv_src, axis_name=axis_name)  # global ids
+    valid = recv_src >= 0
+    mine = valid[:, None] & (gidx >= 0) & (gidx // L == r)
+    recv_topk_idx = jnp.where(mine, gidx % L, -1)
+    w = jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None else topk_weights
+    recv_topk_weights = jnp.where(mine, ht_gather(w.astype(jnp.float32), send_rows, recv_src,
+                                                  axis_name=axis_name), 0.0)
+    per_expert = jnp.sum(jnp.any(recv_topk_idx[:, :, None] == jnp.arange(L)[None, None, :],
+                                 axis=1), axis=0).astype(jnp.int32)
+    return recv_xs, recv_topk_idx, recv_topk_weights, per_expert, lay
+
+
+def layout_counts(topk_idx, *, num_experts, num_ranks):
+    """Local layout count: tokens per rank [R], tokens per expert [E], token-in-rank [T, R]."""
+    L = num_experts // num_ranks
+    idx, num_invalid = sanitize(topk_idx, num_experts)
+    in_expert = jnp.any(idx[:, :, None] == jnp.arange(num_experts)[None, None, :], axis=1)
+    dest = jnp.where(idx >= 0, idx // L, -1)
+    in_rank = jnp.any(dest[:, :, None] == jnp.arange(num_ranks)[None, None, :], axis=1)
+    return (jnp.sum(in_rank, 0).astype(jnp.int32), jnp.sum(in_expert, 0).astype(jnp.int32),
+            in_rank, num_invalid)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 (e4m3, per 128-column group)
+# ----------------------------------------------------------------------------------------------
+
+def round_up_pow2(scale):
+    """Smallest power of two >= scale (positive, finite), exactly, on the float32 bits."""
+    bits = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
+    exp = (bits >> 23) & 0xFF
+    exp = exp + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
+    return lax.bitcast_convert_type(exp << 23, jnp.float32)
+
+
+def quantize_fp8(x, round_scale=False):
+    """x [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // 128]); x ~ q * scale."""
+    *lead, H = x.shape
+    g = x.astype(jnp.float32).reshape(*lead, H // FP8_GROUP, FP8_GROUP)
+    amax = jnp.maximum(jnp.max(jnp.abs(g), axis=-1), AMAX_MIN)
+    # XLA's algebraic simplifier rewrites `a / broadcast(constant)` into `a * (1 / constant)`,
+    # which is not the correctly rounded amax / 448 of the spec (docs/ffi.md) and of the kernel
+    # (__fdiv_rn). A full array of 448 passed through an optimization barrier together with amax
+    # (a barrier on a constant alone is removed) keeps the division a division.
+    amax, fp8_max = lax.optimization_barrier((amax, jnp.full_like(amax, FP8_MAX)))
+    if round_scale:
+        scale = round_up_pow2(amax / fp8_max)
+        inv = 1.0 / scale
+    else:
+        scale = amax / fp8_max
+        inv = FP8_MAX / amax
+    q = jnp.clip(g * inv[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(*lead, H), scale
+
+
+def dequantize_fp8(q, scales):
+    *lead, H = q.shape
+    g = q.astype(jnp.float32).reshape(*lead, H // FP8_GROUP, FP8_GROUP)
+    return (g * scales[..., None]).reshape(*lead, H)
+
+
+# ----------------------------------------------------------------------------------------------
+# Low-latency mode
+# ----------------------------------------------------------------------------------------------
+
+def first_occurrence(idx):
+    """[T, K] bool: slot k is valid and no earlier slot of the token names the same expert."""
+    K = idx.shape[1]
+    earlier = jnp.tril(jnp.ones((K, K), bool), -1)                     # [k, k'] k' < k
+    dup = jnp.any((idx[:, :, None] == idx[:, None, :]) & earlier[None], axis=2)
+    return (idx >= 0) & ~dup
+
+
+def ll_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, use_fp8, round_scale,
+                axis_name):
+    """Reference low-latency dispatch: expert-major [L, R*M, ...], rows by (source, token).
+
+    Returns (recv_x (array or (fp8, scales)), recv_count [L], recv_src [L, R*M],
+    src_to_row [R, M, L], num_invalid).
+    """
+    R, r = axis_info(axis_name)
+    T, H = x.shape
+    M = max_tokens_per_rank
+    L = num_experts // R
+    idx, num_invalid = sanitize(topk_idx, num_experts)
+    idx = jnp.pad(idx, ((0, M - T), (0, 0)), constant_values=-1)
+    x = jnp.pad(x, ((0, M - T), (0, 0)))
+    first = first_occurrence(idx)
+    # sel[q, t, l]: token t goes to expert l of rank q
+    gid = jnp.arange(R * L).reshape(R, L)
+    sel = jnp.any(first[None, :, :, None] & (idx[None, :, :, None] == gid[:, None, None, :]),
+                  axis=2)                                                       # [R, M, L]
+    payload = quantize_fp8(x, round_scale) if use_fp8 else (x,)
+    got_sel = _a2a(sel, axis_name)                                              # [R(s), M, L]
+    moved = []
+    for a in payload:
+        b = _as_bytes(a)                                                         # [M, ..., nb]
+        send = jnp.where(jnp.any(sel, -1).reshape(R, M, *([1] * (b.ndim - 1))), b[None], 0)
+        moved.append((_a2a(send, axis_name).reshape(R * M, *b.shape[1:]), a.dtype))
+    mask = got_sel.reshape(R * M, L).T                                          # [L, R*M]
+    pos = jnp.cumsum(mask, axis=1).astype(jnp.int32) - 1
+    recv_count = jnp.sum(mask, axis=1).astype(jnp.int32)
+    rows = jnp.where(mask, pos, R * M)                                          # [L, R*M]
+    src_ids = jnp.arange(R * M, dtype=jnp.int32)
+
+    def place(b):
+        return jax.vmap(lambda rw: jnp.zeros_like(b).at[rw].set(b, mode="drop"))(rows)
+
+    recv = tuple(_from_bytes(place(b), dt) for b, dt in moved)
+    recv_src = jax.vmap(lambda rw: jnp.full((R * M,), -1, jnp.int32).at[rw].set(
+        src_ids, mode="drop"))(rows)
+    src_to_row = jnp.where(mask, pos, -1).T.reshape(R, M, L)
+    recv_x = recv if use_fp8 else recv[0]
+    return recv_x, recv_count, recv_src, src_to_row, num_invalid
+
+
+def ll_rows_back(y, src_to_row, *, axis_name):
+    """Receiver rows back to their sources: got[q, t, l] = y_q[l][row of (me, t, l) on q]."""
+    R, M, L = src_to_row.shape
+    valid = src_to_row >= 0
+    rows = jnp.where(valid, src_to_row, 0)
+    back = y[jnp.arange(L)[None, None, :], rows]                                # [R, M, L, H]
+    back = jnp.where(valid[..., None], back, 0)
+    return _a2a(back, axis_name)                                                # [R(q), M, L, H]
+
+
+def ll_combine(y, topk_idx, topk_weights, src_to_row, *, num_experts, axis_name):
+    """out[t] = sum_k w[t, k] * y[e_k][row of (t, k)] (float32), as bfloat16."""
+    R, _ = axis_info(axis_name)
+    L = num_experts // R
+    T, K = topk_idx.shape
+    idx, _ = sanitize(topk_idx, num_experts)
+    got = ll_rows_back(y, src_to_row, axis_name=axis_name)[:, :T]              # [R, T, L, H]
+    valid = idx >= 0
+    q = jnp.where(valid, idx // L, 0)
+    l = jnp.where(valid, idx % L, 0)
+    rows = got[q, jnp.arange(T)[:, None], l].astype(jnp.float32)               # [T, K, H]
+    w = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
+    acc = jnp.zeros((T, y.shape[-1]), jnp.float32)
+    for k in range(K):  # k order, as the kernel
+        acc = acc + w[:, k, None] * rows[:, k]
+    return acc.astype(y.dtype)

@@ -1,0 +1,153 @@
+"""Process mode, peers, buffers and settings of the CUDA backend; `runtime_info()`.
+
+One process driving all GPUs of a node: each device gets a small workspace (flags and published
+addresses, see csrc/runtime/workspace.h) and peer access to the others. Data never goes through
+the workspace: kernels read their peers' XLA buffers directly, so nothing here depends on shapes
+and there is no buffer size to compute or to get wrong.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import warnings
+
+_lock = threading.Lock()
+_ext = None
+_ext_error: str | None = None
+_ext_loaded = False
+_warned = False
+_slot_counter = itertools.count()
+_num_blocks: int | None = None
+
+
+def _load_extension():
+    global _ext, _ext_error, _ext_loaded
+    if not _ext_loaded:
+        _ext_loaded = True
+        try:
+            from jax_ep import _C  # type: ignore[attr-defined]
+
+            _ext = _C
+        except ImportError as e:  # built without nvcc, or not built at all
+            _ext_error = str(e)
+    return _ext
+
+
+def extension():
+    """The compiled module jax_ep._C, or None when the package was installed without CUDA."""
+    return _load_extension()
+
+
+def cuda_backend_available() -> bool:
+    """True when the CUDA extension is built and JAX's default backend is a CUDA GPU."""
+    global _warned
+    ext = _load_extension()
+    if ext is None:
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                "jax_ep: the CUDA extension is not built (installed without nvcc?); "
+                "using the pure-JAX reference backend.", stacklevel=3)
+        return False
+    import jax
+
+    try:
+        return jax.default_backend() == "gpu" and any(
+            "cuda" in d.client.platform_version.lower() or d.platform == "gpu"
+            for d in jax.local_devices()[:1])
+    except RuntimeError:
+        return False
+
+
+def timeout_ns() -> int:
+    """Wait limit of every in-kernel wait (JAX_EP_TIMEOUT_S, default 30 s)."""
+    return int(float(os.environ.get("JAX_EP_TIMEOUT_S", "30")) * 1e9)
+
+
+def set_num_blocks(n: int | None) -> None:
+    """CTAs (~SMs) used by the bandwidth kernels of calls traced from now on (None: default).
+
+    The default is JAX_EP_NUM_SMS, else 32. Takes effect for functions traced afterwards.
+    """
+    global _num_blocks
+    if n is not None and (int(n) < 1 or int(n) > 1024):
+        raise ValueError(f"num_blocks must be in [1, 1024], got {n}")
+    _num_blocks = None if n is None else int(n)
+
+
+def num_blocks() -> int:
+    if _num_blocks is not None:
+        return _num_blocks
+    return int(os.environ.get("JAX_EP_NUM_SMS", "32"))
+
+
+def check_enabled(check: bool | None) -> bool:
+    if check is not None:
+        return bool(check)
+    return os.environ.get("JAX_EP_CHECK", "0") not in ("", "0", "false", "False")
+
+
+def next_slot() -> int:
+    """Workspace slot of a new call site (round robin over the slots)."""
+    ext = _load_extension()
+    n = ext.num_slots if ext is not None else 64
+    return next(_slot_counter) % n
+
+
+def ensure_peer_runtime(devices) -> None:
+    """Allocate workspaces and enable peer access for these jax devices (idempotent)."""
+    ext = _load_extension()
+    if ext is None:
+        raise RuntimeError("jax_ep: backend='cuda' needs the CUDA extension, which is not built")
+    import jax
+
+    procs = {d.process_index for d in devices}
+    if len(procs) > 1 or jax.process_count() > 1:
+        raise NotImplementedError(
+            "jax_ep: the EP group spans several processes; the per-process (NVSHMEM) transport "
+            "is not available in this build. Use backend='reference', or one process driving "
+            "all GPUs of the node.")
+    ordinals = sorted({int(d.local_hardware_id) for d in devices})
+    with _lock:
+        ext.init_peer_runtime(ordinals)
+
+
+def initialize(devices=None) -> None:
+    """Set up the one-process runtime on `devices` (default: all local GPUs) ahead of time.
+
+    Optional: the first traced op does it lazily for the devices of its mesh.
+    """
+    import jax
+
+    if devices is None:
+        devices = jax.local_devices()
+    ensure_peer_runtime(devices)
+
+
+def runtime_info() -> dict:
+    """Which backend and process mode is in use, the peers and the buffer sizes."""
+    import jax
+
+    ext = _load_extension()
+    info = {
+        "extension_built": ext is not None,
+        "extension_error": _ext_error,
+        "jax_backend": jax.default_backend(),
+        "default_backend": "cuda" if (ext is not None and jax.default_backend() == "gpu")
+        else "reference",
+        "process_mode": "one process, all local GPUs (peer access)" if jax.process_count() == 1
+        else f"{jax.process_count()} processes (per-process transport not built)",
+        "timeout_s": timeout_ns() / 1e9,
+        "num_blocks": num_blocks(),
+    }
+    if ext is not None:
+        info.update({
+            "peer_devices": list(ext.runtime_devices()),
+            "workspace_bytes_per_device": int(ext.workspace_bytes()),
+            "num_slots": int(ext.num_slots),
+            "max_ranks": int(ext.max_ranks),
+            "cuda_devices_visible": int(ext.cuda_device_count()),
+            "description": ext.runtime_description(),
+        })
+    return info

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
+#   scripts/gpu_check.sh [build] [kernel] [test] [example] [bench] [bench-quick]   (default: all)
+# Extra pytest args: PYTEST_ARGS="-k ht"; extra bench args: BENCH_ARGS="--ranks 4".
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+stages=${*:-build kernel test example bench}
+rc=0
+step() { echo; echo "=== $1 ($(date +%T))"; }
+has() { [[ " $stages " == *" $1 "* ]]; }
+
+if has build; then
+  step build
+  nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/gpus.txt"
+  nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+  if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install --no-build-isolation --no-deps -v . \
+      > "$OUT/build.log" 2>&1; then
+    tail -80 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+  fi
+  grep -E "ptxas info|spill" "$OUT/build.log" | tail -20
+  (cd /tmp && $PY -c "import jax_ep, json; print(json.dumps(jax_ep.runtime_info(), indent=1))")
+fi
+if has kernel; then
+  step "layout kernel through FFI vs reference"
+  (cd /tmp && $PY -m pytest -q -p no:cacheprovider "$OLDPWD/tests/test_gpu.py" \
+     -k layout_kernel 2>&1 | tail -5) || rc=1
+fi
+if has test; then
+  step "GPU test suite"
+  (cd /tmp && timeout 540 $PY -m pytest -q -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py" \
+     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40) || rc=1
+fi
+if has example; then
+  step "example on GPUs"
+  (cd /tmp && timeout 300 $PY "$OLDPWD/examples/moe_layer.py" --steps 30 --tokens 512 \
+     --hidden 1024 --ffn 2048 --experts-per-device 4 --topk 4 2>&1 | tail -6) || rc=1
+fi
+if has bench; then
+  step benchmark
+  (cd /tmp && timeout 560 $PY "$OLDPWD/benchmarks/bench.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+     | tee "$OUT/bench.log" | tail -45) || rc=1
+fi
+if has bench-quick; then
+  step "benchmark (quick)"
+  (cd /tmp && timeout 560 $PY "$OLDPWD/benchmarks/bench.py" --out "$OUT" --sms 24 132 --iters 10 \
+     --reps 5 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -45) || rc=1
+fi
+exit $rc

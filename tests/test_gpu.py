@@ -1,0 +1,344 @@
+"""GPU suite: the CUDA kernels against the reference backend, on the same GPUs.
+
+Marked `gpu` (skipped without CUDA GPUs). Run: scripts/gpu_check.sh, or
+`pytest -m gpu tests/test_gpu.py`. Each check runs both backends inside one shard_map, poisons
+the device memory pool first (so unwritten output rows show up), and compares: layouts and
+copies bit-exact, combines within float32-accumulation tolerance.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_ep
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpus():
+    try:
+        return [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return []
+
+
+def _mesh(n, names=("ep",), order=None):
+    g = _gpus()
+    if len(g) < n:
+        pytest.skip(f"needs {n} GPUs, have {len(g)}")
+    devs = [g[i] for i in (order or range(n))]
+    shape = (n,) if len(names) == 1 else (2, n // 2)
+    return Mesh(np.array(devs).reshape(shape), names)
+
+
+def _poison():
+    """Fill and free a large device buffer with NaN bytes, so reused memory is not zero."""
+    for d in _gpus():
+        a = jax.device_put(jnp.full((64 << 20,), 0xFF, jnp.uint8), d)
+        a.block_until_ready()
+        del a
+
+
+def _routing(kind, rng, R, T, K, E):
+    if kind == "random":
+        idx = np.stack([rng.permutation(E)[:K] for _ in range(R * T)]) if K <= E else \
+            rng.integers(0, E, (R * T, K))
+    elif kind == "skewed":     # everything to expert 0 (plus -1)
+        idx = np.full((R * T, K), -1)
+        idx[:, 0] = 0
+    elif kind == "masked":     # random with -1 slots, duplicates and invalid ids
+        idx = rng.integers(-1, E, (R * T, K))
+        idx[rng.random((R * T, K)) < 0.3] = -1
+        idx[rng.random((R * T, K)) < 0.02] = E + 3
+    else:
+        raise ValueError(kind)
+    return idx.astype(np.int32)
+
+
+def _ht_run(mesh, x, idx, w, E, capacity=None, axis="ep"):
+    spec = P(mesh.axis_names) if len(mesh.axis_names) > 1 else P("ep")
+
+    def body(x, idx, w):
+        outs = []
+        for be in ("cuda", "reference"):
+            r = jax_ep.dispatch(x, idx, w, num_experts=E, capacity=capacity, axis_name=axis,
+                                backend=be)
+            rx = r.recv_x if not isinstance(r.recv_x, tuple) else r.recv_x[0]
+            y = (rx.astype(jnp.float32) * 0.5).astype(jnp.bfloat16) if rx.dtype == \
+                jnp.float8_e4m3fn else rx
+            out = jax_ep.combine(y, r.handle, axis_name=axis, backend=be)
+            scales = r.recv_x[1] if isinstance(r.recv_x, tuple) else jnp.zeros((1,), jnp.float32)
+            outs.append((rx, scales, r.recv_topk_idx, r.recv_topk_weights, r.recv_count[None],
+                         r.recv_tokens_per_expert, r.handle.recv_src, r.handle.send_rows,
+                         r.handle.num_dropped[None], r.handle.num_invalid[None], out))
+        return outs
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    _poison()
+    return jax.device_get(f(x, idx, w))
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+
+
+def _assert_ht_equal(cu, rf, atol):
+    names = ["recv_x", "scales", "recv_topk_idx", "recv_topk_weights", "recv_count",
+             "per_expert", "recv_src", "send_rows", "num_dropped", "num_invalid"]
+    for n, a, b in zip(names, cu[:10], rf[:10]):
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=n)
+    a, b = np.asarray(cu[10], np.float32), np.asarray(rf[10], np.float32)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, rtol=atol, atol=atol, err_msg="combine")
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("kind", ["random", "skewed", "masked"])
+@pytest.mark.parametrize("T,H,dtype", [(64, 2048, jnp.bfloat16), (33, 4096, jnp.float32),
+                                       (1, 7168, jnp.bfloat16), (77, 7168, jnp.float16)])
+def test_ht_matches_reference(R, kind, T, H, dtype):
+    rng = np.random.default_rng(hash((R, kind, T, H)) % 2**32)
+    E, K = 8 * R, 4
+    mesh = _mesh(R)
+    x = jnp.asarray(rng.standard_normal((R * T, H)), dtype)
+    idx = jnp.asarray(_routing(kind, rng, R, T, K, E))
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+    cu, rf = _ht_run(mesh, x, idx, w, E)
+    _assert_ht_equal(cu, rf, 2e-2 if dtype != jnp.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_ht_fp8_and_capacity(R):
+    rng = np.random.default_rng(R)
+    T, H, K, E = 96, 2048, 8, 16 * R
+    mesh = _mesh(R)
+    xq, xs = jax_ep.quantize_fp8(jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32))
+    idx = jnp.asarray(_routing("masked", rng, R, T, K, E))
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+    cu, rf = _ht_run(mesh, (xq, xs), idx, w, E)
+    _assert_ht_equal(cu, rf, 2e-2)
+    cu, rf = _ht_run(mesh, (xq, xs), idx, w, E, capacity=T // 2)   # overflow: drops
+    assert int(np.asarray(cu[8]).sum()) > 0
+    _assert_ht_equal(cu, rf, 2e-2)
+
+
+def test_ht_dp_ep_mesh_and_permuted_devices():
+    g = _gpus()
+    if len(g) < 4:
+        pytest.skip("needs 4 GPUs")
+    mesh = Mesh(np.array([g[3], g[1], g[2], g[0]]).reshape(2, 2), ("dp", "ep"))
+    rng = np.random.default_rng(7)
+    T, H, K, E = 40, 1024, 4, 8
+    x = jnp.asarray(rng.standard_normal((4 * T, H)), jnp.bfloat16)
+    idx = jnp.asarray(_routing("masked", rng, 4, T, K, E))
+    w = jnp.asarray(rng.random((4 * T, K)), jnp.float32)
+    cu, rf = _ht_run(mesh, x, idx, w, E)
+    _assert_ht_equal(cu, rf, 2e-2)
+
+
+def test_ht_gradients_match_reference():
+    mesh = _mesh(2)
+    rng = np.random.default_rng(3)
+    T, H, K, E = 48, 256, 4, 8
+    x = jnp.asarray(rng.standard_normal((2 * T, H)), jnp.float32)
+    idx = jnp.asarray(_routing("masked", rng, 2, T, K, E))
+    w = jnp.asarray(rng.random((2 * T, K)), jnp.float32)
+
+    def loss(be):
+        def body(x, idx, w):
+            r = jax_ep.dispatch(x, idx, w, num_experts=E, backend=be)
+            y = jnp.sin(r.recv_x) * jnp.sum(r.recv_topk_weights, axis=1, keepdims=True)
+            return jax_ep.combine(y, r.handle, backend=be)
+        f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w) ** 2), argnums=(0, 1)))
+
+    gc = loss("cuda")(x, w)
+    gr = loss("reference")(x, w)
+    for a, b in zip(gc, gr):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_ht_scan_back_to_back(R):
+    """500 dispatch+combine pairs in one scan, fresh routing each step, vs the reference."""
+    mesh = _mesh(R)
+    steps, T, H, K, E = 500, 32, 256, 4, 4 * R
+    rng = np.random.default_rng(11)
+    xs = jnp.asarray(rng.standard_normal((steps, R * T, H)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([_routing("masked", rng, R, T, K, E) for _ in range(steps)]))
+
+    def run(be):
+        def body(xs, idx):
+            def step(c, inp):
+                x, i = inp
+                r = jax_ep.dispatch(x, i, num_experts=E, backend=be)
+                out = jax_ep.combine(r.recv_x, r.handle, backend=be)
+                return c + r.recv_count, (out, r.handle.recv_src)
+            return jax.lax.scan(step, jnp.zeros((), jnp.int32), (xs, idx))[1]
+        spec = P(None, "ep")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(xs, idx)
+
+    _poison()
+    oc, sc = jax.device_get(run("cuda"))
+    orf, srf = jax.device_get(run("reference"))
+    np.testing.assert_array_equal(sc, srf)
+    np.testing.assert_allclose(np.asarray(oc, np.float32), np.asarray(orf, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+def _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale):
+    def body(x, idx, w):
+        outs = []
+        for be in ("cuda", "reference"):
+            r = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                            use_fp8=use_fp8, round_scale=round_scale, backend=be)
+            rx, sc = r.recv_x if use_fp8 else (r.recv_x, jnp.zeros((1,), jnp.float32))
+            y = (rx.astype(jnp.float32) * sc[..., :, None].repeat(128, -1).reshape(rx.shape)
+                 ).astype(jnp.bfloat16) if use_fp8 else rx
+            # Make padding rows of y garbage (NaN) on purpose: combine must never read them.
+            rows = jnp.arange(y.shape[1])[None, :, None]
+            y = jnp.where(rows < r.recv_count[:, None, None], y, jnp.nan)
+            out = jax_ep.low_latency_combine(y, idx, w, r.handle, backend=be)
+            outs.append((rx, sc, r.recv_count, r.handle.recv_src, r.handle.src_to_row,
+                         r.handle.num_invalid[None], out))
+        return outs
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                              check_vma=False))
+    _poison()
+    return jax.device_get(f(x, idx, w))
+
+
+def _ll_rows(rx, sc, cnt, src, R, L):
+    """{(rank, l, src): (payload bits, scales)} over the valid rows, order-independent."""
+    rx, cnt, src = np.asarray(rx), np.asarray(cnt), np.asarray(src)
+    RM = src.shape[-1]
+    rx = rx.reshape(R, L, RM, -1)
+    src = src.reshape(R, L, RM)
+    cnt = cnt.reshape(R, L)
+    sc = np.asarray(sc)
+    sc = sc.reshape(R, L, RM, -1) if sc.ndim > 1 else None
+    out = {}
+    for q in range(R):
+        for l in range(L):
+            for j in range(cnt[q, l]):
+                out[(q, l, int(src[q, l, j]))] = (_bits(rx[q, l, j]).tobytes(),
+                                                  None if sc is None else sc[q, l, j].tobytes())
+    return out
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("kind", ["random", "skewed", "masked"])
+@pytest.mark.parametrize("T,M,use_fp8,round_scale", [(128, 128, True, False),
+                                                     (1, 16, True, True),
+                                                     (57, 64, False, False)])
+def test_ll_matches_reference(R, kind, T, M, use_fp8, round_scale):
+    rng = np.random.default_rng(hash((R, kind, T, M, use_fp8)) % 2**32)
+    H, K, E = 2048, 8, 8 * R
+    L = E // R
+    mesh = _mesh(R)
+    x = jnp.asarray(rng.standard_normal((R * T, H)) * 3, jnp.bfloat16)
+    idx = jnp.asarray(_routing(kind, rng, R, T, K, E))
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+    cu, rf = _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale)
+    np.testing.assert_array_equal(cu[2], rf[2], err_msg="recv_count")
+    np.testing.assert_array_equal(cu[5], rf[5], err_msg="num_invalid")
+    assert _ll_rows(cu[0], cu[1], cu[2], cu[3], R, L) == _ll_rows(rf[0], rf[1], rf[2], rf[3], R, L)
+    # src_to_row must point at the row holding that source in both (rows may differ)
+    s2r_c, s2r_r = np.asarray(cu[4]).reshape(R, R, M, L), np.asarray(rf[4]).reshape(R, R, M, L)
+    np.testing.assert_array_equal(s2r_c >= 0, s2r_r >= 0)
+    src_c = np.asarray(cu[3]).reshape(R, L, R * M)
+    for q, s, t, l in zip(*np.nonzero(s2r_c >= 0)):
+        assert src_c[q, l, s2r_c[q, s, t, l]] == s * M + t
+    a, b = np.asarray(cu[6], np.float32), np.asarray(rf[6], np.float32)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_ll_scan_back_to_back(R):
+    mesh = _mesh(R)
+    steps, T, M, H, K, E = 500, 16, 16, 256, 4, 4 * R
+    rng = np.random.default_rng(5)
+    xs = jnp.asarray(rng.standard_normal((steps, R * T, H)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([_routing("masked", rng, R, T, K, E) for _ in range(steps)]))
+    w = jnp.asarray(rng.random((steps, R * T, K)), jnp.float32)
+
+    def run(be):
+        def body(xs, idx, w):
+            def step(c, inp):
+                x, i, ww = inp
+                r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
+                                                use_fp8=False, backend=be)
+                out = jax_ep.low_latency_combine(r.recv_x, i, ww, r.handle, backend=be)
+                return c, (out, r.recv_count)
+            return jax.lax.scan(step, 0, (xs, idx, w))[1]
+        spec = P(None, "ep")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(xs, idx, w)
+
+    _poison()
+    oc, cc = jax.device_get(run("cuda"))
+    orf, crf = jax.device_get(run("reference"))
+    np.testing.assert_array_equal(cc, crf)
+    np.testing.assert_allclose(np.asarray(oc, np.float32), np.asarray(orf, np.float32),
+                               rtol=2e-2, atol=5e-2)
+
+
+def test_ll_under_command_buffers():
+    """XLA command buffers (CUDA graphs) on: the custom calls are captured and replayed."""
+    import os
+    import subprocess
+    import sys
+    g = _gpus()
+    if len(g) < 2:
+        pytest.skip("needs 2 GPUs")
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np, jax_ep\n"
+        "from jax.sharding import Mesh, PartitionSpec as P\n"
+        "mesh = Mesh(np.array(jax.devices()[:2]), ('ep',))\n"
+        "rng = np.random.default_rng(0)\n"
+        "x = jnp.asarray(rng.standard_normal((64, 512)), jnp.bfloat16)\n"
+        "idx = jnp.asarray(rng.integers(-1, 8, (64, 4)), jnp.int32)\n"
+        "w = jnp.asarray(rng.random((64, 4)), jnp.float32)\n"
+        "def body(x, idx, w, be):\n"
+        "    r = jax_ep.low_latency_dispatch(x, idx, num_experts=8, max_tokens_per_rank=32,"
+        " use_fp8=False, backend=be)\n"
+        "    return jax_ep.low_latency_combine(r.recv_x, idx, w, r.handle, backend=be)\n"
+        "res = {}\n"
+        "for be in ('cuda', 'reference'):\n"
+        "    f = jax.jit(jax.shard_map(lambda a, b, c: body(a, b, c, be), mesh=mesh,"
+        " in_specs=P('ep'), out_specs=P('ep')))\n"
+        "    for _ in range(20): o = f(x, idx, w)\n"
+        "    res[be] = np.asarray(o, np.float32)\n"
+        "np.testing.assert_allclose(res['cuda'], res['reference'], rtol=2e-2, atol=5e-2)\n"
+        "print('OK command buffers')\n")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                        " --xla_gpu_graph_min_graph_size=1")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and "OK command buffers" in p.stdout, p.stdout + p.stderr
+
+
+def test_layout_kernel_matches_reference():
+    g = _gpus()
+    if not g:
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(1)
+    for R, E, T, K in [(4, 32, 4096, 8), (8, 256, 1000, 8), (2, 8, 1, 2)]:
+        idx = rng.integers(-1, E, (T, K)).astype(np.int32)
+        idx[rng.random((T, K)) < 0.01] = E + 5
+        f = jax.jit(functools.partial(jax_ep.get_dispatch_layout, num_experts=E, num_ranks=R,
+                                      backend="cuda"))
+        r = jax.jit(functools.partial(jax_ep.get_dispatch_layout, num_experts=E, num_ranks=R,
+                                      backend="reference"))
+        for a, b in zip(f(jnp.asarray(idx)), r(jnp.asarray(idx))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
