@@ -98,14 +98,15 @@ def ht_suite(mesh, R, a, sms_list, rows):
 
         def comb(x, i, w):
             r = jax_ep.dispatch(x, i, w, num_experts=E, backend="cuda")
-            return r.recv_x, r.handle
+            h = r.handle
+            return (r.recv_x, h.recv_src, h.send_rows, h.recv_count[None], h.num_dropped[None],
+                    h.num_invalid[None])
         spec = P("ep")
-        recv_x, handle = jax.jit(jax.shard_map(comb, mesh=mesh, in_specs=spec, out_specs=spec,
-                                               check_vma=False))(x, idx, w)
+        hargs = jax.jit(jax.shard_map(comb, mesh=mesh, in_specs=spec, out_specs=spec,
+                                      check_vma=False))(x, idx, w)
         t = timed_scan(mesh, lambda y, *h: jax_ep.combine(
             y, jax_ep.DispatchHandle(h[0], h[1], h[2][0], h[3][0], h[4][0]), backend="cuda"),
-            (recv_x, handle.recv_src, handle.send_rows, handle.recv_count.reshape(-1),
-             handle.num_dropped.reshape(-1), handle.num_invalid.reshape(-1)), it, reps)
+            hargs, it, reps)
         record("combine_bf16", "jax_ep", sms, t, row_bf16)
     jax_ep.set_num_blocks(None)
     cap = int(np.ceil(1.25 * in_rank.reshape(R, T, R).sum(axis=1).mean()))

@@ -1,6 +1,5 @@
 // The nanobind module jax_ep._C: FFI handler capsules and the one-process runtime.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cuda_runtime.h>
@@ -26,10 +25,15 @@ NB_MODULE(_C, m) {
     d["jax_ep_ll_combine"] = encapsulate(JaxEpLlCombine);
     return d;
   });
-  m.def("init_peer_runtime", &jax_ep::init_peer_runtime, nb::arg("devices"),
-        "Allocate the workspace on each CUDA device and enable peer access between them.");
-  m.def("runtime_devices", &jax_ep::runtime_devices);
-  m.def("runtime_description", &jax_ep::runtime_description);
+  m.def("init_group", &jax_ep::init_group, nb::arg("devices"),
+        "Allocate the workspaces of one EP group (CUDA ordinals in axis order) and enable peer "
+        "access between its devices.");
+  m.def("runtime_devices", []() {
+    nb::list out;
+    for (int d : jax_ep::runtime_devices()) out.append(d);
+    return out;
+  });
+  m.def("runtime_num_groups", &jax_ep::runtime_num_groups);
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
   m.def("cuda_device_count", []() {
     int n = 0;

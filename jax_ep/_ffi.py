@@ -73,7 +73,7 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups):
                 "jax_ep: the CUDA backend runs inside jax.shard_map over a concrete Mesh "
                 f"(no mesh found while lowering {target})")
         table = group_table(mesh, axis_name)
-        runtime.ensure_peer_runtime(list(np.asarray(mesh.devices).flat))
+        runtime.ensure_peer_runtime(list(np.asarray(mesh.devices).flat), table)
         kwargs["groups"] = table.reshape(-1)
         kwargs["group_size"] = np.int64(table.shape[1])
         kwargs["slot"] = np.int64(runtime.next_slot())
@@ -84,11 +84,39 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups):
 mlir.register_lowering(ep_call_p, _lowering, platform="cuda")
 
 
+def _vma(x):
+    """Mesh axes along which x varies inside shard_map (API moved between jax versions)."""
+    aval = jax.typeof(x)
+    v = getattr(aval, "vma", None)
+    if v is None:
+        v = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(v or ())
+
+
+def _varying(x, axes):
+    """x marked as varying along `axes` (e.g. an operand closed over from outside shard_map)."""
+    missing = tuple(sorted(axes - _vma(x), key=str))
+    if not missing:
+        return x
+    pcast = getattr(jax.lax, "pcast", None)
+    if pcast is not None:
+        return pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+
 def call(target, args, out_types, *, axis_name=None, **attrs):
     """Bind a custom call. out_types: [(shape, dtype)]; attrs: static scalars.
 
     With axis_name, the lowering adds groups / group_size / slot / timeout_ns.
     """
+    axes = frozenset().union(*(_vma(a) for a in args))
+    if axis_name is not None:
+        try:
+            axes = axes | _vma(jax.lax.axis_index(axis_name))
+        except Exception:  # noqa: BLE001 - older jax: axis_index carries no vma
+            pass
+    if axes:
+        args = [_varying(a, axes) for a in args]
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     out_types = tuple((tuple(int(x) for x in s), np.dtype(d).name) for s, d in out_types)
     return ep_call_p.bind(*args, target=target, out_types=out_types, attrs=frozen,

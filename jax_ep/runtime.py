@@ -95,8 +95,12 @@ def next_slot() -> int:
     return next(_slot_counter) % n
 
 
-def ensure_peer_runtime(devices) -> None:
-    """Allocate workspaces and enable peer access for these jax devices (idempotent)."""
+def ensure_peer_runtime(devices, groups=None) -> None:
+    """Workspaces and peer access for these EP groups (idempotent).
+
+    devices: the jax devices involved; groups: [num_groups, R] CUDA ordinals (default: all
+    devices as one group).
+    """
     ext = _load_extension()
     if ext is None:
         raise RuntimeError("jax_ep: backend='cuda' needs the CUDA extension, which is not built")
@@ -108,9 +112,11 @@ def ensure_peer_runtime(devices) -> None:
             "jax_ep: the EP group spans several processes; the per-process (NVSHMEM) transport "
             "is not available in this build. Use backend='reference', or one process driving "
             "all GPUs of the node.")
-    ordinals = sorted({int(d.local_hardware_id) for d in devices})
+    if groups is None:
+        groups = [[int(d.local_hardware_id) for d in devices]]
     with _lock:
-        ext.init_peer_runtime(ordinals)
+        for g in groups:
+            ext.init_group([int(v) for v in g])
 
 
 def initialize(devices=None) -> None:
@@ -144,10 +150,9 @@ def runtime_info() -> dict:
     if ext is not None:
         info.update({
             "peer_devices": list(ext.runtime_devices()),
-            "workspace_bytes_per_device": int(ext.workspace_bytes()),
+            "ep_groups": int(ext.runtime_num_groups()),
+            "workspace_bytes_per_device_per_group": int(ext.workspace_bytes()),
             "num_slots": int(ext.num_slots),
             "max_ranks": int(ext.max_ranks),
-            "cuda_devices_visible": int(ext.cuda_device_count()),
-            "description": ext.runtime_description(),
         })
     return info

@@ -20,13 +20,14 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
     out->device = device;
     out->peers.num_ranks = static_cast<int>(group_size);
     out->peers.rank = static_cast<int>(i % group_size);
+    const int64_t* members = groups.begin() + g * group_size;
     for (int r = 0; r < group_size; ++r) {
-      const int d = static_cast<int>(groups[g * group_size + r]);
-      Workspace* ws = workspace_for(d);
+      const int d = static_cast<int>(members[r]);
+      Workspace* ws = group_workspace(members, static_cast<int>(group_size), d);
       if (ws == nullptr) {
         std::ostringstream os;
         os << "jax_ep: no workspace on device " << d
-           << " (jax_ep.runtime was not initialised for it)";
+           << " for this EP group (the lowering initialises it: was it skipped?)";
         return ffi::Error(ffi::ErrorCode::kFailedPrecondition, os.str());
       }
       out->peers.slot[r] = &ws->slots[slot];

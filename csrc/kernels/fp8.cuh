@@ -1,9 +1,9 @@
 // Per-128-column-group FP8 (e4m3fn) quantisation, exactly as docs/ffi.md defines it, so the
 // result is bit-identical to jax_ep/reference.py:quantize_fp8 (float32 operations only):
 //   amax  = max(max_i |x_i|, 1e-4)
-//   round_scale: scale = 2^ceil(log2(amax / 448)) on the bits of amax / 448 (exponent + 1 when
+//   round_scale: scale = 2^ceil(log2(amax * (1/448))) on the bits of amax * (1/448) (exponent + 1 when
 //                the mantissa is non-zero, mantissa 0);  q_i = e4m3(x_i * (1 / scale))
-//   otherwise:   scale = amax / 448;                     q_i = e4m3(x_i * (448 / amax))
+//   otherwise:   scale = amax * (1/448);                   q_i = e4m3(x_i * (448 / amax))
 // e4m3 = round to nearest even, saturating to +-448 (the reference clips to +-448 first, which
 // gives the same byte for every finite input).
 // Every operation uses the explicit IEEE round-to-nearest intrinsics (__fdiv_rn, __fmul_rn,
@@ -19,6 +19,8 @@ namespace fp8 {
 
 constexpr int kGroup = 128;         // columns per scale
 constexpr float kMax = 448.0f;      // largest finite e4m3fn
+// scale = amax * float32(1/448) (not amax / 448): the form XLA computes for the reference too.
+constexpr float kInvMax = 1.0f / 448.0f;
 constexpr float kAmaxMin = 1e-4f;   // amax floor (float32 of 1e-4, as jnp.maximum(amax, 1e-4))
 
 // 2^ceil(log2(s)) for a positive normal float, on the bits (exact).
@@ -33,11 +35,11 @@ __device__ __forceinline__ void group_scale(float amax, bool round_scale, float*
                                             float* inv) {
   amax = fmaxf(amax, kAmaxMin);
   if (round_scale) {
-    const float s = round_up_pow2(__fdiv_rn(amax, kMax));
+    const float s = round_up_pow2(__fmul_rn(amax, kInvMax));
     *scale = s;
     *inv = __frcp_rn(s);            // == 1.0f / s (exact for a power of two)
   } else {
-    *scale = __fdiv_rn(amax, kMax);
+    *scale = __fmul_rn(amax, kInvMax);
     *inv = __fdiv_rn(kMax, amax);
   }
 }

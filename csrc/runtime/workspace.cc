@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -10,7 +11,7 @@
 namespace jax_ep {
 namespace {
 std::mutex g_mu;
-std::map<int, Workspace*> g_ws;
+std::map<std::vector<int>, std::map<int, Workspace*>> g_groups;
 
 void check(cudaError_t e, const char* what, int dev) {
   if (e != cudaSuccess) {
@@ -21,18 +22,19 @@ void check(cudaError_t e, const char* what, int dev) {
 }
 }  // namespace
 
-void init_peer_runtime(const std::vector<int>& devices) {
+void init_group(const std::vector<int>& devices) {
   std::lock_guard<std::mutex> lock(g_mu);
+  if (g_groups.count(devices)) return;
   int prev = 0;
   cudaGetDevice(&prev);
+  std::map<int, Workspace*> ws;
   for (int d : devices) {
-    if (g_ws.count(d)) continue;
     check(cudaSetDevice(d), "cudaSetDevice", d);
     void* p = nullptr;
     check(cudaMalloc(&p, sizeof(Workspace)), "cudaMalloc(workspace)", d);
     check(cudaMemset(p, 0, sizeof(Workspace)), "cudaMemset(workspace)", d);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", d);
-    g_ws[d] = static_cast<Workspace*>(p);
+    ws[d] = static_cast<Workspace*>(p);
   }
   for (int a : devices) {
     check(cudaSetDevice(a), "cudaSetDevice", a);
@@ -55,32 +57,32 @@ void init_peer_runtime(const std::vector<int>& devices) {
     }
   }
   cudaSetDevice(prev);
+  g_groups[devices] = ws;
 }
 
-Workspace* workspace_for(int device) {
+Workspace* group_workspace(const int64_t* devices, int n, int device) {
+  std::vector<int> key(devices, devices + n);
   std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_ws.find(device);
-  return it == g_ws.end() ? nullptr : it->second;
+  auto it = g_groups.find(key);
+  if (it == g_groups.end()) return nullptr;
+  auto jt = it->second.find(device);
+  return jt == it->second.end() ? nullptr : jt->second;
 }
 
 std::vector<int> runtime_devices() {
   std::lock_guard<std::mutex> lock(g_mu);
   std::vector<int> out;
-  for (auto& kv : g_ws) out.push_back(kv.first);
+  for (auto& g : g_groups)
+    for (auto& kv : g.second)
+      if (std::find(out.begin(), out.end(), kv.first) == out.end()) out.push_back(kv.first);
+  std::sort(out.begin(), out.end());
   return out;
 }
 
-std::string runtime_description() {
+int runtime_num_groups() {
   std::lock_guard<std::mutex> lock(g_mu);
-  std::ostringstream os;
-  os << "peer transport, devices [";
-  bool first = true;
-  for (auto& kv : g_ws) {
-    os << (first ? "" : ", ") << kv.first;
-    first = false;
-  }
-  os << "], workspace " << sizeof(Workspace) << " bytes per device";
-  return os.str();
+  return static_cast<int>(g_groups.size());
 }
+
 
 }  // namespace jax_ep

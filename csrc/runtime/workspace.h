@@ -29,13 +29,15 @@ struct Workspace {
   Slot slots[kNumSlots];
 };
 
-// Host side registry, keyed by CUDA device ordinal.
-// init_peer_runtime allocates (once) a zeroed Workspace on every listed device and enables peer
-// access between all pairs ("already enabled" counts as success). Idempotent; thread-safe.
-void init_peer_runtime(const std::vector<int>& devices);
-// Workspace of a device, or nullptr when init_peer_runtime did not cover it.
-Workspace* workspace_for(int device);
+// Host side registry. Every EP group (its devices in axis order) owns one Workspace on each of
+// its devices: slot epochs count the calls of that group only, so groups that share a device
+// (a 2-GPU mesh and a 4-GPU mesh in one process, say) never see each other's epochs.
+// init_group allocates them (once, zeroed) and enables peer access between the group's devices
+// ("already enabled" counts as success). Idempotent; thread-safe.
+void init_group(const std::vector<int>& devices);
+// Workspace of `device` for the group `devices[0..n)`, or nullptr when init_group did not run.
+Workspace* group_workspace(const int64_t* devices, int n, int device);
 std::vector<int> runtime_devices();
-std::string runtime_description();
+int runtime_num_groups();
 
 }  // namespace jax_ep
