@@ -76,3 +76,20 @@ def resolve_backend(backend):
                          f"(extension built: {runtime.extension() is not None}, "
                          f"jax backend: {jax.default_backend()})")
     return "cuda" if ok else "reference"
+
+
+def sum_over_shards(v, axis_name):
+    """psum of v over every manual mesh axis of the enclosing shard_map (at least axis_name).
+
+    check=True raises from a host callback; if only some shards raised, the others would wait
+    forever in the next collective (a hang, or XLA aborting the process). Deciding on a total
+    that every shard sees makes every shard raise at the same program point.
+    """
+    axes = (axis_name,)
+    try:
+        manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+    except Exception:  # noqa: BLE001 - no context mesh: the EP axis alone
+        manual = ()
+    if axis_name in manual:
+        axes = manual
+    return jax.lax.psum(v, axes)

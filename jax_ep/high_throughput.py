@@ -165,17 +165,20 @@ _combine_diff.defvjp(_combine_fwd, _combine_bwd)
 # Public ops
 # ---------------------------------------------------------------------------------------------
 
-def _check_counts(check, handle):
+def _check_counts(check, handle, axis_name):
     if not runtime.check_enabled(check):
         return
 
-    def raise_if(num_invalid, num_dropped):
-        if int(num_invalid) or int(num_dropped):
+    def raise_if(num_invalid, num_dropped, total):
+        if int(total[0]) or int(total[1]):
             raise RuntimeError(
                 f"jax_ep.dispatch(check=True): {int(num_invalid)} expert ids outside [-1, E) "
-                f"and {int(num_dropped)} tokens dropped for lack of capacity on this rank")
+                f"and {int(num_dropped)} tokens dropped for lack of capacity on this rank "
+                f"({int(total[0])} and {int(total[1])} over all shards)")
 
-    jax.debug.callback(raise_if, handle.num_invalid, handle.num_dropped)
+    total = _checks.sum_over_shards(jnp.stack([handle.num_invalid, handle.num_dropped]),
+                                    axis_name)
+    jax.debug.callback(raise_if, handle.num_invalid, handle.num_dropped, total)
 
 
 def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", capacity=None,
@@ -218,7 +221,7 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
         recv_x = tuple(recv_xs)
     else:
         recv_x, ridx, rw, per_expert, handle = _dispatch_diff(x, w, idx, cfg)
-    _check_counts(check, handle)
+    _check_counts(check, handle, axis_name)
     return DispatchResult(recv_x, ridx, None if topk_weights is None else rw,
                           handle.recv_count, per_expert, handle)
 

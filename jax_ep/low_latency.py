@@ -166,11 +166,13 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
     fn = _dispatch_fp8 if use_fp8 else _dispatch_diff
     rx, cnt, handle = fn(x, idx, cfg)
     if runtime.check_enabled(check):
-        def raise_if(n):
-            if int(n):
+        def raise_if(n, total):
+            if int(total):
                 raise RuntimeError(f"jax_ep.low_latency_dispatch(check=True): {int(n)} expert "
-                                   "ids outside [-1, E)")
-        jax.debug.callback(raise_if, handle.num_invalid)
+                                   f"ids outside [-1, E) on this rank ({int(total)} over all "
+                                   "shards)")
+        jax.debug.callback(raise_if, handle.num_invalid,
+                           _checks.sum_over_shards(handle.num_invalid, axis_name))
     return LowLatencyResult(rx, cnt, handle)
 
 

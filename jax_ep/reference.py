@@ -178,19 +178,36 @@ def quantize_fp8(x, round_scale=False):
     *lead, H = x.shape
     g = x.astype(jnp.float32).reshape(*lead, H // FP8_GROUP, FP8_GROUP)
     amax = jnp.maximum(jnp.max(jnp.abs(g), axis=-1), AMAX_MIN)
-    # XLA's algebraic simplifier rewrites `a / broadcast(constant)` into `a * (1 / constant)`,
-    # which is not the correctly rounded amax / 448 of the spec (docs/ffi.md) and of the kernel
-    # (__fdiv_rn). A full array of 448 passed through an optimization barrier together with amax
-    # (a barrier on a constant alone is removed) keeps the division a division.
-    amax, fp8_max = lax.optimization_barrier((amax, jnp.full_like(amax, FP8_MAX)))
+    # base = amax * float32(1/448), written as the multiplication it is (docs/ffi.md): XLA
+    # rewrites a division by a constant into this form anyway, and the kernel does the same.
+    base = amax * jnp.float32(1.0 / FP8_MAX)
     if round_scale:
-        scale = round_up_pow2(amax / fp8_max)
+        scale = round_up_pow2(base)
         inv = 1.0 / scale
     else:
-        scale = amax / fp8_max
+        scale = base
         inv = FP8_MAX / amax
-    q = jnp.clip(g * inv[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    q = to_e4m3_rne(jnp.clip(g * inv[..., None], -FP8_MAX, FP8_MAX))
     return q.reshape(*lead, H), scale
+
+
+def to_e4m3_rne(v):
+    """float32 in [-448, 448] -> float8_e4m3fn, round to nearest even, on the bits.
+
+    Spelled out because XLA's own f32 -> e4m3 conversion is not the same everywhere (some
+    lowerings round through float16 first: double rounding); this is what the kernels compute.
+    """
+    bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
+    sign = (bits >> 24) & 0x80
+    a = jnp.abs(v.astype(jnp.float32))
+    # subnormals (and 0): multiples of 2^-9; code = round_half_even(a * 2^9) (8 = 2^-6, normal)
+    sub = jnp.round(a * 512.0).astype(jnp.uint32)
+    # normals: keep 3 of the 23 mantissa bits, round half to even, re-bias the exponent 127 -> 7
+    m = lax.bitcast_convert_type(a, jnp.uint32)
+    rounded = (m + 0x7FFFF + ((m >> 20) & 1)) >> 20
+    normal = rounded - (120 << 3)
+    code = jnp.where(a < 2.0 ** -6, sub, normal) | sign
+    return lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
 
 
 def dequantize_fp8(q, scales):

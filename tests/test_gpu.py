@@ -8,7 +8,9 @@ copies bit-exact, combines within float32-accumulation tolerance.
 from __future__ import annotations
 
 import functools
+import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -250,7 +252,27 @@ def test_ll_matches_reference(R, kind, T, M, use_fp8, round_scale):
     cu, rf = _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale)
     np.testing.assert_array_equal(cu[2], rf[2], err_msg="recv_count")
     np.testing.assert_array_equal(cu[5], rf[5], err_msg="num_invalid")
-    assert _ll_rows(cu[0], cu[1], cu[2], cu[3], R, L) == _ll_rows(rf[0], rf[1], rf[2], rf[3], R, L)
+    rows_c = _ll_rows(cu[0], cu[1], cu[2], cu[3], R, L)
+    rows_r = _ll_rows(rf[0], rf[1], rf[2], rf[3], R, L)
+    assert rows_c.keys() == rows_r.keys()
+    if not use_fp8:
+        assert rows_c == rows_r
+    else:
+        # FP8: exact against the NumPy oracle's quantisation of each source row. The JAX
+        # reference run on the GPU is checked within one e4m3 code only: XLA's GPU f32 division
+        # (448 / amax) is not always correctly rounded, so its payload can differ by one code.
+        from numpy_oracle import quantize_fp8 as np_quantize
+        xs = np.asarray(x, np.float32)
+        q_all, s_all = np_quantize(xs, round_scale)
+        q_all = np.asarray(q_all).view(np.uint8)
+        for k, (payload, scales) in rows_c.items():
+            src = (k[2] // M) * T + k[2] % M
+            assert payload == q_all[src].tobytes(), f"FP8 payload of row {k} != oracle"
+            assert scales == np.asarray(s_all[src], np.float32).tobytes(), f"scales of {k}"
+            ref_q = np.frombuffer(rows_r[k][0], np.uint8).view(ml_dtypes.float8_e4m3fn)
+            cu_q = np.frombuffer(payload, np.uint8).view(ml_dtypes.float8_e4m3fn)
+            step = np.abs(ref_q.astype(np.float32) - cu_q.astype(np.float32))
+            assert np.all(step <= np.abs(cu_q.astype(np.float32)) * 0.126 + 2.0 ** -9), k
     # src_to_row must point at the row holding that source in both (rows may differ)
     s2r_c, s2r_r = np.asarray(cu[4]).reshape(R, R, M, L), np.asarray(rf[4]).reshape(R, R, M, L)
     np.testing.assert_array_equal(s2r_c >= 0, s2r_r >= 0)

@@ -1,0 +1,208 @@
+"""An independent NumPy implementation of API.md (the tests' oracle). Does not import jax_ep.
+
+Every function takes per-rank lists (index = rank on the EP axis) of NumPy arrays and returns
+per-rank lists. All arithmetic is float32 NumPy.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+FP8 = ml_dtypes.float8_e4m3fn
+BF16 = ml_dtypes.bfloat16
+FP8_MAX = np.float32(448.0)
+GROUP = 128
+AMAX_MIN = np.float32(1e-4)
+
+
+def sanitize(idx, num_experts):
+    """-> (int64 ids with out-of-range ids set to -1, number of such ids)."""
+    idx = np.asarray(idx).astype(np.int64)
+    bad = (idx < -1) | (idx >= num_experts)
+    return np.where(bad, -1, idx), int(bad.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# layout (no communication)
+# ---------------------------------------------------------------------------------------------
+
+def layout(idx, num_experts, num_ranks):
+    """-> tokens_per_rank [R], tokens_per_expert [E], is_token_in_rank [T, R], num_invalid."""
+    clean, bad = sanitize(idx, num_experts)
+    T = clean.shape[0]
+    L = num_experts // num_ranks
+    in_rank = np.zeros((T, num_ranks), bool)
+    per_expert = np.zeros(num_experts, np.int64)
+    for t in range(T):
+        experts = {int(e) for e in clean[t] if e >= 0}
+        for e in experts:
+            per_expert[e] += 1
+            in_rank[t, e // L] = True
+    return in_rank.sum(0), per_expert, in_rank, bad
+
+
+# ---------------------------------------------------------------------------------------------
+# high-throughput mode
+# ---------------------------------------------------------------------------------------------
+
+def ht_dispatch(xs, idxs, ws, num_experts, capacity=None):
+    """xs[s]: a [T, ...] array or a tuple of them (moved together, e.g. (x_fp8, scales)).
+
+    Returns, per receiving rank, a dict with recv_x (array or tuple like xs[s]), recv_topk_idx,
+    recv_topk_weights (None when ws is None), recv_count, recv_tokens_per_expert, recv_src,
+    num_dropped, num_invalid.
+    """
+    R = len(idxs)
+    T = np.asarray(idxs[0]).shape[0]
+    K = np.asarray(idxs[0]).shape[1]
+    L = num_experts // R
+    C = R * T if capacity is None else capacity
+    cleans, invalid = zip(*[sanitize(i, num_experts) for i in idxs])
+    tup = isinstance(xs[0], tuple)
+    payloads = [tuple(np.asarray(a) for a in x) if tup else (np.asarray(x),) for x in xs]
+    out = []
+    for r in range(R):
+        # (s, t) in source-rank order, then token order
+        srcs = [(s, t) for s in range(R) for t in range(T)
+                if any(e >= 0 and e // L == r for e in cleans[s][t])]
+        kept = srcs[:C]
+        recv = []
+        for p, a in enumerate(payloads[0]):
+            buf = np.zeros((C,) + a.shape[1:], a.dtype)
+            for j, (s, t) in enumerate(kept):
+                buf[j] = payloads[s][p][t]
+            recv.append(buf)
+        ridx = np.full((C, K), -1, np.int32)
+        rw = np.zeros((C, K), np.float32)
+        rsrc = np.full((C,), -1, np.int32)
+        for j, (s, t) in enumerate(kept):
+            rsrc[j] = s * T + t
+            for k in range(K):
+                e = cleans[s][t][k]
+                if e >= 0 and e // L == r:
+                    ridx[j, k] = e % L
+                    if ws is not None:
+                        rw[j, k] = np.float32(ws[s][t][k])
+        per_expert = np.array([sum(1 for j in range(len(kept)) if l in ridx[j]) for l in range(L)],
+                              np.int32)
+        out.append(dict(
+            recv_x=tuple(recv) if tup else recv[0], recv_topk_idx=ridx,
+            recv_topk_weights=rw if ws is not None else None, recv_count=len(kept),
+            recv_tokens_per_expert=per_expert, recv_src=rsrc,
+            num_dropped=len(srcs) - len(kept), num_invalid=invalid[r]))
+    return out
+
+
+def ht_combine(ys, recv_srcs, num_tokens):
+    """out_s[t] = sum over ranks q (in order) with recv_src_q[row] == s*T + t of y_q[row].
+
+    Float32 accumulation; returned as float32 (cast to y's dtype at the call site).
+    """
+    R = len(ys)
+    T = num_tokens
+    H = np.asarray(ys[0]).shape[1:]
+    outs = [np.zeros((T,) + H, np.float32) for _ in range(R)]
+    for q in range(R):
+        y = np.asarray(ys[q]).astype(np.float32)
+        for j, src in enumerate(np.asarray(recv_srcs[q])):
+            if src >= 0:
+                outs[src // T][src % T] += y[j]
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 (per 128-column group)
+# ---------------------------------------------------------------------------------------------
+
+def round_up_pow2(s):
+    """Smallest power of two >= s (float32, positive), on the float32 bits."""
+    bits = np.asarray(s, np.float32).view(np.uint32)
+    exp = (bits >> np.uint32(23)) & np.uint32(0xFF)
+    exp = exp + ((bits & np.uint32(0x7FFFFF)) != 0).astype(np.uint32)
+    return (exp << np.uint32(23)).astype(np.uint32).view(np.float32)
+
+
+def quantize_fp8(x, round_scale=False):
+    """x [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // 128])."""
+    x = np.asarray(x).astype(np.float32)
+    *lead, H = x.shape
+    g = x.reshape(*lead, H // GROUP, GROUP)
+    amax = np.maximum(np.abs(g).max(-1), AMAX_MIN).astype(np.float32)
+    if round_scale:
+        scale = round_up_pow2((amax * np.float32(1.0 / 448.0)).astype(np.float32))
+        inv = (np.float32(1.0) / scale).astype(np.float32)
+    else:
+        scale = (amax * np.float32(1.0 / 448.0)).astype(np.float32)  # as docs/ffi.md
+        inv = (FP8_MAX / amax).astype(np.float32)
+    q = np.clip((g * inv[..., None]).astype(np.float32), -FP8_MAX, FP8_MAX).astype(FP8)
+    return q.reshape(*lead, H), scale
+
+
+def dequantize_fp8(q, scales):
+    q = np.asarray(q).astype(np.float32)
+    *lead, H = q.shape
+    return (q.reshape(*lead, H // GROUP, GROUP) * np.asarray(scales, np.float32)[..., None]
+            ).reshape(*lead, H)
+
+
+# ---------------------------------------------------------------------------------------------
+# low-latency mode
+# ---------------------------------------------------------------------------------------------
+
+def ll_dispatch(xs, idxs, num_experts, max_tokens, use_fp8=False, round_scale=False):
+    """Per receiving rank r: {"sets": [L] dicts src -> row content, "num_invalid": int}.
+
+    src = s * M + t. Row content: the bf16 row (as float32), or (fp8 row, scales row) with FP8.
+    A token naming one expert in several slots is received once.
+    """
+    R = len(idxs)
+    L = num_experts // R
+    M = max_tokens
+    cleans, invalid = zip(*[sanitize(i, num_experts) for i in idxs])
+    rows = []
+    for s in range(R):
+        x = np.asarray(xs[s])
+        rows.append(quantize_fp8(x, round_scale) if use_fp8 else (x,))
+    out = []
+    for r in range(R):
+        sets = [dict() for _ in range(L)]
+        for s in range(R):
+            for t in range(cleans[s].shape[0]):
+                for e in cleans[s][t]:
+                    if e >= 0 and e // L == r:
+                        content = tuple(a[t] for a in rows[s])
+                        sets[e % L][s * M + t] = content if use_fp8 else content[0]
+        out.append(dict(sets=sets, num_invalid=invalid[r]))
+    return out
+
+
+def ll_combine(ys, idxs, ws, recv_srcs, recv_counts, num_experts, max_tokens):
+    """out_s[t] = sum_k w[t, k] * y_q[l][row of (s, t) in expert l on q], float32, k order.
+
+    Rows are located through each receiver's recv_src (rows [0, recv_count[l])), so this works
+    with any row order. Returned as float32.
+    """
+    R = len(idxs)
+    L = num_experts // R
+    M = max_tokens
+    where = []  # where[q][l]: src -> row
+    for q in range(R):
+        src = np.asarray(recv_srcs[q])
+        cnt = np.asarray(recv_counts[q])
+        where.append([{int(src[l, j]): j for j in range(int(cnt[l]))} for l in range(L)])
+    outs = []
+    for s in range(R):
+        clean, _ = sanitize(idxs[s], num_experts)
+        T, K = clean.shape
+        H = np.asarray(ys[0]).shape[-1]
+        out = np.zeros((T, H), np.float32)
+        for t in range(T):
+            for k in range(K):
+                e = int(clean[t, k])
+                if e < 0:
+                    continue
+                q, l = e // L, e % L
+                row = where[q][l][s * M + t]
+                out[t] += np.float32(ws[s][t][k]) * np.asarray(ys[q][l][row]).astype(np.float32)
+        outs.append(out)
+    return outs
