@@ -3,6 +3,7 @@
 // csrc/kernels/high_throughput.cu.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -22,6 +23,20 @@ namespace {
 
 constexpr int64_t kMaxInt = (int64_t{1} << 31) - 1;
 constexpr int64_t kMaxBlocks = 4096;
+
+// Multiprocessor count of a device (cached: the handler runs on every call).
+int num_sms(int device) {
+  static std::atomic<int> cache[64];
+  if (device < 0 || device >= 64) {
+    int v = 0;
+    return cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? v : 0;
+  }
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v > 0) return v;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+  cache[device].store(v, std::memory_order_relaxed);
+  return v;
+}
 
 std::string dims_str(ffi::Span<const int64_t> d) {
   std::string s = "[";
@@ -129,7 +144,21 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   if (R * T > kMaxInt || C > kMaxInt || K > (1 << 20) || G > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
+  const int sms = num_sms(device);
+  if (sms <= 0) {
+    cudaGetLastError();  // clear it: the launch check below must not see it
+    return ffi::Error::Internal(std::string(op) + ": cannot read the multiprocessor count of device " +
+                                std::to_string(device));
+  }
+  // The layout kernel has a grid barrier: its grid (R * nch) must be co-resident, <= #SMs.
+  const jax_ep::ht::LayoutPlan plan =
+      jax_ep::ht::plan_layout(static_cast<int>(R), static_cast<int>(T), sms);
+  if (plan.scratch_words > need)  // cannot happen (chunks >= 32 tokens, R <= 8): a safety net
+    return ffi::Error::Internal(std::string(op) + ": layout plan needs " +
+                                std::to_string(plan.scratch_words) + " scratch words");
+
   DispatchArgs a{};
+  a.plan = plan;
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
   a.num_blocks = static_cast<int>(num_blocks);

@@ -84,7 +84,8 @@ ffi::Error LlDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   if (staging->size_bytes() < static_cast<size_t>(M * S))
     return bad("staging must hold [M, S] bytes with S = " + std::to_string(S));
 
-  const int grid = jax_ep::ll::dispatch_grid(device, num_blocks);
+  (void)num_blocks;  // LL dispatch uses every SM (latency-bound); see kernels/low_latency.cuh
+  const int grid = jax_ep::ll::dispatch_grid(device, static_cast<int>(K));
   if (grid < 1) return jax_ep::cuda_error("jax_ep_ll_dispatch: occupancy query");
 
   jax_ep::ll::DispatchParams p{};

@@ -13,10 +13,15 @@ namespace ht {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kCopyUnroll = 8;     // int4 loads in flight per lane (row copy)
-// Combine: int4 loads per lane per source rank; two ranks are loaded at a time (2 * U int4 =
-// 128 bytes in flight per lane), with U * 16 / sizeof(T) f32 accumulators per lane.
-constexpr int kCombineUnroll = 4;
+// int4 loads in flight per lane (row copy): a 14 KiB row (bf16, H = 7168) takes 2 rounds of
+// loads-then-stores per warp, a 7 KiB FP8 row 1.
+constexpr int kCopyUnroll = 16;
+// Combine: U int4 loads per lane per source rank, kCombineRanks ranks loaded at a time (P * U
+// int4 in flight per lane), with U * 16 / sizeof(T) f32 accumulators per lane. U is 3 for 16-bit
+// types (4 spills at 512 threads: 64 registers of loads + 32 accumulators), 4 for f32.
+template <typename T>
+constexpr int combine_unroll() { return sizeof(T) == 4 ? 4 : 3; }
+constexpr int kCombineRanks = 4;
 
 // Read-only loads of peer XLA operands (never written while an op runs).
 __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
@@ -61,64 +66,149 @@ __device__ __forceinline__ void publish_and_wait(const PeerSlots& ps, const void
 }
 
 // ------------------------------------------------------------------------------------------
-// Dispatch, kernel 1: layout. grid = R blocks (co-resident; one grid barrier), block s handles
-// source rank s. Scratch: mask[R][T] (bit q: token goes to rank q), cnt[R][R].
+// Dispatch, kernel 1: layout. grid = R * nch blocks (<= #SMs, co-resident; one grid barrier).
+// Block b = s * nch + c handles tokens [c*chunk, min(T, (c+1)*chunk)) of source rank s, in
+// sub-chunks of kLayoutThreads tokens (one thread per token). Since blocks are ordered by
+// (source, token), the row offset of block b on rank q is sum_{b' < b} cnt[b'][q].
+// Scratch (int32 words): mask u8 [R*T] (bit q: token goes to rank q) in the first
+// ceil(R*T/4) words, then cnt[R*nch][R], then inv[nch] (invalid ids of own chunks).
 // ------------------------------------------------------------------------------------------
+
+// Block-wide copy of n 32-bit words from global (peer) memory into shared memory, for one or
+// two arrays at once (sb == nullptr: one), so both arrays' loads are in flight together.
+// vec: sa, sb (when given) and da, db are 16-byte aligned.
+__device__ __forceinline__ void stage_words(int32_t* __restrict__ da, const int32_t* sa,
+                                            int32_t* __restrict__ db, const int32_t* sb, int n,
+                                            bool vec) {
+  const int tid = threadIdx.x, bd = blockDim.x;
+  int done = 0;
+  if (vec) {
+    const int nv = n >> 2;
+    const int4* va = reinterpret_cast<const int4*>(sa);
+    const int4* vb = reinterpret_cast<const int4*>(sb);
+    int4* wa = reinterpret_cast<int4*>(da);
+    int4* wb = reinterpret_cast<int4*>(db);
+    for (int base = tid; base < nv; base += 2 * bd) {
+      int4 x[2], y[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = base + u * bd;
+        if (i < nv) {
+          x[u] = ld_nc_v4(va + i);
+          if (sb != nullptr) y[u] = ld_nc_v4(vb + i);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = base + u * bd;
+        if (i < nv) {
+          wa[i] = x[u];
+          if (sb != nullptr) wb[i] = y[u];
+        }
+      }
+    }
+    done = nv << 2;
+  }
+  for (int i = done + tid; i < n; i += bd) {
+    const int x = ld_nc_s32(sa + i);
+    const int y = sb != nullptr ? ld_nc_s32(sb + i) : 0;
+    da[i] = x;
+    if (sb != nullptr) db[i] = y;
+  }
+}
+
 __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(DispatchArgs a) {
   const PeerSlots& ps = a.ps;
-  const int R = ps.num_ranks, me = ps.rank, s = blockIdx.x;
+  const int R = ps.num_ranks, me = ps.rank;
   const int T = a.T, K = a.K, E = a.E, L = a.L, C = a.C;
+  const int nch = a.plan.nch, chunk = a.plan.chunk;
+  const int nblk = static_cast<int>(gridDim.x);  // == R * nch
+  const int b = blockIdx.x, s = b / nch, c = b % nch;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const unsigned long long e = call_epoch(ps);
+  const int64_t c0 = static_cast<int64_t>(c) * chunk;
+  const int t_begin = c0 < T ? static_cast<int>(c0) : T;
+  const int64_t c1 = static_cast<int64_t>(t_begin) + chunk;
+  const int t_end = c1 < T ? static_cast<int>(c1) : T;
+  const int nsub = (t_end - t_begin + kLayoutThreads - 1) / kLayoutThreads;
+
+  extern __shared__ int4 s_dyn[];  // [kLayoutThreads * K] ids, then [kLayoutThreads * K] weights
+  const bool use_smem = static_cast<int64_t>(kLayoutThreads) * K * 8 <= kLayoutSmemBytes;
+  int32_t* s_idx = reinterpret_cast<int32_t*>(s_dyn);
+  int32_t* s_wt = s_idx + kLayoutThreads * K;
 
   __shared__ int s_cnt[kMaxRanks];
+  __shared__ int s_off[kMaxRanks];
+  __shared__ int s_tot_me;
   __shared__ int s_invalid;
-  __shared__ int s_all[kMaxRanks * kMaxRanks];
+  __shared__ int s_inv_tot;
   __shared__ int s_wtot[kMaxRanks][32];
   __shared__ int s_wpre[kMaxRanks][32];
   __shared__ int s_ctot[kMaxRanks];
   __shared__ int s_tpe[kMaxLocalExperts];
-  __shared__ const int32_t* s_idx;
-  __shared__ const float* s_w;
+  __shared__ const int32_t* s_idx_ptr;
+  __shared__ const float* s_w_ptr;
 
   const bool tpe_smem = L <= kMaxLocalExperts;
-  if (tid < kMaxRanks) s_cnt[tid] = 0;
-  if (tid == 0) s_invalid = 0;
+  if (tid < kMaxRanks) s_cnt[tid] = s_off[tid] = 0;
+  if (tid == 0) s_invalid = s_inv_tot = s_tot_me = 0;
   if (tpe_smem)
     for (int l = tid; l < L; l += blockDim.x) s_tpe[l] = 0;
   // Zeroed before the grid barrier; every block adds to it after.
-  if (blockIdx.x == 0)
+  if (b == 0)
     for (int l = tid; l < L; l += blockDim.x) a.recv_tokens_per_expert[l] = 0;
 
   const void* ptrs[kNumDispatchPtrs] = {a.x, a.x_scales, a.topk_idx, a.topk_weights};
   publish_and_wait(ps, ptrs, kNumDispatchPtrs, e, a.timeout_ns, "ht_dispatch: wait for peers");
   if (tid == 0) {
-    s_idx = peer_ptr<const int32_t>(ps, s, kPtrTopkIdx);
-    s_w = peer_ptr<const float>(ps, s, kPtrTopkWeights);
+    s_idx_ptr = peer_ptr<const int32_t>(ps, s, kPtrTopkIdx);
+    s_w_ptr = peer_ptr<const float>(ps, s, kPtrTopkWeights);
   }
   __syncthreads();
-  const int32_t* idx_s = s_idx;
-  const float* w_s = s_w;
+  const int32_t* idx_s = s_idx_ptr;
+  const float* w_s = s_w_ptr;
+  // Chunks start at multiples of 32 tokens and sub-chunks at multiples of 256 after them, so
+  // a sub-chunk's first word (t * K) is a multiple of 4: 16-byte loads when the bases allow.
+  const bool vec = aligned16(idx_s) && aligned16(w_s);
 
-  uint32_t* mask_s = reinterpret_cast<uint32_t*>(a.scratch) + static_cast<int64_t>(s) * T;
-  int32_t* cnt = a.scratch + static_cast<int64_t>(R) * T;  // cnt[s][q]
+  uint8_t* mask_s = reinterpret_cast<uint8_t*>(a.scratch) + static_cast<int64_t>(s) * T;
+  int32_t* cnt = a.scratch + (static_cast<int64_t>(R) * T + 3) / 4;  // cnt[b][q]
+  int32_t* inv_c = cnt + static_cast<int64_t>(nblk) * R;               // inv[c] (s == me)
 
-  // Phase 1: destination mask of every token of s, counts per destination, invalid ids.
+  // Stages ids (and weights when with_w) of tokens [ts, ts + n) of source s in shared memory.
+  auto stage = [&](int ts, int n, bool with_w) {
+    const int64_t w0 = static_cast<int64_t>(ts) * K;
+    stage_words(s_idx, idx_s + w0, s_wt, with_w ? reinterpret_cast<const int32_t*>(w_s) + w0
+                                                 : nullptr,
+                n * K, vec);
+  };
+
+  // Phase 1: destination mask of every token of the chunk, counts per destination, invalid ids.
   int lc[kMaxRanks];
 #pragma unroll
   for (int q = 0; q < kMaxRanks; ++q) lc[q] = 0;
   int inv = 0;
-  for (int t = tid; t < T; t += blockDim.x) {
-    const int32_t* row = idx_s + static_cast<int64_t>(t) * K;
-    uint32_t m = 0;
-    for (int k = 0; k < K; ++k) {
-      const int raw = ld_nc_s32(row + k);
-      if (expert_id_invalid(raw, E)) ++inv;
-      else if (raw >= 0) m |= 1u << (raw / L);
+  for (int ts = t_begin; ts < t_end; ts += kLayoutThreads) {
+    const int n = min(kLayoutThreads, t_end - ts);
+    // With a single sub-chunk the weights stay in shared memory for phase 2.
+    if (use_smem) {
+      stage(ts, n, nsub == 1);
+      __syncthreads();
     }
-    mask_s[t] = m;  // read back in phase 2 by this same thread (same t -> tid mapping)
+    if (tid < n) {
+      const int t = ts + tid;
+      const int32_t* row = use_smem ? s_idx + tid * K : idx_s + static_cast<int64_t>(t) * K;
+      uint32_t m = 0;
+      for (int k = 0; k < K; ++k) {
+        const int raw = row[k];
+        if (expert_id_invalid(raw, E)) ++inv;
+        else if (raw >= 0) m |= 1u << (raw / L);
+      }
+      mask_s[t] = static_cast<uint8_t>(m);  // read back in phase 2 by this same thread
 #pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) lc[q] += (m >> q) & 1u;
+      for (int q = 0; q < kMaxRanks; ++q) lc[q] += (m >> q) & 1u;
+    }
+    if (use_smem && nsub > 1) __syncthreads();  // the next sub-chunk overwrites the staging
   }
 #pragma unroll
   for (int q = 0; q < kMaxRanks; ++q) {
@@ -128,37 +218,65 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
   inv = warp_sum(inv);
   if (lane == 0 && inv != 0) atomicAdd(&s_invalid, inv);
   __syncthreads();
-  if (tid < R) cnt[s * R + tid] = s_cnt[tid];
+  if (tid < R) cnt[static_cast<int64_t>(b) * R + tid] = s_cnt[tid];
+  if (s == me && tid == 0) inv_c[c] = s_invalid;
   grid_barrier(ps, 1, a.timeout_ns, "ht_dispatch: layout grid barrier");
 
-  // Phase 2: offsets, then rows by a chunked block scan of the masks (ballot + popc per rank).
-  if (tid < R * R) s_all[tid] = __ldcg(cnt + tid);
-  __syncthreads();
-  int off[kMaxRanks], running[kMaxRanks];
-  int total_me = 0;
+  // Phase 2: offsets of this block (sum over earlier blocks), the total for this rank, then rows
+  // by a block scan of the masks (ballot + popc per rank), sub-chunk by sub-chunk.
+  {
+    int before[kMaxRanks];
 #pragma unroll
-  for (int q = 0; q < kMaxRanks; ++q) off[q] = running[q] = 0;
-  for (int s2 = 0; s2 < R; ++s2) {
+    for (int q = 0; q < kMaxRanks; ++q) before[q] = 0;
+    int tot = 0, itot = 0;
+    for (int b2 = tid; b2 < nblk; b2 += blockDim.x) {
 #pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q)
-      if (q < R && s2 < s) off[q] += s_all[s2 * R + q];
-    total_me += s_all[s2 * R + me];
+      for (int q = 0; q < kMaxRanks; ++q) {
+        if (q < R) {
+          const int v = __ldcg(cnt + static_cast<int64_t>(b2) * R + q);
+          if (b2 < b) before[q] += v;
+          if (q == me) tot += v;
+        }
+      }
+    }
+    if (s == me && c == 0)
+      for (int c2 = tid; c2 < nch; c2 += blockDim.x) itot += __ldcg(inv_c + c2);
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      const int v = warp_sum(before[q]);
+      if (lane == 0 && v != 0) atomicAdd(&s_off[q], v);
+    }
+    tot = warp_sum(tot);
+    if (lane == 0 && tot != 0) atomicAdd(&s_tot_me, tot);
+    itot = warp_sum(itot);
+    if (lane == 0 && itot != 0) atomicAdd(&s_inv_tot, itot);
+    __syncthreads();
   }
+  int off[kMaxRanks], running[kMaxRanks];
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) {
+    off[q] = s_off[q];
+    running[q] = 0;
+  }
+  const int total_me = s_tot_me;
   const int recv_count = min(total_me, C);
   const unsigned lanes_below = (1u << lane) - 1u;
   int32_t* tpe_counter = tpe_smem ? s_tpe : a.recv_tokens_per_expert;
 
-  for (int base = 0; base < T; base += blockDim.x) {
-    const int t = base + tid;
-    const uint32_t m = t < T ? mask_s[t] : 0u;
+  for (int ts = t_begin; ts < t_end; ts += kLayoutThreads) {
+    const int n = min(kLayoutThreads, t_end - ts);
+    const int t = ts + tid;
+    const bool has_t = tid < n;
+    const uint32_t m = has_t ? mask_s[t] : 0u;
+    if (use_smem && nsub > 1) stage(ts, n, true);  // (nsub == 1: still staged from phase 1)
     int pre[kMaxRanks];
 #pragma unroll
     for (int q = 0; q < kMaxRanks; ++q) {
-      const unsigned b = __ballot_sync(kFull, (m >> q) & 1u);
-      pre[q] = __popc(b & lanes_below);
-      if (lane == 0) s_wtot[q][warp] = __popc(b);
+      const unsigned bal = __ballot_sync(kFull, (m >> q) & 1u);
+      pre[q] = __popc(bal & lanes_below);
+      if (lane == 0) s_wtot[q][warp] = __popc(bal);
     }
-    __syncthreads();
+    __syncthreads();  // also: staging complete
     if (warp == 0) {
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q) {
@@ -166,8 +284,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
         int incl = v;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
-          const int n = __shfl_up_sync(kFull, incl, o);
-          if (lane >= o) incl += n;
+          const int nb = __shfl_up_sync(kFull, incl, o);
+          if (lane >= o) incl += nb;
         }
         s_wpre[q][lane] = incl - v;
         if (lane == 31) s_ctot[q] = incl;
@@ -180,7 +298,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
       row[q] = off[q] + running[q] + s_wpre[q][warp] + pre[q];
       running[q] += s_ctot[q];
     }
-    if (t < T) {
+    if (has_t) {
       int j = -1;
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q)
@@ -188,18 +306,19 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
       if (j >= 0 && j < C) {
         // Row j of this rank receives token t of source s.
         a.recv_src[j] = s * T + t;
-        const int32_t* irow = idx_s + static_cast<int64_t>(t) * K;
-        const float* wrow = w_s + static_cast<int64_t>(t) * K;
+        const int32_t* irow = use_smem ? s_idx + tid * K : idx_s + static_cast<int64_t>(t) * K;
+        const float* wrow = use_smem ? reinterpret_cast<const float*>(s_wt) + tid * K
+                                     : w_s + static_cast<int64_t>(t) * K;
         int32_t* out_idx = a.recv_topk_idx + static_cast<int64_t>(j) * K;
         float* out_w = a.recv_topk_weights + static_cast<int64_t>(j) * K;
         for (int k = 0; k < K; ++k) {
-          const int v = sanitize_expert_id(ld_nc_s32(irow + k), E);
+          const int v = sanitize_expert_id(irow[k], E);
           if (v >= 0 && v / L == me) {
             const int l = v - me * L;
             out_idx[k] = l;
-            out_w[k] = ld_nc_f32(wrow + k);
+            out_w[k] = wrow[k];
             bool dup = false;
-            for (int k2 = 0; k2 < k; ++k2) dup |= sanitize_expert_id(ld_nc_s32(irow + k2), E) == v;
+            for (int k2 = 0; k2 < k; ++k2) dup |= sanitize_expert_id(irow[k2], E) == v;
             if (!dup) atomicAdd(&tpe_counter[l], 1);
           } else {
             out_idx[k] = -1;
@@ -214,22 +333,22 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
           if (q < R) sr[q] = (((m >> q) & 1u) && row[q] < C) ? row[q] : -1;
       }
     }
-    __syncthreads();  // s_wtot / s_wpre / s_ctot are rewritten by the next chunk
+    __syncthreads();  // s_wtot / s_wpre / s_ctot and the staging are rewritten next sub-chunk
   }
 
   // Padding rows [recv_count, C), shared by all blocks.
-  for (int64_t j = recv_count + static_cast<int64_t>(blockIdx.x) * blockDim.x + tid; j < C;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    a.recv_src[j] = -1;
-    for (int k = 0; k < K; ++k) {
-      a.recv_topk_idx[j * K + k] = -1;
-      a.recv_topk_weights[j * K + k] = 0.f;
-    }
+  const int64_t gtid = static_cast<int64_t>(b) * blockDim.x + tid;
+  const int64_t gstride = static_cast<int64_t>(nblk) * blockDim.x;
+  for (int64_t j = recv_count + gtid; j < C; j += gstride) a.recv_src[j] = -1;
+  for (int64_t i = static_cast<int64_t>(recv_count) * K + gtid; i < static_cast<int64_t>(C) * K;
+       i += gstride) {
+    a.recv_topk_idx[i] = -1;
+    a.recv_topk_weights[i] = 0.f;
   }
-  if (s == me && tid == 0) {
+  if (s == me && c == 0 && tid == 0) {
     a.stats[0] = recv_count;
     a.stats[1] = total_me - recv_count;
-    a.stats[2] = s_invalid;
+    a.stats[2] = s_inv_tot;
     a.stats[3] = 0;
   }
   __syncthreads();
@@ -311,22 +430,33 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
   const int recv_count = min(max(a.stats[0], 0), C);
   const int warps = blockDim.x >> 5;
   const int64_t nw = static_cast<int64_t>(gridDim.x) * warps;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * warps + (tid >> 5); j < C; j += nw) {
+  int64_t j = static_cast<int64_t>(blockIdx.x) * warps + (tid >> 5);
+  // recv_src of the warp's next row is loaded one row ahead (hides a local load per row).
+  int src_next = j < recv_count ? a.recv_src[j] : -1;
+  for (; j < C; j += nw) {
+    const int src = src_next;
+    src_next = j + nw < recv_count ? a.recv_src[j + nw] : -1;
     int s = -1;
     int64_t t = 0;
-    if (j < recv_count) {
-      const int src = a.recv_src[j];
-      if (src >= 0 && T > 0 && src / T < R) {
-        s = src / T;
-        t = src % T;
-      }
+    if (j < recv_count && src >= 0 && T > 0 && src / T < R) {
+      s = src / T;
+      t = src % T;
+    }
+    // Scales (lanes g = lane, lane + 32) are loaded before the row so they travel with it.
+    float sc0 = 0.f, sc1 = 0.f;
+    if (!kGather && G > 0 && s >= 0) {
+      const float* sp = s_sc[s] + t * G;
+      if (lane < G) sc0 = ld_nc_f32(sp + lane);
+      if (lane + 32 < G) sc1 = ld_nc_f32(sp + lane + 32);
     }
     uint8_t* dst = a.recv_x + j * Hb;
     if (s >= 0) copy_row(dst, s_x[s] + t * Hb, Hb, vec, lane);
     else zero_row(dst, Hb, vec, lane);
     if (!kGather && G > 0) {
       float* d = a.recv_scales + j * G;
-      for (int g = lane; g < G; g += 32) d[g] = s >= 0 ? ld_nc_f32(s_sc[s] + t * G + g) : 0.f;
+      if (lane < G) d[lane] = sc0;
+      if (lane + 32 < G) d[lane + 32] = sc1;
+      for (int g = lane + 64; g < G; g += 32) d[g] = s >= 0 ? ld_nc_f32(s_sc[s] + t * G + g) : 0.f;
     }
   }
   end_barrier(ps, e, a.timeout_ns, kGather ? "ht_gather: end barrier" : "ht_dispatch: end barrier");
@@ -402,7 +532,8 @@ template <typename T>
 __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a) {
   using V = Vec<T>;
   constexpr int EPV = V::kElems;
-  constexpr int U = kCombineUnroll;
+  constexpr int U = combine_unroll<T>();
+  constexpr int P = kCombineRanks;
   const PeerSlots& ps = a.ps;
   const int R = ps.num_ranks, tid = threadIdx.x, lane = tid & 31;
   const unsigned long long e = call_epoch(ps);
@@ -422,9 +553,13 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a)
 
   const int warps = blockDim.x >> 5;
   const int64_t nw = static_cast<int64_t>(gridDim.x) * warps;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + (tid >> 5); t < a.T; t += nw) {
+  int64_t t = static_cast<int64_t>(blockIdx.x) * warps + (tid >> 5);
+  // send_rows of the warp's next token are loaded one token ahead (hides a local load).
+  int my_next = (t < a.T && lane < R) ? a.send_rows[t * R + lane] : -1;
+  for (; t < a.T; t += nw) {
     // Lane q holds the row of token t on rank q (-1: not sent there; also for q >= R).
-    int my = lane < R ? a.send_rows[t * R + lane] : -1;
+    int my = my_next;
+    my_next = (t + nw < a.T && lane < R) ? a.send_rows[(t + nw) * R + lane] : -1;
     if (my >= C || my < 0) my = -1;
     T* dst = out + t * H;
     if (vec) {
@@ -438,29 +573,37 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a)
         for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int i = 0; i < EPV; ++i) acc[u][i] = 0.f;
-        // Ranks two at a time: both ranks' loads are in flight before accumulating, and the
-        // accumulation stays in rank order q, q+1.
-        // Not unrolled: bounds the registers to 2 ranks' loads (the compiler would otherwise
+        // P = kCombineRanks ranks at a time: all their loads are in flight before
+        // accumulating, and the accumulation stays in rank order q0, q0 + 1, ...
+        // Not unrolled: bounds the registers to P ranks' loads (the compiler would otherwise
         // hoist every rank's loads and spill).
 #pragma unroll 1
-        for (int q = 0; q < R; q += 2) {
-          const int r0 = __shfl_sync(kFull, my, q), r1 = __shfl_sync(kFull, my, q + 1);
-          const bool has0 = r0 >= 0, has1 = r1 >= 0;  // warp-uniform
-          if (!has0 && !has1) continue;
-          const int4* p0 = has0 ? reinterpret_cast<const int4*>(s_y[q] + r0 * H) : nullptr;
-          const int4* p1 = has1 ? reinterpret_cast<const int4*>(s_y[q + 1] + r1 * H) : nullptr;
-          int4 v0[U], v1[U];
+        for (int q0 = 0; q0 < R; q0 += P) {
+          const int4* p[P];
+          bool has[P];  // warp-uniform
+          bool any = false;
+#pragma unroll
+          for (int i = 0; i < P; ++i) {
+            const int r = __shfl_sync(kFull, my, (q0 + i) & 31);
+            has[i] = q0 + i < R && r >= 0;
+            p[i] = has[i] ? reinterpret_cast<const int4*>(s_y[q0 + i] + r * H) : nullptr;
+            any |= has[i];
+          }
+          if (!any) continue;
+          int4 v[P][U];
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const bool in = base + u * 32 < n16;
-            if (in && has0) v0[u] = ld_nc_v4(p0 + base + u * 32);
-            if (in && has1) v1[u] = ld_nc_v4(p1 + base + u * 32);
+#pragma unroll
+            for (int i = 0; i < P; ++i)
+              if (in && has[i]) v[i][u] = ld_nc_v4(p[i] + base + u * 32);
           }
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             if (base + u * 32 < n16) {
-              if (has0) V::add(acc[u], v0[u]);
-              if (has1) V::add(acc[u], v1[u]);
+#pragma unroll
+              for (int i = 0; i < P; ++i)
+                if (has[i]) V::add(acc[u], v[i][u]);
             }
           }
         }
@@ -485,8 +628,26 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a)
 
 }  // namespace
 
+LayoutPlan plan_layout(int R, int T, int max_blocks) {
+  LayoutPlan p;
+  const int64_t nch_max = max_blocks / R > 1 ? max_blocks / R : 1;
+  int64_t chunk = (T + nch_max - 1) / nch_max;
+  chunk = (chunk + kLayoutMinChunk - 1) / kLayoutMinChunk * kLayoutMinChunk;
+  if (chunk < kLayoutMinChunk) chunk = kLayoutMinChunk;
+  int64_t nch = (T + chunk - 1) / chunk;
+  if (nch < 1) nch = 1;
+  p.chunk = static_cast<int>(chunk);
+  p.nch = static_cast<int>(nch);
+  // mask bytes, cnt[R * nch][R], inv[nch]
+  p.scratch_words = (static_cast<int64_t>(R) * T + 3) / 4 + static_cast<int64_t>(R) * nch * R + nch;
+  return p;
+}
+
 void launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
-  dispatch_layout_kernel<<<a.ps.num_ranks, kLayoutThreads, 0, stream>>>(a);
+  const size_t smem = static_cast<int64_t>(kLayoutThreads) * a.K * 8 <= kLayoutSmemBytes
+                          ? static_cast<size_t>(kLayoutThreads) * a.K * 8
+                          : 0;
+  dispatch_layout_kernel<<<a.ps.num_ranks * a.plan.nch, kLayoutThreads, smem, stream>>>(a);
   CopyArgs c{a.ps, a.timeout_ns, a.x, a.recv_src, a.stats, a.T, a.C, a.G, a.Hb, a.recv_x,
              a.recv_scales};
   copy_rows_kernel<false><<<a.num_blocks, kCopyThreads, 0, stream>>>(c);

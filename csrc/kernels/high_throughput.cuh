@@ -14,8 +14,22 @@ namespace ht {
 // address at index 0).
 enum : int { kPtrX = 0, kPtrScales = 1, kPtrTopkIdx = 2, kPtrTopkWeights = 3, kNumDispatchPtrs = 4 };
 
-constexpr int kLayoutThreads = 512;  // dispatch layout kernel: grid = R blocks
+// Dispatch layout kernel: grid = R x nch blocks (block (s, c): tokens [c*chunk, (c+1)*chunk)
+// of source s), at most one block per SM (co-resident: it has one grid barrier).
+constexpr int kLayoutThreads = 256;   // tokens per sub-chunk (one thread per token)
+constexpr int kLayoutMinChunk = 32;   // tokens; chunks are multiples of 32
+// topk_idx / topk_weights of a sub-chunk are staged in shared memory when they fit this
+// (K <= 16; larger K reads them from the peer directly). Static + dynamic stay under 48 KiB.
+constexpr int kLayoutSmemBytes = 32 * 1024;
 constexpr int kCopyThreads = 512;    // row copy (dispatch / gather) and combine: grid = num_blocks
+
+// Chunking of the layout kernel for R ranks, T tokens, at most max_blocks blocks (the SM count).
+struct LayoutPlan {
+  int chunk;              // tokens per block (multiple of kLayoutMinChunk)
+  int nch;                // chunks per source rank; grid = R * nch
+  int64_t scratch_words;  // int32 words of scratch the kernel uses (<= R*T + R*R + 64)
+};
+LayoutPlan plan_layout(int R, int T, int max_blocks);
 
 struct DispatchArgs {
   PeerSlots ps;
@@ -38,6 +52,7 @@ struct DispatchArgs {
   int32_t* recv_tokens_per_expert;  // [L]
   int32_t* stats;              // [4]
   int32_t* scratch;            // [R*T + R*R + 64]
+  LayoutPlan plan;             // plan_layout(R, T, #SMs), set by the handler
 };
 
 struct GatherArgs {

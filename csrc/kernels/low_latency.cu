@@ -293,6 +293,273 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Fast dispatch (K <= 32): push protocol, every SM, several warps per row, no grid barrier.
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kFastWarps = kFastDispatchThreads / 32;
+constexpr int kHalfWarps = 2 * kFastWarps;
+constexpr int kRowRegs = 8;  // vectors per lane in flight while pulling a row part
+
+// Sender side (use_fp8): quantise own rows [t0, t1) into staging [M*H e4m3 | M*G f32 scales].
+// A half-warp owns one (row, 128-column group) unit: 16 lanes x 8 bf16 (one 16-byte load each);
+// all units' loads of a round are issued before any is converted. Block-uniform.
+__device__ __forceinline__ void quantise_rows(const DispatchParams& p, int t0, int t1, int lane,
+                                              int warp) {
+  const int units = (t1 - t0) * p.G;
+  const int hw = warp * 2 + (lane >> 4), sub = lane & 15;
+  const uint8_t* x = static_cast<const uint8_t*>(p.x);
+  uint8_t* q_base = p.staging;
+  float* sc_base = reinterpret_cast<float*>(p.staging + (int64_t)p.M * p.H);
+  const bool round_scale = p.round_scale != 0;
+  for (int base = 0; base < units; base += kHalfWarps * kQuantUnits) {  // block-uniform
+    uint4 raw[kQuantUnits];
+#pragma unroll
+    for (int q = 0; q < kQuantUnits; ++q) {
+      const int u = base + q * kHalfWarps + hw;
+      raw[q] = make_uint4(0u, 0u, 0u, 0u);
+      if (u < units) {
+        const int t = t0 + u / p.G, g = u % p.G;
+        raw[q] = __ldg(reinterpret_cast<const uint4*>(
+            x + ((int64_t)t * p.H + g * fp8::kGroup + sub * 8) * 2));
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kQuantUnits; ++q) {
+      const int u = base + q * kHalfWarps + hw;
+      if (base + q * kHalfWarps >= units) break;  // block-uniform: no unit of this q anywhere
+      float v[8];
+      fp8::bf16x8_to_float(raw[q], v);
+      float amax = fp8::abs_max8(v);
+#pragma unroll
+      for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
+      float scale, inv;
+      fp8::group_scale(amax, round_scale, &scale, &inv);
+      if (u < units) {
+        const int t = t0 + u / p.G, g = u % p.G;
+        *reinterpret_cast<uint2*>(q_base + (int64_t)t * p.H + g * fp8::kGroup + sub * 8) =
+            fp8::quantize8(v, inv);
+        if (sub == 0) sc_base[(int64_t)t * p.G + g] = scale;
+      }
+    }
+  }
+}
+
+// Block b handles work items (s, t), item i = t * R + s, i in [b*n/grid, (b+1)*n/grid), n = R*T,
+// in rounds of up to 16 items. Per round:
+//   A: warp w indexes item w: lane k reads topk_idx_s[t][k] (one NVLink round trip for all k),
+//      fills src_to_row[s][t][*] = -1, de-duplicates (first slot naming a local expert leads),
+//      writes the leaders' experts to shared memory; FP8: lane 0 waits for s's chunk flag.
+//   B1: all 16 warps issue the loads of their part of a row (16/n warps per item; one 16-byte
+//      vector per lane per 32*16/n vectors: the whole 7 KiB FP8 row of H = 7168 in one trip).
+//   B2: meanwhile the index warps take the rows: j = atomicAdd(counter[l]), recv_src, src_to_row.
+//   B3: after __syncthreads, store the part to every leader's row (l, j) + the scales.
+template <typename V>
+__global__ void __launch_bounds__(kFastDispatchThreads, 1)
+    dispatch_fast_kernel(const __grid_constant__ DispatchParams p) {
+  __shared__ const uint8_t* s_src[kMaxRanks];
+  __shared__ const int32_t* s_idx[kMaxRanks];
+  __shared__ int s_nlead[kFastWarps];
+  __shared__ int s_le[kFastWarps][kFastMaxK];
+  __shared__ int s_j[kFastWarps][kFastMaxK];
+  __shared__ int s_invalid;
+  const PeerSlots& ps = p.ps;
+  const int R = ps.num_ranks, r = ps.rank;
+  int* counters = ps.slot[r]->counters;
+  const unsigned long long epoch = call_epoch(ps);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t RM = (int64_t)R * p.M;
+  const bool fp8 = p.use_fp8 != 0;
+  const int64_t row_bytes = fp8 ? (int64_t)p.H : 2LL * p.H;
+  const int nch = max(1, min(p.M, kMaxChunks));  // chunk c = tokens [c*tpc, (c+1)*tpc)
+  const int tpc = max(1, (p.M + nch - 1) / nch);
+
+  // 1. Push our addresses into every rank's slot (a few blocks, identical values).
+  if (blockIdx.x < kPushBlocks && warp == 0 && lane < R) {
+    const void* mine[2] = {fp8 ? static_cast<const void*>(p.staging) : p.x,
+                           static_cast<const void*>(p.topk_idx)};
+    push_publish_lane(ps, lane, mine, 2, epoch);
+  }
+
+  // 2. FP8 sender side: quantise own chunks (each token once), flag each chunk to every rank.
+  if (fp8) {
+    for (int c = blockIdx.x; c < nch; c += gridDim.x) {  // block-uniform
+      const int t0 = c * tpc, t1 = min(p.T, t0 + tpc);
+      if (t1 > t0) quantise_rows(p, t0, t1, lane, warp);
+      push_chunk_ready(ps, c, epoch);
+    }
+  }
+
+  // 3. src_to_row[s][t][*] = -1 for T <= t < M (no other writer; t < T: by the item's warp).
+  {
+    const int64_t per_s = (int64_t)(p.M - p.T) * p.L;
+    const int64_t n = (int64_t)R * per_s;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+      const int64_t s = i / per_s;
+      p.src_to_row[(s * p.M + p.T) * p.L + (i - s * per_s)] = -1;
+    }
+  }
+
+  // 4. Wait for every rank's addresses (local polls; lane s for rank s).
+  if (warp == 0 && lane < R) {
+    push_wait_ready(ps, lane, epoch, p.timeout_ns, "ll_dispatch: wait for peers");
+    s_src[lane] = pushed_ptr<const uint8_t>(ps, lane, 0);
+    s_idx[lane] = pushed_ptr<const int32_t>(ps, lane, 1);
+  }
+  __syncthreads();
+
+  // 5. Receive.
+  const int nitems = R * p.T;
+  const int i0 = (int)((int64_t)blockIdx.x * nitems / gridDim.x);
+  const int i1 = (int)((int64_t)(blockIdx.x + 1) * nitems / gridDim.x);
+  const int nvec = static_cast<int>(row_bytes / (int64_t)sizeof(V));
+  const int G = p.G;
+  uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
+  for (int base = i0; base < i1; base += kFastWarps) {  // block-uniform
+    const int n = min(kFastWarps, i1 - base);
+    // A. index warps
+    int my_le = -1, my_pos = 0;
+    bool lead = false;
+    if (warp < n) {
+      const int it = base + warp, s = it % R, t = it / R;
+      const int v = lane < p.K ? __ldcg(s_idx[s] + (int64_t)t * p.K + lane) : -1;
+      int32_t* s2r = p.src_to_row + ((int64_t)s * p.M + t) * p.L;
+      for (int l = lane; l < p.L; l += 32) s2r[l] = -1;
+      if (fp8 && lane == 0)
+        push_wait_chunk(ps, s, t / tpc, epoch, p.timeout_ns, "ll_dispatch: wait for rows");
+      my_le = local_expert(v, p.E, p.L, r);
+      const unsigned same = __match_any_sync(kFull, my_le);
+      lead = my_le >= 0 && (same & lanemask_lt()) == 0;  // first slot naming the expert
+      const unsigned mask = __ballot_sync(kFull, lead);
+      my_pos = __popc(mask & lanemask_lt());
+      if (lead) s_le[warp][my_pos] = my_le;
+      if (lane == 0) s_nlead[warp] = __popc(mask);
+    }
+    __syncthreads();
+    // B1. every warp: loads of its part of one row
+    const int wpi = kFastWarps / n;  // warps per item
+    const int ci = warp % n, u = warp / n;
+    const int nl = s_nlead[ci];
+    const bool copier = u < wpi && nl > 0;
+    const int cit = base + ci, cs = cit % R, ct = cit / R;
+    const V* src = reinterpret_cast<const V*>(s_src[cs] + (int64_t)ct * row_bytes);
+    const float* src_sc =
+        reinterpret_cast<const float*>(s_src[cs] + (int64_t)p.M * p.H) + (int64_t)ct * G;
+    const int stride = wpi * 32, lane0 = u * 32 + lane;
+    V buf[kRowRegs];
+    float sc[2] = {0.f, 0.f};
+    if (copier) {
+#pragma unroll
+      for (int k = 0; k < kRowRegs; ++k) {
+        const int v = lane0 + k * stride;
+        if (v < nvec) buf[k] = __ldcg(src + v);
+      }
+      if (fp8) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int g = lane0 + k * stride;
+          if (g < G) sc[k] = __ldcg(src_sc + g);
+        }
+      }
+    }
+    // B2. index warps take the rows while the loads are in flight
+    if (lead) {
+      const int it = base + warp, s = it % R, t = it / R;
+      const int j = atomicAdd(counters + my_le, 1);
+      s_j[warp][my_pos] = j;
+      p.recv_src[(int64_t)my_le * RM + j] = s * p.M + t;
+      p.src_to_row[((int64_t)s * p.M + t) * p.L + my_le] = j;  // after the -1 (same warp)
+    }
+    __syncthreads();
+    // B3. store to every leader's row (local), then any rest of the row
+    if (copier) {
+      for (int q = 0; q < nl; ++q) {  // warp-uniform
+        const int64_t row = (int64_t)s_le[ci][q] * RM + s_j[ci][q];
+        V* d = reinterpret_cast<V*>(recv_x + row * row_bytes);
+#pragma unroll
+        for (int k = 0; k < kRowRegs; ++k) {
+          const int v = lane0 + k * stride;
+          if (v < nvec) d[v] = buf[k];
+        }
+        if (fp8) {
+          float* ds = p.recv_scales + row * G;
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int g = lane0 + k * stride;
+            if (g < G) ds[g] = sc[k];
+          }
+          for (int g = lane0 + 2 * stride; g < G; g += stride) ds[g] = __ldcg(src_sc + g);
+        }
+      }
+      for (int v0 = kRowRegs * stride; v0 < nvec; v0 += kRowRegs * stride) {  // long rows
+#pragma unroll
+        for (int k = 0; k < kRowRegs; ++k) {
+          const int v = v0 + lane0 + k * stride;
+          if (v < nvec) buf[k] = __ldcg(src + v);
+        }
+        for (int q = 0; q < nl; ++q) {
+          const int64_t row = (int64_t)s_le[ci][q] * RM + s_j[ci][q];
+          V* d = reinterpret_cast<V*>(recv_x + row * row_bytes);
+#pragma unroll
+          for (int k = 0; k < kRowRegs; ++k) {
+            const int v = v0 + lane0 + k * stride;
+            if (v < nvec) d[v] = buf[k];
+          }
+        }
+      }
+    }
+    __syncthreads();  // shared tables are rewritten by the next round
+  }
+
+  // 6. num_invalid over own ids (one block; no dependence on the others).
+  if (blockIdx.x == gridDim.x - 1) {  // block-uniform
+    if (threadIdx.x == 0) s_invalid = 0;
+    __syncthreads();
+    int c = 0;
+    const int64_t n = (int64_t)p.T * p.K;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const int v = __ldg(p.topk_idx + i);
+      c += (v < -1 || v >= p.E) ? 1 : 0;
+    }
+    c = __reduce_add_sync(kFull, c);
+    if (lane == 0 && c != 0) atomicAdd(&s_invalid, c);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      p.stats[0] = s_invalid;
+      p.stats[1] = 0;
+    }
+  }
+
+  // 7. End barrier. The last block (all atomics done: counts final) signals done first, then
+  // writes recv_count, recv_src = -1 past each count, zeroes the counters, then waits.
+  end_barrier_fast(ps, epoch, p.timeout_ns, "ll_dispatch: end", [&]() {
+    for (int l = warp; l < p.L; l += kFastWarps) {  // warp-uniform
+      int cnt = 0;
+      if (lane == 0) cnt = *reinterpret_cast<volatile int*>(counters + l);
+      cnt = __shfl_sync(kFull, cnt, 0);
+      if (lane == 0) {
+        p.recv_count[l] = cnt;
+        counters[l] = 0;
+      }
+      int32_t* rs = p.recv_src + (int64_t)l * RM;
+      int64_t j = cnt;
+      // scalar head up to 16-byte alignment, int4 body, scalar tail
+      const int64_t head = min(RM, (j + 3) & ~int64_t{3});
+      const bool vec_ok = (reinterpret_cast<uintptr_t>(p.recv_src) & 15) == 0 && (RM & 3) == 0;
+      if (vec_ok) {
+        if (j + lane < head) rs[j + lane] = -1;
+        j = head;
+        int4* rs4 = reinterpret_cast<int4*>(rs + j);
+        const int64_t n4 = (RM - j) >> 2;
+        for (int64_t v = lane; v < n4; v += 32) rs4[v] = make_int4(-1, -1, -1, -1);
+        j += n4 * 4;
+      }
+      for (int64_t jj = j + lane; jj < RM; jj += 32) rs[jj] = -1;
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Combine
 // ---------------------------------------------------------------------------------------------
 
@@ -310,30 +577,36 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int R = ps.num_ranks, r = ps.rank;
   const unsigned long long epoch = call_epoch(ps);
 
+  const int t = blockIdx.x / blocks_per_token;
+  const int c = blockIdx.x - t * blocks_per_token;
+  // Own operands first (no dependence on the peers): their loads overlap the wait below.
+  int v_pre = -1;
+  float w_pre = 0.f;
+  if (t < p.T && (int)threadIdx.x < p.K) {
+    v_pre = __ldg(p.topk_idx + (int64_t)t * p.K + threadIdx.x);
+    w_pre = __ldg(p.topk_weights + (int64_t)t * p.K + threadIdx.x);
+  }
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    if (lane == 0) {
+    if (blockIdx.x < kPushBlocks && lane < R) {  // lane s pushes to rank s
       const void* mine[2] = {p.y, static_cast<const void*>(p.src_to_row)};
-      publish(ps, mine, 2, epoch);
+      push_publish_lane(ps, lane, mine, 2, epoch);
     }
-    __syncwarp();
-    if (lane < R) {  // lane s waits for rank s (the R remote polls run in parallel)
-      wait_flag_geq(&ps.slot[lane]->ready, epoch, p.timeout_ns, r, lane,
-                    "ll_combine: wait for peers");
-      s_y[lane] = peer_ptr<const uint8_t>(ps, lane, 0);
-      s_s2r[lane] = peer_ptr<const int32_t>(ps, lane, 1);
+    if (lane < R) {  // lane s waits (local poll) for rank s's addresses
+      push_wait_ready(ps, lane, epoch, p.timeout_ns, "ll_combine: wait for peers");
+      s_y[lane] = pushed_ptr<const uint8_t>(ps, lane, 0);
+      s_s2r[lane] = pushed_ptr<const int32_t>(ps, lane, 1);
     }
   }
   __syncthreads();
 
-  const int t = blockIdx.x / blocks_per_token;
-  const int c = blockIdx.x - t * blocks_per_token;
   if (t < p.T) {  // block-uniform
     const int64_t RM = (int64_t)R * p.M;
     const int64_t row_bytes = 2LL * p.H;
-    // Resolve each slot's source row once per block: src_to_row of rank q (peer read).
+    // Resolve each slot's source row once per block: src_to_row of rank q (peer read), all K
+    // slots in parallel (one thread each).
     for (int k = threadIdx.x; k < p.K; k += blockDim.x) {
-      const int v = p.topk_idx[(int64_t)t * p.K + k];
+      const int v = k == (int)threadIdx.x ? v_pre : __ldg(p.topk_idx + (int64_t)t * p.K + k);
       const uint8_t* rp = nullptr;
       float w = 0.f;
       if (v >= 0 && v < p.E) {
@@ -341,7 +614,7 @@ __global__ void __launch_bounds__(kCombineThreads)
         const int row = __ldcg(s_s2r[q] + ((int64_t)r * p.M + t) * p.L + l);
         if (row >= 0 && row < RM) {
           rp = s_y[q] + ((int64_t)l * RM + row) * row_bytes;
-          w = p.topk_weights[(int64_t)t * p.K + k];
+          w = k == (int)threadIdx.x ? w_pre : __ldg(p.topk_weights + (int64_t)t * p.K + k);
         }
       }
       s_row[k] = rp;
@@ -388,7 +661,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       if (v < v1) pack(acc[i], out + v);
     }
   }
-  end_barrier(ps, epoch, p.timeout_ns, "ll_combine: end");
+  end_barrier_fast(ps, epoch, p.timeout_ns, "ll_combine: end", []() {});
 }
 
 constexpr int kMaxDevices = 256;
@@ -396,26 +669,42 @@ std::atomic<int> g_dispatch_ctas[kMaxDevices];  // co-resident dispatch CTAs per
 
 }  // namespace
 
-int dispatch_grid(int device, int64_t num_blocks) {
+int dispatch_grid(int device, int K) {
+  (void)K;
   int cap = (device >= 0 && device < kMaxDevices) ? g_dispatch_ctas[device].load() : 0;
   if (cap == 0) {
-    int sms = 0, occ = 0;
+    int sms = 0, occ = 0, occ_fast = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
       return 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dispatch_kernel, kDispatchThreads,
                                                       kMaxLocalExperts * sizeof(int)) !=
         cudaSuccess)
       return 0;
-    if (occ < 1) return 0;
-    cap = sms;  // one CTA per SM (co-residency for the in-kernel grid barrier)
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &occ_fast, dispatch_fast_kernel<uint4>, kFastDispatchThreads, 0) != cudaSuccess)
+      return 0;
+    if (occ < 1 || occ_fast < 1) return 0;
+    cap = sms;  // one CTA per SM on every SM (co-resident: the kernels wait on each other's flags)
     if (device >= 0 && device < kMaxDevices) g_dispatch_ctas[device].store(cap);
   }
-  if (num_blocks < 1) return cap;
-  return static_cast<int>(num_blocks < cap ? num_blocks : cap);
+  return cap;
 }
 
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream) {
-  dispatch_kernel<<<grid, kDispatchThreads, p.L * sizeof(int), stream>>>(p);
+  if (p.K > kFastMaxK) {  // generic kernel: one warp per item, grid barriers
+    dispatch_kernel<<<grid, kDispatchThreads, p.L * sizeof(int), stream>>>(p);
+    return cudaGetLastError();
+  }
+  const int64_t row_bytes = p.use_fp8 ? (int64_t)p.H : 2LL * p.H;
+  int vw = 16;  // widest vector dividing the row size and the output base
+  while (vw > 2 && ((row_bytes | (int64_t)reinterpret_cast<uintptr_t>(p.recv_x)) & (vw - 1)))
+    vw >>= 1;
+  switch (vw) {
+    case 16: dispatch_fast_kernel<uint4><<<grid, kFastDispatchThreads, 0, stream>>>(p); break;
+    case 8: dispatch_fast_kernel<uint2><<<grid, kFastDispatchThreads, 0, stream>>>(p); break;
+    case 4: dispatch_fast_kernel<unsigned int><<<grid, kFastDispatchThreads, 0, stream>>>(p); break;
+    default: dispatch_fast_kernel<unsigned short><<<grid, kFastDispatchThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

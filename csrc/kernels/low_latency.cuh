@@ -11,8 +11,11 @@
 namespace jax_ep {
 namespace ll {
 
-constexpr int kDispatchThreads = 256;  // 8 warps; 1 CTA per SM (grid barrier: co-resident)
-constexpr int kCombineThreads = 128;
+constexpr int kDispatchThreads = 256;      // generic dispatch kernel (K > 32): 8 warps
+constexpr int kFastDispatchThreads = 512;  // fast dispatch kernel (K <= 32): 16 warps
+constexpr int kFastMaxK = 32;              // the fast kernel keeps one top-k slot per lane
+constexpr int kCombineThreads = 256;  // combine: 2 x 16-byte columns per thread, 512 per block
+constexpr int kPushBlocks = 4;  // blocks that push this rank's addresses to the peers
 
 struct DispatchParams {
   PeerSlots ps;
@@ -41,8 +44,9 @@ struct CombineParams {
   int64_t timeout_ns;
 };
 
-// Grid of the dispatch kernel: clamp(num_blocks, 1, co-resident CTAs); 0 on a CUDA error.
-int dispatch_grid(int device, int64_t num_blocks);
+// Grid of the dispatch kernel: one CTA per SM, every SM (LL is latency-bound; the grid stays
+// co-resident, which the kernels' in-grid waits need). `num_blocks` is not used. 0 on a CUDA error.
+int dispatch_grid(int device, int K);
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream);
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 

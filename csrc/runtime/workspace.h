@@ -13,6 +13,7 @@ constexpr int kMaxRanks = 8;       // EP group size limit for the one-process (p
 constexpr int kNumSlots = 64;      // call-site slots; each op names one (attribute "slot")
 constexpr int kMaxPtrs = 8;        // addresses one op can publish
 constexpr int kMaxLocalExperts = 1024;
+constexpr int kMaxChunks = 128;    // per-source chunk flags of the push protocol (LL dispatch)
 
 // One slot. Flags are monotonically increasing epochs: never reset, so no cleaning kernel.
 struct alignas(128) Slot {
@@ -23,6 +24,11 @@ struct alignas(128) Slot {
   unsigned int block_counter;          // last-block-done counter (owner only), returns to 0
   unsigned int grid_counter;           // in-kernel grid barrier counter (owner only)
   int counters[kMaxLocalExperts];      // per-op scratch counters, left at 0 by every op
+  // Push variant of the protocol (peer.cuh "push_*"; used by the LL kernels): peers WRITE into
+  // our slot, we poll our own memory (one NVLink one-way trip instead of remote polling).
+  unsigned long long in_ptrs[kMaxRanks][kMaxPtrs];       // in_ptrs[s]: addresses rank s published
+  unsigned long long in_ready[kMaxRanks];                // epoch e: in_ptrs[s] of call e valid
+  unsigned long long chunk_ready[kMaxRanks][kMaxChunks];  // epoch e: rank s's chunk c is ready
 };
 
 struct Workspace {

@@ -175,4 +175,100 @@ __device__ __forceinline__ void grid_barrier_reset(const PeerSlots& ps) {
   ps.slot[ps.rank]->grid_counter = 0;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Push variant of steps 1, 2 and 4 (additive; used by the low-latency kernels). Same epochs, same
+// guarantees, but every flag is WRITTEN into the reader's own slot, so every wait polls local
+// memory: a flag costs one NVLink one-way trip instead of remote polling (a round trip per poll),
+// and the R peers are handled by R lanes of one warp (one fence for all, not R serial release
+// stores). Why it is safe to write into a peer's slot: rank s rewrites in_ptrs[s] / in_ready[s] /
+// chunk_ready[s][*] in the peer's slot only in call e+1, which starts after s saw done[peer] = e,
+// i.e. after every block of that peer passed its last read of call e.
+
+// Step 1, called by lane s (< num_ranks) of one warp, lanes in parallel: publish our n
+// addresses into rank s's slot (in_ptrs[rank]) and set its in_ready[rank] = e (release).
+// Idempotent: several blocks may push the same values.
+__device__ __forceinline__ void push_publish_lane(const PeerSlots& ps, int s,
+                                                  const void* const* ptrs, int n,
+                                                  unsigned long long e) {
+  Slot* dst = ps.slot[s];
+  for (int i = 0; i < n; ++i)
+    dst->in_ptrs[ps.rank][i] = reinterpret_cast<unsigned long long>(ptrs[i]);
+  st_release_sys(&dst->in_ready[ps.rank], e);  // release: orders the pointer stores before it
+}
+
+// Step 2 for source s (one thread): wait until rank s pushed call e's addresses into our slot.
+__device__ __forceinline__ void push_wait_ready(const PeerSlots& ps, int s, unsigned long long e,
+                                                int64_t timeout_ns, const char* phase) {
+  wait_flag_geq(&ps.slot[ps.rank]->in_ready[s], e, timeout_ns, ps.rank, s, phase);
+}
+
+// Address number i that rank s pushed for this call (valid after push_wait_ready(s)).
+template <typename T>
+__device__ __forceinline__ T* pushed_ptr(const PeerSlots& ps, int s, int i) {
+  return reinterpret_cast<T*>(ld_volatile_u64(&ps.slot[ps.rank]->in_ptrs[s][i]));
+}
+
+// Per-chunk readiness (data written by this block during this call): the whole block calls it
+// after writing chunk c; lanes 0..R-1 of warp 0 set chunk_ready[rank][c] = e in every peer's slot
+// (and ours). Block-uniform call (uses __syncthreads).
+__device__ __forceinline__ void push_chunk_ready(const PeerSlots& ps, int c,
+                                                 unsigned long long e) {
+  __syncthreads();
+  if (threadIdx.x < 32 && (int)threadIdx.x < ps.num_ranks) {
+    __threadfence_system();  // the block's writes (ordered by the barrier) before the flag
+    st_release_sys(&ps.slot[threadIdx.x]->chunk_ready[ps.rank][c], e);
+  }
+}
+
+// Wait (one thread) until rank s marked its chunk c of call e ready.
+__device__ __forceinline__ void push_wait_chunk(const PeerSlots& ps, int s, int c,
+                                                unsigned long long e, int64_t timeout_ns,
+                                                const char* phase) {
+  wait_flag_geq(&ps.slot[ps.rank]->chunk_ready[s][c], e, timeout_ns, ps.rank, s, phase);
+}
+
+// Step 4, whole block calls it at the very end of the op (as end_barrier with a hook), but
+// faster: the last block to arrive signals done to all peers FIRST (lane s -> peer s, in
+// parallel), then runs last_fn() (which must not read peer memory: it overlaps the peers' done
+// flags in flight), then waits for the peers' done flags (lane s polls done[s], in parallel),
+// then closes the epoch. last_fn runs with all threads of the last block, block-uniformly; every
+// other block of the grid has finished its work when it runs.
+template <typename LastFn>
+__device__ __forceinline__ void end_barrier_fast(const PeerSlots& ps, unsigned long long e,
+                                                 int64_t timeout_ns, const char* phase,
+                                                 LastFn&& last_fn) {
+  __syncthreads();
+  __shared__ bool is_last_fast;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    Slot* me = ps.slot[ps.rank];
+    unsigned int prev = atomicAdd(&me->block_counter, 1u);
+    is_last_fast = (prev == gridDim.x * gridDim.y * gridDim.z - 1);
+    if (is_last_fast) __threadfence();  // acquire: see what the other blocks wrote
+  }
+  __syncthreads();
+  if (is_last_fast) {
+    Slot* me = ps.slot[ps.rank];
+    if (threadIdx.x < 32) {
+      if (threadIdx.x == 0) me->block_counter = 0;
+      if ((int)threadIdx.x < ps.num_ranks) {
+        __threadfence_system();
+        st_release_sys(&ps.slot[threadIdx.x]->done[ps.rank], e);
+      }
+    }
+    last_fn();
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      if ((int)threadIdx.x < ps.num_ranks)
+        wait_flag_geq(&me->done[threadIdx.x], e, timeout_ns, ps.rank, threadIdx.x, phase);
+      __syncwarp();
+      if (threadIdx.x == 0) {
+        me->epoch = e;
+        __threadfence_system();
+      }
+    }
+  }
+  __syncthreads();
+}
+
 }  // namespace jax_ep
