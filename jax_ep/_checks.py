@@ -93,3 +93,13 @@ def sum_over_shards(v, axis_name):
     if axis_name in manual:
         axes = manual
     return jax.lax.psum(v, axes)
+
+
+def int32_ids(topk_idx, num_experts):
+    """topk_idx as int32 without wrapping: an int64 id outside [-1, E) becomes -2 (still out of
+    range, so still treated as -1 and counted in num_invalid) instead of wrapping modulo 2^32
+    into what may be a valid expert id."""
+    if jnp.dtype(topk_idx.dtype) == jnp.int32:
+        return topk_idx
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    return jnp.where(bad, -2, topk_idx).astype(jnp.int32)

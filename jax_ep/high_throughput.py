@@ -214,7 +214,7 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
     _checks.experts_per_rank(num_experts, R)
     capacity = R * T if capacity is None else _checks.static_int("capacity", capacity, 1)
     cfg = (int(num_experts), capacity, axis_name, be)
-    idx = topk_idx.astype(jnp.int32)
+    idx = _checks.int32_ids(topk_idx, num_experts)
     w = (jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None else topk_weights)
     if fp8:
         recv_xs, ridx, rw, per_expert, handle = _dispatch_fp8(tuple(x), w, idx, cfg)

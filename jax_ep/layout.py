@@ -18,7 +18,7 @@ def get_dispatch_layout(topk_idx, *, num_experts, num_ranks, backend="auto"):
     if _checks.resolve_backend(backend) == "reference":
         return ref.layout_counts(topk_idx, num_experts=num_experts, num_ranks=R)
     T = topk_idx.shape[0]
-    return tuple(_ffi.call("jax_ep_layout", [topk_idx.astype(jnp.int32)],
+    return tuple(_ffi.call("jax_ep_layout", [_checks.int32_ids(topk_idx, num_experts)],
                            [((R,), jnp.int32), ((num_experts,), jnp.int32), ((T, R), jnp.bool_),
                             ((), jnp.int32)],
                            num_experts=num_experts, num_ranks=R))

@@ -162,7 +162,7 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
     R, _ = ref.axis_info(axis_name)
     _checks.experts_per_rank(num_experts, R)
     cfg = (int(num_experts), M, bool(use_fp8), bool(round_scale), axis_name, be)
-    idx = topk_idx.astype(jnp.int32)
+    idx = _checks.int32_ids(topk_idx, num_experts)
     fn = _dispatch_fp8 if use_fp8 else _dispatch_diff
     rx, cnt, handle = fn(x, idx, cfg)
     if runtime.check_enabled(check):
@@ -199,4 +199,5 @@ def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, 
         raise ValueError(f"handle: made for an EP group of {R_h} ranks, but axis "
                          f"{axis_name!r} has {R}")
     cfg = (L * R, axis_name, be)
-    return _combine_diff(y, topk_weights, topk_idx.astype(jnp.int32), handle.src_to_row, cfg)
+    return _combine_diff(y, topk_weights, _checks.int32_ids(topk_idx, L * R),
+                         handle.src_to_row, cfg)

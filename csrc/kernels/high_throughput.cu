@@ -430,12 +430,19 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
   const int recv_count = min(max(a.stats[0], 0), C);
   const int warps = blockDim.x >> 5;
   const int64_t nw = static_cast<int64_t>(gridDim.x) * warps;
-  int64_t j = static_cast<int64_t>(blockIdx.x) * warps + (tid >> 5);
+  // Valid rows are ordered by source rank. Walked in that order, every receiver would pull from
+  // rank 0, then all from rank 1...: one source's links saturated, the others idle. Receiver r
+  // starts at fraction r / R of its rows instead, so at any moment the ranks read from
+  // different sources. Padding rows (>= recv_count) keep their places.
+  const int64_t shift = recv_count > 0 ? static_cast<int64_t>(recv_count) * ps.rank / R : 0;
+  auto row_of = [&](int64_t v) { return v < recv_count ? (v + shift) % recv_count : v; };
+  int64_t v = static_cast<int64_t>(blockIdx.x) * warps + (tid >> 5);
   // recv_src of the warp's next row is loaded one row ahead (hides a local load per row).
-  int src_next = j < recv_count ? a.recv_src[j] : -1;
-  for (; j < C; j += nw) {
+  int src_next = v < recv_count ? a.recv_src[row_of(v)] : -1;
+  for (; v < C; v += nw) {
+    const int64_t j = row_of(v);
     const int src = src_next;
-    src_next = j + nw < recv_count ? a.recv_src[j + nw] : -1;
+    src_next = v + nw < recv_count ? a.recv_src[row_of(v + nw)] : -1;
     int s = -1;
     int64_t t = 0;
     if (j < recv_count && src >= 0 && T > 0 && src / T < R) {

@@ -381,8 +381,17 @@ __global__ void __launch_bounds__(kFastDispatchThreads, 1)
   }
 
   // 2. FP8 sender side: quantise own chunks (each token once), flag each chunk to every rank.
+  //    Chunks are taken from a ticket counter, not by block index: the first resident blocks
+  //    quantise everything before anyone waits, so the kernel never needs all of its blocks
+  //    co-resident (XLA may run another kernel, e.g. a NCCL collective, beside it).
   if (fp8) {
-    for (int c = blockIdx.x; c < nch; c += gridDim.x) {  // block-uniform
+    __shared__ int s_ticket;
+    for (;;) {  // block-uniform
+      if (threadIdx.x == 0) s_ticket = (int)atomicAdd(&ps.slot[r]->work_ticket, 1u);
+      __syncthreads();
+      const int c = s_ticket;
+      __syncthreads();
+      if (c >= nch) break;
       const int t0 = c * tpc, t1 = min(p.T, t0 + tpc);
       if (t1 > t0) quantise_rows(p, t0, t1, lane, warp);
       push_chunk_ready(ps, c, epoch);
@@ -533,6 +542,7 @@ __global__ void __launch_bounds__(kFastDispatchThreads, 1)
   // 7. End barrier. The last block (all atomics done: counts final) signals done first, then
   // writes recv_count, recv_src = -1 past each count, zeroes the counters, then waits.
   end_barrier_fast(ps, epoch, p.timeout_ns, "ll_dispatch: end", [&]() {
+    if (threadIdx.x == 0) ps.slot[r]->work_ticket = 0;  // every block is past its tickets
     for (int l = warp; l < p.L; l += kFastWarps) {  // warp-uniform
       int cnt = 0;
       if (lane == 0) cnt = *reinterpret_cast<volatile int*>(counters + l);
@@ -684,7 +694,7 @@ int dispatch_grid(int device, int K) {
             &occ_fast, dispatch_fast_kernel<uint4>, kFastDispatchThreads, 0) != cudaSuccess)
       return 0;
     if (occ < 1 || occ_fast < 1) return 0;
-    cap = sms;  // one CTA per SM on every SM (co-resident: the kernels wait on each other's flags)
+    cap = sms;  // one CTA per SM; co-residency is not required (quantisation is ticketed)
     if (device >= 0 && device < kMaxDevices) g_dispatch_ctas[device].store(cap);
   }
   return cap;

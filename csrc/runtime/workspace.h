@@ -29,6 +29,10 @@ struct alignas(128) Slot {
   unsigned long long in_ptrs[kMaxRanks][kMaxPtrs];       // in_ptrs[s]: addresses rank s published
   unsigned long long in_ready[kMaxRanks];                // epoch e: in_ptrs[s] of call e valid
   unsigned long long chunk_ready[kMaxRanks][kMaxChunks];  // epoch e: rank s's chunk c is ready
+  // Work tickets of the op's own-side tasks (LL FP8 quantisation chunks): whichever blocks are
+  // resident take them all before any block waits on a peer, so no wait ever depends on a block
+  // that XLA could not schedule (another kernel holding SMs). Back to 0 at the op's end.
+  unsigned int work_ticket;
 };
 
 struct Workspace {

@@ -1,0 +1,58 @@
+"""Shared fixtures: 8 host CPU devices (set before jax is imported) and the test meshes."""
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs CUDA GPUs (jax.default_backend() != 'gpu')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _mesh(ids, shape, names):
+    devs = jax.devices()
+    if len(devs) < max(ids) + 1:
+        pytest.fail(f"need {max(ids) + 1} devices, have {len(devs)} (XLA_FLAGS not applied?)")
+    return Mesh(np.array([devs[i] for i in ids]).reshape(shape), names)
+
+
+@pytest.fixture(scope="session")
+def mesh2():
+    return _mesh([0, 1], (2,), ("ep",))
+
+
+@pytest.fixture(scope="session")
+def mesh4():
+    return _mesh([0, 1, 2, 3], (4,), ("ep",))
+
+
+@pytest.fixture(scope="session")
+def mesh_dp_ep():
+    return _mesh([0, 1, 2, 3], (2, 2), ("dp", "ep"))
+
+
+@pytest.fixture(scope="session")
+def mesh_permuted():
+    return _mesh([3, 1, 2, 0], (4,), ("ep",))
+
+
+@pytest.fixture(scope="session")
+def mesh_dp_ep_permuted():
+    return _mesh([3, 1, 2, 0], (2, 2), ("dp", "ep"))
+
+
+@pytest.fixture(scope="session")
+def meshes(mesh2, mesh4, mesh_dp_ep, mesh_permuted, mesh_dp_ep_permuted):
+    return {"ep2": mesh2, "ep4": mesh4, "dp_ep": mesh_dp_ep, "ep4_perm": mesh_permuted,
+            "dp_ep_perm": mesh_dp_ep_permuted}

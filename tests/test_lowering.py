@@ -1,0 +1,192 @@
+"""The CUDA lowering, checked on a CPU machine: lower for platform 'cuda' and read the HLO.
+
+The CUDA extension is not needed to lower: the availability check, the peer-runtime set-up and
+the FFI target registration are patched out; nothing is compiled or run.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_ep
+import jax_ep._ffi
+import jax_ep.runtime
+from helpers import smap
+
+E = 8
+COMM_TARGETS = ("jax_ep_ht_dispatch", "jax_ep_ht_combine", "jax_ep_ht_gather",
+                "jax_ep_ll_dispatch", "jax_ep_ll_combine")
+
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    monkeypatch.setattr(jax_ep.runtime, "cuda_backend_available", lambda: True)
+    monkeypatch.setattr(jax_ep.runtime, "ensure_peer_runtime", lambda *a, **k: None)
+    monkeypatch.setattr(jax_ep._ffi, "_register_targets", lambda: None)
+
+
+def expected_groups(mesh, axis="ep"):
+    """Rows: each EP group's device ids in ep-axis order (read straight off mesh.devices)."""
+    devs = np.asarray(mesh.devices)
+    ax = list(mesh.axis_names).index(axis)
+    rows = []
+    other = [range(s) for i, s in enumerate(devs.shape) if i != ax]
+    for pos in np.ndindex(*[len(r) for r in other]):
+        row = []
+        for k in range(devs.shape[ax]):
+            full = list(pos)
+            full.insert(ax, k)
+            row.append(devs[tuple(full)].id)
+        rows.append(tuple(row))
+    return rows
+
+
+CALL_RE = re.compile(r"stablehlo\.custom_call @(\w+)\((.*)$", re.M)
+
+
+def custom_calls(text):
+    """[(target, attribute text)] in program order."""
+    return [(m.group(1), m.group(2)) for m in CALL_RE.finditer(text)]
+
+
+def attr(text, name):
+    m = re.search(rf"\b{name} = ([^,}}]*(?:<[^>]*>[^,}}]*)?)", text)
+    return None if m is None else m.group(1).strip()
+
+
+def int_attr(text, name):
+    v = attr(text, name)
+    assert v is not None, f"no {name} in {text[:300]}"
+    return int(re.match(r"(-?\d+)", v).group(1))
+
+
+def groups_attr(text):
+    m = re.search(r"groups = (?:dense<\[?([-\d, ]+)\]?>|array<i64: ([-\d, ]+)>)", text)
+    assert m, f"no groups attribute in {text[:300]}"
+    return [int(v) for v in (m.group(1) or m.group(2)).split(",")]
+
+
+def all_ops(x, idx, w, xl, il, wl):
+    """Every op once (plus the backward of a dispatch and of a combine), backend='cuda'."""
+    res = jax_ep.dispatch(x, idx, w, num_experts=E, backend="cuda")
+    out = jax_ep.combine(res.recv_x, res.handle, backend="cuda")
+    q, s = jax_ep.quantize_fp8(x.astype(jnp.bfloat16))
+    res8 = jax_ep.dispatch((q, s), idx, num_experts=E, capacity=7, backend="cuda")
+
+    def loss(x, w):
+        r = jax_ep.dispatch(x, idx, w, num_experts=E, backend="cuda")
+        y = r.recv_x * r.recv_topk_weights.sum(1, keepdims=True)
+        return jnp.sum(jax_ep.combine(y, r.handle, backend="cuda") ** 2)
+
+    gx, gw = jax.grad(loss, argnums=(0, 1))(x, w)
+    ll = jax_ep.low_latency_dispatch(xl, il, num_experts=E, max_tokens_per_rank=6,
+                                     backend="cuda")
+    ll16 = jax_ep.low_latency_dispatch(xl, il, num_experts=E, max_tokens_per_rank=6,
+                                       use_fp8=False, backend="cuda")
+    outl = jax_ep.low_latency_combine(ll16.recv_x, il, wl, ll16.handle, backend="cuda")
+    lay = jax_ep.get_dispatch_layout(idx, num_experts=E, num_ranks=2, backend="cuda")
+    return (out, res8.recv_x[1], gx, gw, ll.recv_x[1], outl, lay[0])
+
+
+def lower_all(mesh):
+    T, H, K = 5, 128, 2
+    n = int(np.prod(list(mesh.shape.values())))
+    args = (jnp.ones((n, T, H)), jnp.zeros((n, T, K), jnp.int32), jnp.ones((n, T, K)),
+            jnp.ones((n, 4, H), jnp.bfloat16), jnp.zeros((n, 4, K), jnp.int32),
+            jnp.ones((n, 4, K)))
+    f = smap(mesh, all_ops)
+    return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("mesh_name", ["dp_ep_perm", "ep_dp", "ep4_perm"])
+def test_cuda_lowering(cuda_lowering, meshes, mesh_name):
+    if mesh_name == "ep_dp":  # ep is the leading mesh axis
+        mesh = Mesh(np.array([jax.devices()[i] for i in (2, 0, 3, 1)]).reshape(2, 2),
+                    ("ep", "dp"))
+    else:
+        mesh = meshes[mesh_name]
+    text = lower_all(mesh)
+    calls = custom_calls(text)
+    targets = [t for t, _ in calls]
+    for t in COMM_TARGETS + ("jax_ep_layout",):
+        assert t in targets, f"{t} not lowered; got {sorted(set(targets))}"
+    want = expected_groups(mesh)
+    R = mesh.shape["ep"]
+    slots = []
+    for target, a in calls:
+        if not target.startswith("jax_ep_"):
+            continue
+        assert "has_side_effect = true" in a, target
+        if target == "jax_ep_layout":
+            assert attr(a, "groups") is None and attr(a, "slot") is None
+            assert int_attr(a, "num_experts") == E
+            continue
+        assert target in COMM_TARGETS, target
+        flat = groups_attr(a)
+        assert len(flat) == len(want) * R
+        rows = [tuple(flat[i:i + R]) for i in range(0, len(flat), R)]
+        assert sorted(rows) == sorted(want), (target, rows, want)
+        assert int_attr(a, "group_size") == R
+        assert int_attr(a, "timeout_ns") > 0
+        assert int_attr(a, "num_blocks") >= 1
+        sig = re.sub(r"slot = \d+ : i64", "", re.sub(r"%[\w#]+", "%", a))
+        slots.append((target, sig, int_attr(a, "slot")))
+    # Call sites get their own workspace slot. (JAX's lowering cache gives call sites with the
+    # same target, attributes and types one lowering, hence one slot; the slot's epoch protocol
+    # orders such calls, which run one after the other in the same order on every rank.)
+    by_sig = {}
+    for target, sig, slot in slots:
+        by_sig.setdefault((target, sig), set()).add(slot)
+    assert all(len(v) == 1 for v in by_sig.values()), by_sig
+    distinct = [next(iter(v)) for v in by_sig.values()]
+    assert len(distinct) >= 7 and len(set(distinct)) == len(distinct), by_sig
+    assert all(0 <= s < 64 for _, _, s in slots)
+
+
+def test_cuda_lowering_settings(cuda_lowering, mesh2, monkeypatch):
+    """JAX_EP_TIMEOUT_S and set_num_blocks reach the attributes of newly traced calls."""
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "2.5")
+    jax_ep.set_num_blocks(7)
+    try:
+        f = smap(mesh2, lambda x, i: jax_ep.dispatch(x, i, num_experts=E,
+                                                     backend="cuda").recv_x)
+        text = f.trace(jnp.ones((2, 3, 16)), jnp.zeros((2, 3, 2), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    finally:
+        jax_ep.set_num_blocks(None)
+    (a,) = [a for t, a in custom_calls(text) if t == "jax_ep_ht_dispatch"]
+    assert int_attr(a, "timeout_ns") == 2_500_000_000
+    assert int_attr(a, "num_blocks") == 7
+    assert int_attr(a, "num_experts") == E
+    assert groups_attr(a) == [0, 1]
+    with pytest.raises(ValueError, match="num_blocks"):
+        jax_ep.set_num_blocks(0)
+
+
+def test_group_table():
+    d = jax.devices()
+    m1 = Mesh(np.array([d[i] for i in (3, 1, 2, 0)]), ("ep",))
+    np.testing.assert_array_equal(jax_ep._ffi.group_table(m1, "ep"), [[3, 1, 2, 0]])
+    m2 = Mesh(np.array([d[i] for i in (3, 1, 2, 0)]).reshape(2, 2), ("dp", "ep"))
+    np.testing.assert_array_equal(jax_ep._ffi.group_table(m2, "ep"), [[3, 1], [2, 0]])
+    np.testing.assert_array_equal(jax_ep._ffi.group_table(m2, "dp"), [[3, 2], [1, 0]])
+    m3 = Mesh(np.array([d[i] for i in (7, 6, 5, 4, 3, 2, 1, 0)]).reshape(2, 2, 2),
+              ("pp", "ep", "tp"))
+    t = jax_ep._ffi.group_table(m3, "ep")
+    assert t.dtype == np.int64 and t.shape == (4, 2)
+    assert sorted(map(tuple, t.tolist())) == sorted(expected_groups(m3))
+    np.testing.assert_array_equal(t, [[7, 5], [6, 4], [3, 1], [2, 0]])
+    with pytest.raises(ValueError, match="axis_name='xx'"):
+        jax_ep._ffi.group_table(m2, "xx")
+
+
+def test_reference_lowering_has_no_custom_call(mesh2):
+    """backend='reference' (the CPU default) lowers to plain collectives."""
+    f = smap(mesh2, lambda x, i: jax_ep.dispatch(x, i, num_experts=E,
+                                                 backend="reference").recv_x)
+    text = f.trace(jnp.ones((2, 3, 16)), jnp.zeros((2, 3, 2), jnp.int32)).lower().as_text()
+    assert "jax_ep_" not in text.replace("jit(", "")
+    assert "all_to_all" in text
