@@ -17,6 +17,11 @@ import time
 
 import numpy as np
 
+if "--cmd-buffers" in sys.argv:  # XLA command buffers (CUDA graphs) around our custom calls too
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                               " --xla_gpu_graph_min_graph_size=1")
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -111,6 +116,10 @@ def ht_suite(mesh, R, a, sms_list, rows):
             hargs, it, reps)
         record("combine_bf16", "jax_ep", sms, t, row_bf16)
     jax_ep.set_num_blocks(None)
+    x8 = x[:, :8]
+    t = timed_scan(mesh, lambda x, i, w: jax_ep.dispatch(
+        x, i, w, num_experts=E, backend="cuda").recv_x, (x8, idx, w), it, reps)
+    record("dispatch_bf16_H8 (layout+sync)", "jax_ep", "-", t, 16)
     cap = int(np.ceil(1.25 * in_rank.reshape(R, T, R).sum(axis=1).mean()))
     t = timed_scan(mesh, lambda x, i: baselines.all_to_all_dispatch(
         x, i, num_experts=E, axis_name="ep", capacity=cap)[0], (x, idx), it, reps, True)
@@ -195,6 +204,9 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--cmd-buffers", action="store_true",
+                   help="run under XLA command buffers (CUDA graphs), custom calls included")
+    p.add_argument("--tag", default="", help="suffix of the result file names")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     gpus = jax.devices()
@@ -211,11 +223,11 @@ def main():
             ll_suite(mesh, R, a, rows)
     meta = dict(device=gpus[0].device_kind, jax=jax.__version__, args=vars(a),
                 runtime=jax_ep.runtime_info())
-    with open(os.path.join(a.out, "results.json"), "w") as f:
+    with open(os.path.join(a.out, f"results{a.tag}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
     print_table(rows)
     try:
-        plot(rows, os.path.join(a.out, "bench.png"))
+        plot(rows, os.path.join(a.out, f"bench{a.tag}.png"))
     except Exception as e:  # matplotlib missing: the JSON has everything
         print(f"(no plot: {e})")
 

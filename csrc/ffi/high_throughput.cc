@@ -1,3 +1,4 @@
+#include <algorithm>
 // jax_ep_ht_dispatch / jax_ep_ht_gather / jax_ep_ht_combine: decode, validate shapes (host-side,
 // cheap), launch. Operands, results and attributes: docs/ffi.md. Kernels:
 // csrc/kernels/high_throughput.cu.
@@ -150,9 +151,11 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
     return ffi::Error::Internal(std::string(op) + ": cannot read the multiprocessor count of device " +
                                 std::to_string(device));
   }
-  // The layout kernel has a grid barrier: its grid (R * nch) must be co-resident, <= #SMs.
+  // The layout kernel has a grid barrier: its grid (R * nch) must be co-resident. Half the SMs
+  // at most: XLA may run other kernels beside ours (a NCCL collective on another stream, say)
+  // that hold SMs, and a grid that needs every SM would then wait for them to finish.
   const jax_ep::ht::LayoutPlan plan =
-      jax_ep::ht::plan_layout(static_cast<int>(R), static_cast<int>(T), sms);
+      jax_ep::ht::plan_layout(static_cast<int>(R), static_cast<int>(T), std::max(1, sms / 2));
   if (plan.scratch_words > need)  // cannot happen (chunks >= 32 tokens, R <= 8): a safety net
     return ffi::Error::Internal(std::string(op) + ": layout plan needs " +
                                 std::to_string(plan.scratch_words) + " scratch words");

@@ -694,7 +694,10 @@ int dispatch_grid(int device, int K) {
             &occ_fast, dispatch_fast_kernel<uint4>, kFastDispatchThreads, 0) != cudaSuccess)
       return 0;
     if (occ < 1 || occ_fast < 1) return 0;
-    cap = sms;  // one CTA per SM; co-residency is not required (quantisation is ticketed)
+    // One CTA per SM on half the SMs. Co-residency is not required (quantisation is ticketed),
+    // but a grid holding every SM while it spins on its peers would starve other kernels that
+    // XLA runs beside it (a NCCL collective on another stream) and that the peers may wait on.
+    cap = sms / 2 > 0 ? sms / 2 : 1;
     if (device >= 0 && device < kMaxDevices) g_dispatch_ctas[device].store(cap);
   }
   return cap;
