@@ -34,6 +34,19 @@ NB_MODULE(_C, m) {
     return out;
   });
   m.def("runtime_num_groups", &jax_ep::runtime_num_groups);
+  m.def(
+      "read_traces",
+      [](nb::list group, int device) {
+        std::vector<int> g;
+        for (nb::handle h : group) g.push_back(nb::cast<int>(h));
+        const std::vector<unsigned long long> v = jax_ep::read_traces(g, device);
+        nb::list out;
+        for (unsigned long long x : v) out.append(x);
+        return out;
+      },
+      nb::arg("group"), nb::arg("device"),
+      "Diagnostic: num_slots * trace_slots phase timestamps (ns, slot-major) of the group's "
+      "workspace on `device` (see csrc/transport/peer.cuh, phase tracer).");
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
   m.def("cuda_device_count", []() {
     int n = 0;
@@ -46,4 +59,5 @@ NB_MODULE(_C, m) {
   m.attr("max_ranks") = jax_ep::kMaxRanks;
   m.attr("num_slots") = jax_ep::kNumSlots;
   m.attr("max_local_experts") = jax_ep::kMaxLocalExperts;
+  m.attr("trace_slots") = jax_ep::kTraceSlots;
 }

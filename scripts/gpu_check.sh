@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
 #   scripts/gpu_check.sh [build] [kernel] [test] [example] [bench] [bench-quick]   (default: all)
-# Extra pytest args: PYTEST_ARGS="-k ht"; extra bench args: BENCH_ARGS="--ranks 4".
+# Extra args: PYTEST_K="ll_ or layout" (a -k expression); PYTEST_ARGS="--maxfail=3";
+# BENCH_ARGS="--ranks 4".
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
@@ -31,7 +32,7 @@ fi
 if has test; then
   step "GPU test suite"
   (cd /tmp && timeout 540 $PY -m pytest -q -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py" \
-     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40) || rc=1
+     ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40) || rc=1
 fi
 if has example; then
   step "example on GPUs"

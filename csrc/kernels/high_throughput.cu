@@ -131,6 +131,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
   const int64_t c1 = static_cast<int64_t>(t_begin) + chunk;
   const int t_end = c1 < T ? static_cast<int>(c1) : T;
   const int nsub = (t_end - t_begin + kLayoutThreads - 1) / kLayoutThreads;
+  trace_mark(ps, 0);
 
   extern __shared__ int4 s_dyn[];  // [kLayoutThreads * K] ids, then [kLayoutThreads * K] weights
   const bool use_smem = static_cast<int64_t>(kLayoutThreads) * K * 8 <= kLayoutSmemBytes;
@@ -160,6 +161,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
 
   const void* ptrs[kNumDispatchPtrs] = {a.x, a.x_scales, a.topk_idx, a.topk_weights};
   publish_and_wait(ps, ptrs, kNumDispatchPtrs, e, a.timeout_ns, "ht_dispatch: wait for peers");
+  trace_mark(ps, 1);
   if (tid == 0) {
     s_idx_ptr = peer_ptr<const int32_t>(ps, s, kPtrTopkIdx);
     s_w_ptr = peer_ptr<const float>(ps, s, kPtrTopkWeights);
@@ -220,7 +222,9 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
   __syncthreads();
   if (tid < R) cnt[static_cast<int64_t>(b) * R + tid] = s_cnt[tid];
   if (s == me && tid == 0) inv_c[c] = s_invalid;
+  trace_mark(ps, 2);
   grid_barrier(ps, 1, a.timeout_ns, "ht_dispatch: layout grid barrier");
+  trace_mark(ps, 3);
 
   // Phase 2: offsets of this block (sum over earlier blocks), the total for this rank, then rows
   // by a block scan of the masks (ballot + popc per rank), sub-chunk by sub-chunk.
@@ -355,6 +359,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
   if (tpe_smem)
     for (int l = tid; l < L; l += blockDim.x)
       if (s_tpe[l] != 0) atomicAdd(&a.recv_tokens_per_expert[l], s_tpe[l]);
+  trace_mark(ps, 4);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -408,10 +413,12 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
   const unsigned long long e = call_epoch(ps);
   __shared__ const uint8_t* s_x[kMaxRanks];
   __shared__ const float* s_sc[kMaxRanks];
+  trace_mark(ps, 5);
 
   if (kGather) {
     const void* ptrs[1] = {a.own_x};
     publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, "ht_gather: wait for peers");
+    trace_mark(ps, 9);
   } else if (blockIdx.x == 0 && tid == 0) {
     // Every block of the layout kernel has exited (stream order): its grid barrier is done.
     grid_barrier_reset(ps);
@@ -466,7 +473,9 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
       for (int g = lane + 64; g < G; g += 32) d[g] = s >= 0 ? ld_nc_f32(s_sc[s] + t * G + g) : 0.f;
     }
   }
-  end_barrier(ps, e, a.timeout_ns, kGather ? "ht_gather: end barrier" : "ht_dispatch: end barrier");
+  trace_mark(ps, 6);
+  end_barrier(ps, e, a.timeout_ns, kGather ? "ht_gather: end barrier" : "ht_dispatch: end barrier",
+              7);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -545,9 +554,11 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a)
   const int R = ps.num_ranks, tid = threadIdx.x, lane = tid & 31;
   const unsigned long long e = call_epoch(ps);
   __shared__ const T* s_y[kMaxRanks];
+  trace_mark(ps, 10);
 
   const void* ptrs[1] = {a.y};
   publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, "ht_combine: wait for peers");
+  trace_mark(ps, 11);
   if (tid < R) s_y[tid] = peer_ptr<const T>(ps, tid, 0);
   __syncthreads();
 
@@ -630,7 +641,8 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a)
       }
     }
   }
-  end_barrier(ps, e, a.timeout_ns, "ht_combine: end barrier");
+  trace_mark(ps, 12);
+  end_barrier(ps, e, a.timeout_ns, "ht_combine: end barrier", 13);
 }
 
 }  // namespace

@@ -164,11 +164,13 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t RM = (int64_t)R * p.M;
   unsigned int gen = 0;
+  trace_mark(ps, 16);
 
   // 1. Sender side: quantise own rows once (FP8); peers pull the staging rows.
   if (p.use_fp8) {
     quantise_own_rows(p, lane, warp);
     grid_barrier(ps, ++gen, p.timeout_ns, "ll_dispatch: quantise");
+    trace_mark(ps, 17);
   }
 
   // 2. Publish (every block: idempotent, no dependence on block 0 being scheduled) and wait.
@@ -188,6 +190,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     }
   }
   __syncthreads();
+  trace_mark(ps, 18);
 
   // 3. Receiver side: one warp per (source s, token t).
   const int64_t row_bytes = p.use_fp8 ? (int64_t)p.H : 2LL * p.H;
@@ -255,6 +258,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   }
 
   // 4. All rows placed: counts are final. recv_src = -1 past the count.
+  trace_mark(ps, 19);
   grid_barrier(ps, ++gen, p.timeout_ns, "ll_dispatch: receive");
   for (int l = threadIdx.x; l < p.L; l += blockDim.x)
     s_counts[l] = *reinterpret_cast<volatile int*>(counters + l);
@@ -289,7 +293,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
       p.stats[1] = 0;
       grid_barrier_reset(ps);
     }
-  });
+  }, 20);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -372,6 +376,7 @@ __global__ void __launch_bounds__(kFastDispatchThreads, 1)
   const int64_t row_bytes = fp8 ? (int64_t)p.H : 2LL * p.H;
   const int nch = max(1, min(p.M, kMaxChunks));  // chunk c = tokens [c*tpc, (c+1)*tpc)
   const int tpc = max(1, (p.M + nch - 1) / nch);
+  trace_mark(ps, 16);
 
   // 1. Push our addresses into every rank's slot (a few blocks, identical values).
   if (blockIdx.x < kPushBlocks && warp == 0 && lane < R) {
@@ -396,6 +401,7 @@ __global__ void __launch_bounds__(kFastDispatchThreads, 1)
       if (t1 > t0) quantise_rows(p, t0, t1, lane, warp);
       push_chunk_ready(ps, c, epoch);
     }
+    trace_mark(ps, 17);
   }
 
   // 3. src_to_row[s][t][*] = -1 for T <= t < M (no other writer; t < T: by the item's warp).
@@ -416,6 +422,7 @@ __global__ void __launch_bounds__(kFastDispatchThreads, 1)
     s_idx[lane] = pushed_ptr<const int32_t>(ps, lane, 1);
   }
   __syncthreads();
+  trace_mark(ps, 18);
 
   // 5. Receive.
   const int nitems = R * p.T;
@@ -519,6 +526,7 @@ __global__ void __launch_bounds__(kFastDispatchThreads, 1)
     }
     __syncthreads();  // shared tables are rewritten by the next round
   }
+  trace_mark(ps, 19);
 
   // 6. num_invalid over own ids (one block; no dependence on the others).
   if (blockIdx.x == gridDim.x - 1) {  // block-uniform
@@ -566,7 +574,7 @@ __global__ void __launch_bounds__(kFastDispatchThreads, 1)
       }
       for (int64_t jj = j + lane; jj < RM; jj += 32) rs[jj] = -1;
     }
-  });
+  }, 20);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -586,6 +594,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const PeerSlots& ps = p.ps;
   const int R = ps.num_ranks, r = ps.rank;
   const unsigned long long epoch = call_epoch(ps);
+  trace_mark(ps, 24);
 
   const int t = blockIdx.x / blocks_per_token;
   const int c = blockIdx.x - t * blocks_per_token;
@@ -609,6 +618,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
   }
   __syncthreads();
+  trace_mark(ps, 25);
 
   if (t < p.T) {  // block-uniform
     const int64_t RM = (int64_t)R * p.M;
@@ -671,7 +681,8 @@ __global__ void __launch_bounds__(kCombineThreads)
       if (v < v1) pack(acc[i], out + v);
     }
   }
-  end_barrier_fast(ps, epoch, p.timeout_ns, "ll_combine: end", []() {});
+  trace_mark(ps, 26);
+  end_barrier_fast(ps, epoch, p.timeout_ns, "ll_combine: end", []() {}, 27);
 }
 
 constexpr int kMaxDevices = 256;

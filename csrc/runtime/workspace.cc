@@ -84,5 +84,34 @@ int runtime_num_groups() {
   return static_cast<int>(g_groups.size());
 }
 
+std::vector<unsigned long long> read_traces(const std::vector<int>& group, int device) {
+  Workspace* ws = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_groups.find(group);
+    if (it != g_groups.end()) {
+      auto jt = it->second.find(device);
+      if (jt != it->second.end()) ws = jt->second;
+    }
+  }
+  if (ws == nullptr) {
+    std::ostringstream os;
+    os << "jax_ep: read_traces: no workspace for device " << device << " in group [";
+    for (size_t i = 0; i < group.size(); ++i) os << (i ? ", " : "") << group[i];
+    os << "] (no op of that group ran in this process?)";
+    throw std::runtime_error(os.str());
+  }
+  int prev = 0;
+  check(cudaGetDevice(&prev), "cudaGetDevice", device);
+  std::vector<unsigned long long> out(static_cast<size_t>(kNumSlots) * kTraceSlots, 0ull);
+  cudaError_t err = cudaSetDevice(device);
+  for (int s = 0; s < kNumSlots && err == cudaSuccess; ++s)
+    err = cudaMemcpy(out.data() + static_cast<size_t>(s) * kTraceSlots, ws->slots[s].trace,
+                     sizeof(unsigned long long) * kTraceSlots, cudaMemcpyDeviceToHost);
+  cudaSetDevice(prev);
+  check(err, "read_traces (cudaSetDevice / cudaMemcpy)", device);
+  return out;
+}
+
 
 }  // namespace jax_ep

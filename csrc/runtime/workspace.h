@@ -14,6 +14,7 @@ constexpr int kNumSlots = 64;      // call-site slots; each op names one (attrib
 constexpr int kMaxPtrs = 8;        // addresses one op can publish
 constexpr int kMaxLocalExperts = 1024;
 constexpr int kMaxChunks = 128;    // per-source chunk flags of the push protocol (LL dispatch)
+constexpr int kTraceSlots = 32;    // phase timestamps per slot (peer.cuh trace_mark, diagnostic)
 
 // One slot. Flags are monotonically increasing epochs: never reset, so no cleaning kernel.
 struct alignas(128) Slot {
@@ -33,6 +34,10 @@ struct alignas(128) Slot {
   // resident take them all before any block waits on a peer, so no wait ever depends on a block
   // that XLA could not schedule (another kernel holding SMs). Back to 0 at the op's end.
   unsigned int work_ticket;
+  // Diagnostic phase tracer (peer.cuh trace_mark, index table there): %globaltimer ns of each
+  // phase boundary of the last call on this slot, written by block 0 / the end barrier's last
+  // block. Never reset: a mark not reached by the last call keeps an older value.
+  unsigned long long trace[kTraceSlots];
 };
 
 struct Workspace {
@@ -49,5 +54,9 @@ void init_group(const std::vector<int>& devices);
 Workspace* group_workspace(const int64_t* devices, int n, int device);
 std::vector<int> runtime_devices();
 int runtime_num_groups();
+// Diagnostic: the kNumSlots * kTraceSlots phase timestamps (Slot::trace, ns) of the group's
+// workspace on `device`, slot-major. Throws std::runtime_error when the group is unknown or a
+// CUDA call fails. Synchronous copies: call it after the ops have finished.
+std::vector<unsigned long long> read_traces(const std::vector<int>& group, int device);
 
 }  // namespace jax_ep

@@ -42,6 +42,35 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Phase tracer (diagnostic, always on; costs one 8-byte store per mark, by one thread of the
+// grid). trace_mark(ps, i): block 0, thread 0 stores %globaltimer (ns) into our slot's trace[i];
+// trace_mark_last(ps, i): the same store by whichever thread calls it (the one thread that runs
+// the end barrier's last-block logic). Host side: read_traces / jax_ep.runtime.phase_traces.
+// A mark not reached in a call keeps the value of an earlier call. Indices:
+//   HT dispatch (layout kernel, then copy_rows_kernel<false>):
+//      0 layout kernel start          1 after wait for peers (ready)    2 after phase 1 (counts)
+//      3 after the grid barrier       4 layout kernel end (block 0)     5 copy kernel start
+//      6 copy loop done (block 0)     7 end barrier: all blocks arrived (last block)
+//      8 end barrier: peers' done seen (last block)
+//   HT gather (copy_rows_kernel<true>, its own slot): 5 start, 9 after wait for peers,
+//      6 copy loop done, 7 all arrived, 8 peers done
+//   HT combine: 10 start, 11 after wait for peers, 12 loop done (block 0), 13 all arrived,
+//      14 peers done
+//   LL dispatch: 16 start, 17 own FP8 quantisation done (block 0; generic kernel: after its
+//      quantise grid barrier), 18 after wait for peers' addresses, 19 receive loop done
+//      (block 0), 20 all arrived (last block), 21 peers done
+//   LL combine: 24 start, 25 after wait for peers, 26 loop done (block 0), 27 all arrived,
+//      28 peers done
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void trace_mark_last(const PeerSlots& ps, int i) {
+  ps.slot[ps.rank]->trace[i] = global_timer_ns();
+}
+__device__ __forceinline__ void trace_mark(const PeerSlots& ps, int i) {
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+    trace_mark_last(ps, i);
+}
+
 // Spin until *flag >= target; trap after timeout_ns naming rank / peer / phase.
 __device__ __forceinline__ void wait_flag_geq(const unsigned long long* flag,
                                               unsigned long long target, int64_t timeout_ns,
@@ -89,8 +118,10 @@ __device__ __forceinline__ T* peer_ptr(const PeerSlots& ps, int s, int i) {
 
 // Step 4, whole block calls it at the very end of the op's last kernel. The last block to
 // arrive signals the peers, waits for them, and closes the epoch. Returns after that.
+// trace >= 0: marks trace (all blocks arrived) and trace + 1 (peers' done seen), last block.
 __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
-                                           int64_t timeout_ns, const char* phase) {
+                                           int64_t timeout_ns, const char* phase,
+                                           int trace = -1) {
   __syncthreads();
   __shared__ bool is_last;
   if (threadIdx.x == 0) {
@@ -99,11 +130,13 @@ __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long l
     unsigned int prev = atomicAdd(&me->block_counter, 1u);
     is_last = (prev == gridDim.x * gridDim.y * gridDim.z - 1);
     if (is_last) {
+      if (trace >= 0) trace_mark_last(ps, trace);
       me->block_counter = 0;
       __threadfence_system();
       for (int s = 0; s < ps.num_ranks; ++s) st_release_sys(&ps.slot[s]->done[ps.rank], e);
       for (int s = 0; s < ps.num_ranks; ++s)
         wait_flag_geq(&me->done[s], e, timeout_ns, ps.rank, s, phase);
+      if (trace >= 0) trace_mark_last(ps, trace + 1);
       me->epoch = e;
       __threadfence_system();
     }
@@ -114,11 +147,12 @@ __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long l
 // end_barrier with a hook: the last block to arrive first runs last_fn() with all its threads
 // (call it block-uniformly; it may use __syncthreads). When it runs, every other block of the
 // grid has finished all its work (it is waiting in this barrier, or gone), so it is the place to
-// copy and zero per-op slot counters and to call grid_barrier_reset. Then as end_barrier.
+// copy and zero per-op slot counters and to call grid_barrier_reset. Then as end_barrier
+// (trace: as there; "all arrived" is marked before last_fn).
 template <typename LastFn>
 __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
                                            int64_t timeout_ns, const char* phase,
-                                           LastFn&& last_fn) {
+                                           LastFn&& last_fn, int trace = -1) {
   __syncthreads();
   __shared__ bool is_last_hook;
   if (threadIdx.x == 0) {
@@ -126,7 +160,10 @@ __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long l
     Slot* me = ps.slot[ps.rank];
     unsigned int prev = atomicAdd(&me->block_counter, 1u);
     is_last_hook = (prev == gridDim.x * gridDim.y * gridDim.z - 1);
-    if (is_last_hook) __threadfence();  // acquire: see what the other blocks wrote
+    if (is_last_hook) {
+      __threadfence();  // acquire: see what the other blocks wrote
+      if (trace >= 0) trace_mark_last(ps, trace);
+    }
   }
   __syncthreads();
   if (is_last_hook) {
@@ -139,6 +176,7 @@ __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long l
       for (int s = 0; s < ps.num_ranks; ++s) st_release_sys(&ps.slot[s]->done[ps.rank], e);
       for (int s = 0; s < ps.num_ranks; ++s)
         wait_flag_geq(&me->done[s], e, timeout_ns, ps.rank, s, phase);
+      if (trace >= 0) trace_mark_last(ps, trace + 1);
       me->epoch = e;
       __threadfence_system();
     }
@@ -233,10 +271,11 @@ __device__ __forceinline__ void push_wait_chunk(const PeerSlots& ps, int s, int 
 // flags in flight), then waits for the peers' done flags (lane s polls done[s], in parallel),
 // then closes the epoch. last_fn runs with all threads of the last block, block-uniformly; every
 // other block of the grid has finished its work when it runs.
+// trace >= 0: marks trace (all blocks arrived) and trace + 1 (peers' done seen), last block.
 template <typename LastFn>
 __device__ __forceinline__ void end_barrier_fast(const PeerSlots& ps, unsigned long long e,
                                                  int64_t timeout_ns, const char* phase,
-                                                 LastFn&& last_fn) {
+                                                 LastFn&& last_fn, int trace = -1) {
   __syncthreads();
   __shared__ bool is_last_fast;
   if (threadIdx.x == 0) {
@@ -244,7 +283,10 @@ __device__ __forceinline__ void end_barrier_fast(const PeerSlots& ps, unsigned l
     Slot* me = ps.slot[ps.rank];
     unsigned int prev = atomicAdd(&me->block_counter, 1u);
     is_last_fast = (prev == gridDim.x * gridDim.y * gridDim.z - 1);
-    if (is_last_fast) __threadfence();  // acquire: see what the other blocks wrote
+    if (is_last_fast) {
+      __threadfence();  // acquire: see what the other blocks wrote
+      if (trace >= 0) trace_mark_last(ps, trace);
+    }
   }
   __syncthreads();
   if (is_last_fast) {
@@ -263,6 +305,7 @@ __device__ __forceinline__ void end_barrier_fast(const PeerSlots& ps, unsigned l
         wait_flag_geq(&me->done[threadIdx.x], e, timeout_ns, ps.rank, threadIdx.x, phase);
       __syncwarp();
       if (threadIdx.x == 0) {
+        if (trace >= 0) trace_mark_last(ps, trace + 1);
         me->epoch = e;
         __threadfence_system();
       }
