@@ -156,3 +156,26 @@ def runtime_info() -> dict:
             "max_ranks": int(ext.max_ranks),
         })
     return info
+
+
+def phase_traces(group, device) -> dict[int, list[int]]:
+    """Diagnostic: phase timestamps (ns, %globaltimer) of the last call on each slot.
+
+    group: the EP group's CUDA ordinals in axis order (as the lowering uses them, see
+    jax_ep._ffi.group_table: `[d.local_hardware_id for d in mesh devices]`); device: the CUDA
+    ordinal to read. Run an op, block on its result, then call this: it returns
+    {slot: [trace_slots timestamps]} for the slots with any non-zero mark. The mark indices are
+    listed in csrc/transport/peer.cuh ("Phase tracer"); a mark the last call did not reach keeps
+    an older call's value, and 0 means never written. Synchronous device reads: not for hot paths.
+    """
+    ext = _load_extension()
+    if ext is None:
+        raise RuntimeError("jax_ep: phase_traces needs the CUDA extension, which is not built")
+    vals = list(ext.read_traces([int(v) for v in group], int(device)))
+    n = int(ext.trace_slots)
+    out = {}
+    for s in range(len(vals) // n):
+        row = [int(v) for v in vals[s * n:(s + 1) * n]]
+        if any(row):
+            out[s] = row
+    return out

@@ -1,0 +1,181 @@
+"""Where the time of one jax_ep call goes: the in-kernel phase tracer (Slot::trace).
+
+For R in --ranks (skipped when there are fewer GPUs), on a ("ep",) mesh over the first R GPUs,
+runs each op --runs times (jit + shard_map, block_until_ready after each call), then reads the
+phase timestamps of the last call on every device of the group (jax_ep.runtime.phase_traces)
+and prints, per op and device, the time between consecutive marks in microseconds.
+
+Ops: HT dispatch bf16 with H = 8 (layout + synchronisation only), HT dispatch bf16 H = 7168,
+HT combine bf16 H = 7168, LL dispatch FP8 (128 tokens / rank, H = 7168), LL combine bf16.
+Mark indices: csrc/transport/peer.cuh ("Phase tracer").
+
+  python benchmarks/trace_phases.py [--ranks 1 2 4] [--runs 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax_ep  # noqa: E402
+from jax_ep import runtime  # noqa: E402
+
+MARKS = {
+    0: "layout start", 1: "layout: peers ready", 2: "layout: counts", 3: "layout: grid barrier",
+    4: "layout end", 5: "copy start", 9: "gather: peers ready", 6: "copy loop done",
+    7: "all blocks arrived", 8: "peers done",
+    10: "start", 11: "peers ready", 12: "loop done", 13: "all blocks arrived", 14: "peers done",
+    16: "start", 17: "own quantisation done", 18: "peers' addresses", 19: "receive loop done",
+    20: "all blocks arrived", 21: "peers done",
+    24: "start", 25: "peers ready", 26: "loop done", 27: "all blocks arrived", 28: "peers done",
+}
+
+
+def routing(rng, n, K, E):
+    return np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int32)
+
+
+def snapshot(group):
+    return {d: runtime.phase_traces(group, d) for d in group}
+
+
+def report(name, group, before, after, host_us):
+    """Print the marks of the slot(s) this op changed, per device."""
+    slots = sorted({s for d in group for s, row in after[d].items()
+                    if before[d].get(s) != row})
+    if not slots:
+        print(f"  {name}: no trace slot changed (op did not run the CUDA kernels?)")
+        return
+    for s in slots:
+        rows = {}
+        for d in group:
+            old = before[d].get(s, [0] * len(after[d].get(s, [])))
+            new = after[d].get(s)
+            if new is None:
+                continue
+            # marks this call wrote (a mark it did not reach keeps an older call's value)
+            rows[d] = {i: v for i, v in enumerate(new) if v != 0 and v != old[i]}
+        idxs = sorted({i for r in rows.values() for i in r})
+        starts = {d: min(r.values()) for d, r in rows.items() if r}
+        t0 = min(starts.values()) if starts else 0
+        print(f"  {name}  (slot {s}; host {host_us:.1f} us/call, median of the runs)")
+        print("    marks: " + ", ".join(f"{i}={MARKS.get(i, '?')}" for i in idxs))
+        hdr = "    dev  skew  " + "".join(
+            f"{(f'{p}->{i}' if p is not None else f'{i}'):>9s}"
+            for p, i in zip([None] + idxs[:-1], idxs)) + "     span"
+        print(hdr)
+        for d, r in rows.items():
+            if not r:
+                print(f"    {d:3d}  (no marks)")
+                continue
+            cells, prev = [], None
+            for i in idxs:
+                if i not in r:
+                    cells.append(f"{'-':>9s}")
+                    continue
+                # first column: 0 (the device's first mark); then us since the previous mark
+                base = r[prev] if prev is not None else starts[d]
+                cells.append(f"{(r[i] - base) / 1e3:9.1f}")
+                prev = i
+            span = (max(r.values()) - starts[d]) / 1e3
+            print(f"    {d:3d} {(starts[d] - t0) / 1e3:5.1f}  " + "".join(cells) +
+                  f"{span:9.1f}")
+
+
+def run_op(name, mesh, group, body, args, runs):
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                              check_vma=False))
+    jax.block_until_ready(f(*args))  # compile + first call (the slot's first epoch)
+    before = snapshot(group)
+    ts = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        out = jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    after = snapshot(group)
+    report(name, group, before, after, float(np.median(ts)) * 1e6)
+    return out
+
+
+def suite(R, gpus, runs):
+    devs = gpus[:R]
+    mesh = Mesh(np.array(devs), ("ep",))
+    # the EP group key, as the lowering builds it (jax_ep._ffi.group_table)
+    group = [int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
+             for d in mesh.devices.flat]
+    print(f"R={R}: group (CUDA ordinals) {group}", flush=True)
+    shard = NamedSharding(mesh, P("ep"))
+    T, H, K, E = 4096, 7168, 8, 32 * R
+    L = E // R
+    rng = np.random.default_rng(0)
+    idx = jax.device_put(jnp.asarray(routing(rng, R * T, K, E)), shard)
+    w = jax.device_put(jnp.asarray(rng.random((R * T, K)), jnp.float32), shard)
+    x8 = jax.device_put(jnp.asarray(rng.standard_normal((R * T, 8)), jnp.bfloat16), shard)
+    x = jax.jit(lambda k: jax.random.normal(k, (R * T, H), jnp.bfloat16),
+                out_shardings=shard)(jax.random.key(0))
+
+    run_op("HT dispatch bf16 H=8", mesh, group, lambda x, i, w: jax_ep.dispatch(
+        x, i, w, num_experts=E, backend="cuda").recv_x, (x8, idx, w), runs)
+    del x8
+
+    def disp(x, i, w):
+        r = jax_ep.dispatch(x, i, w, num_experts=E, backend="cuda")
+        h = r.handle
+        return (r.recv_x, h.recv_src, h.send_rows, h.recv_count[None], h.num_dropped[None],
+                h.num_invalid[None])
+    hargs = run_op("HT dispatch bf16 H=7168", mesh, group, disp, (x, idx, w), runs)
+    del x
+    run_op("HT combine bf16 H=7168", mesh, group, lambda y, *h: jax_ep.combine(
+        y, jax_ep.DispatchHandle(h[0], h[1], h[2][0], h[3][0], h[4][0]), backend="cuda"),
+        hargs, runs)
+    del hargs
+
+    M = 128
+    xl = jax.jit(lambda k: jax.random.normal(k, (R * M, H), jnp.bfloat16),
+                 out_shardings=shard)(jax.random.key(1))
+    idxl = jax.device_put(jnp.asarray(routing(rng, R * M, K, E)), shard)
+    wl = jax.device_put(jnp.asarray(rng.random((R * M, K)), jnp.float32), shard)
+
+    def ll_disp(x, i):
+        r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
+                                        use_fp8=True, backend="cuda")
+        return r.recv_x[0], r.handle.src_to_row
+    _, s2r = run_op("LL dispatch fp8 T=M=128 H=7168", mesh, group, ll_disp, (xl, idxl), runs)
+    y = jax.jit(lambda: jnp.ones((R * L, R * M, H), jnp.bfloat16), out_shardings=shard)()
+    run_op("LL combine bf16 T=M=128 H=7168", mesh, group,
+           lambda y, s, i, w: jax_ep.low_latency_combine(
+               y, i, w, jax_ep.LowLatencyHandle(jnp.zeros((L, R * M), jnp.int32), s,
+                                                jnp.zeros((), jnp.int32)), backend="cuda"),
+           (y, s2r, idxl, wl), runs)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--runs", type=int, default=5)
+    a = p.parse_args()
+    gpus = jax.devices()
+    print(f"devices: {len(gpus)} x {gpus[0].device_kind}; jax {jax.__version__}; "
+          f"num_blocks {runtime.num_blocks()}")
+    print("columns: skew = device's first mark - earliest first mark of the group (us); "
+          "a->b = us from mark a to mark b (first column: 0, the device's first mark); "
+          "span = first to last mark (us); '-' = mark not written by the last call (the next "
+          "column then counts from the last mark written)")
+    for R in a.ranks:
+        if R > len(gpus):
+            print(f"skip R={R}: only {len(gpus)} devices")
+            continue
+        suite(R, gpus, a.runs)
+
+
+if __name__ == "__main__":
+    main()
