@@ -19,6 +19,13 @@ struct GroupInfo {
 xla::ffi::Error resolve_group(int device, xla::ffi::Span<const int64_t> groups,
                               int64_t group_size, int64_t slot, GroupInfo* out);
 
+// "[d0, d1, ...]" for error messages.
+inline std::string dims_str(xla::ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
 inline xla::ffi::Error cuda_error(const char* where) {
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return xla::ffi::Error::Success();

@@ -15,6 +15,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jax_ep::dims_str;
 using jax_ep::ht::CombineArgs;
 using jax_ep::ht::DispatchArgs;
 using jax_ep::ht::DType;
@@ -37,12 +38,6 @@ int num_sms(int device) {
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
   cache[device].store(v, std::memory_order_relaxed);
   return v;
-}
-
-std::string dims_str(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
 }
 
 // Checks `dims == want`; on mismatch returns a message naming the op and the buffer.

@@ -10,14 +10,9 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jax_ep::dims_str;
 
 namespace {
-
-std::string dims_str(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 ffi::Error LayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                       ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_rank,

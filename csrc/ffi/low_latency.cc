@@ -10,14 +10,9 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jax_ep::dims_str;
 
 namespace {
-
-std::string dims_str(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
   if (d.size() != want.size()) return false;
