@@ -75,5 +75,25 @@ __device__ __forceinline__ float abs_max8(const float (&v)[8]) {
   return m;
 }
 
+// One 128-column group quantised by a half-warp: each of its 16 lanes holds 8 consecutive bf16
+// (`raw`, lane `sub` of the half-warp = columns sub*8 .. sub*8+7). The group amax is reduced
+// over the half-warp with shuffles, so all 32 lanes of the warp must call this; only lanes with
+// `active` store: 8 e4m3 bytes to `q`, and (lane sub == 0) the group's scale to `scale_out`.
+__device__ __forceinline__ void quantise_group_slice(const uint4& raw, bool round_scale,
+                                                     bool active, int sub, uint2* q,
+                                                     float* scale_out) {
+  float v[8];
+  bf16x8_to_float(raw, v);
+  float amax = abs_max8(v);
+#pragma unroll
+  for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  float scale, inv;
+  group_scale(amax, round_scale, &scale, &inv);
+  if (active) {
+    *q = quantize8(v, inv);
+    if (sub == 0) *scale_out = scale;
+  }
+}
+
 }  // namespace fp8
 }  // namespace jax_ep

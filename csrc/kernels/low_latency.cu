@@ -105,19 +105,11 @@ __device__ __forceinline__ void quantise_own_rows(const DispatchParams& p, int l
 #pragma unroll
     for (int q = 0; q < kQuantUnits; ++q) {
       const int u = base + 2 * q + half;
-      float v[8];
-      fp8::bf16x8_to_float(raw[q], v);
-      float amax = fp8::abs_max8(v);
-#pragma unroll
-      for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
-      float scale, inv;
-      fp8::group_scale(amax, round_scale, &scale, &inv);
-      if (u < units) {
-        const int t = u / p.G, g = u - t * p.G;
-        *reinterpret_cast<uint2*>(q_base + (int64_t)t * p.H + g * fp8::kGroup + sub * 8) =
-            fp8::quantize8(v, inv);
-        if (sub == 0) sc_base[(int64_t)t * p.G + g] = scale;
-      }
+      const int t = u / p.G, g = u - t * p.G;  // used only when u < units
+      fp8::quantise_group_slice(
+          raw[q], round_scale, u < units, sub,
+          reinterpret_cast<uint2*>(q_base + (int64_t)t * p.H + g * fp8::kGroup + sub * 8),
+          sc_base + (int64_t)t * p.G + g);
     }
   }
 }
@@ -331,19 +323,11 @@ __device__ __forceinline__ void quantise_rows(const DispatchParams& p, int t0, i
     for (int q = 0; q < kQuantUnits; ++q) {
       const int u = base + q * kHalfWarps + hw;
       if (base + q * kHalfWarps >= units) break;  // block-uniform: no unit of this q anywhere
-      float v[8];
-      fp8::bf16x8_to_float(raw[q], v);
-      float amax = fp8::abs_max8(v);
-#pragma unroll
-      for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
-      float scale, inv;
-      fp8::group_scale(amax, round_scale, &scale, &inv);
-      if (u < units) {
-        const int t = t0 + u / p.G, g = u % p.G;
-        *reinterpret_cast<uint2*>(q_base + (int64_t)t * p.H + g * fp8::kGroup + sub * 8) =
-            fp8::quantize8(v, inv);
-        if (sub == 0) sc_base[(int64_t)t * p.G + g] = scale;
-      }
+      const int t = t0 + u / p.G, g = u % p.G;  // used only when u < units
+      fp8::quantise_group_slice(
+          raw[q], round_scale, u < units, sub,
+          reinterpret_cast<uint2*>(q_base + (int64_t)t * p.H + g * fp8::kGroup + sub * 8),
+          sc_base + (int64_t)t * p.G + g);
     }
   }
 }
@@ -549,7 +533,7 @@ __global__ void __launch_bounds__(kFastDispatchThreads, 1)
 
   // 7. End barrier. The last block (all atomics done: counts final) signals done first, then
   // writes recv_count, recv_src = -1 past each count, zeroes the counters, then waits.
-  end_barrier_fast(ps, epoch, p.timeout_ns, "ll_dispatch: end", [&]() {
+  end_barrier(ps, epoch, p.timeout_ns, "ll_dispatch: end", [&]() {
     if (threadIdx.x == 0) ps.slot[r]->work_ticket = 0;  // every block is past its tickets
     for (int l = warp; l < p.L; l += kFastWarps) {  // warp-uniform
       int cnt = 0;
@@ -682,7 +666,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
   }
   trace_mark(ps, 26);
-  end_barrier_fast(ps, epoch, p.timeout_ns, "ll_combine: end", []() {}, 27);
+  end_barrier(ps, epoch, p.timeout_ns, "ll_combine: end", []() {}, 27);
 }
 
 constexpr int kMaxDevices = 256;

@@ -116,74 +116,6 @@ __device__ __forceinline__ T* peer_ptr(const PeerSlots& ps, int s, int i) {
   return reinterpret_cast<T*>(ld_volatile_u64(&ps.slot[s]->ptrs[i]));
 }
 
-// Step 4, whole block calls it at the very end of the op's last kernel. The last block to
-// arrive signals the peers, waits for them, and closes the epoch. Returns after that.
-// trace >= 0: marks trace (all blocks arrived) and trace + 1 (peers' done seen), last block.
-__device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
-                                           int64_t timeout_ns, const char* phase,
-                                           int trace = -1) {
-  __syncthreads();
-  __shared__ bool is_last;
-  if (threadIdx.x == 0) {
-    __threadfence();
-    Slot* me = ps.slot[ps.rank];
-    unsigned int prev = atomicAdd(&me->block_counter, 1u);
-    is_last = (prev == gridDim.x * gridDim.y * gridDim.z - 1);
-    if (is_last) {
-      if (trace >= 0) trace_mark_last(ps, trace);
-      me->block_counter = 0;
-      __threadfence_system();
-      for (int s = 0; s < ps.num_ranks; ++s) st_release_sys(&ps.slot[s]->done[ps.rank], e);
-      for (int s = 0; s < ps.num_ranks; ++s)
-        wait_flag_geq(&me->done[s], e, timeout_ns, ps.rank, s, phase);
-      if (trace >= 0) trace_mark_last(ps, trace + 1);
-      me->epoch = e;
-      __threadfence_system();
-    }
-  }
-  __syncthreads();
-}
-
-// end_barrier with a hook: the last block to arrive first runs last_fn() with all its threads
-// (call it block-uniformly; it may use __syncthreads). When it runs, every other block of the
-// grid has finished all its work (it is waiting in this barrier, or gone), so it is the place to
-// copy and zero per-op slot counters and to call grid_barrier_reset. Then as end_barrier
-// (trace: as there; "all arrived" is marked before last_fn).
-template <typename LastFn>
-__device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
-                                           int64_t timeout_ns, const char* phase,
-                                           LastFn&& last_fn, int trace = -1) {
-  __syncthreads();
-  __shared__ bool is_last_hook;
-  if (threadIdx.x == 0) {
-    __threadfence();
-    Slot* me = ps.slot[ps.rank];
-    unsigned int prev = atomicAdd(&me->block_counter, 1u);
-    is_last_hook = (prev == gridDim.x * gridDim.y * gridDim.z - 1);
-    if (is_last_hook) {
-      __threadfence();  // acquire: see what the other blocks wrote
-      if (trace >= 0) trace_mark_last(ps, trace);
-    }
-  }
-  __syncthreads();
-  if (is_last_hook) {
-    last_fn();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      Slot* me = ps.slot[ps.rank];
-      me->block_counter = 0;
-      __threadfence_system();
-      for (int s = 0; s < ps.num_ranks; ++s) st_release_sys(&ps.slot[s]->done[ps.rank], e);
-      for (int s = 0; s < ps.num_ranks; ++s)
-        wait_flag_geq(&me->done[s], e, timeout_ns, ps.rank, s, phase);
-      if (trace >= 0) trace_mark_last(ps, trace + 1);
-      me->epoch = e;
-      __threadfence_system();
-    }
-  }
-  __syncthreads();
-}
-
 // In-kernel barrier among the blocks of one grid (all blocks must be co-resident: use it only
 // with grids no larger than the number of SMs). Uses the slot's grid_counter, which returns to
 // a multiple of gridDim after each use; `generation` counts uses within the same kernel (1, 2..).
@@ -265,31 +197,31 @@ __device__ __forceinline__ void push_wait_chunk(const PeerSlots& ps, int s, int 
   wait_flag_geq(&ps.slot[ps.rank]->chunk_ready[s][c], e, timeout_ns, ps.rank, s, phase);
 }
 
-// Step 4, whole block calls it at the very end of the op (as end_barrier with a hook), but
-// faster: the last block to arrive signals done to all peers FIRST (lane s -> peer s, in
-// parallel), then runs last_fn() (which must not read peer memory: it overlaps the peers' done
-// flags in flight), then waits for the peers' done flags (lane s polls done[s], in parallel),
-// then closes the epoch. last_fn runs with all threads of the last block, block-uniformly; every
+// Step 4, whole block calls it at the very end of the op's last kernel. The last block to
+// arrive signals done to all peers FIRST (lane s -> peer s, in parallel), then runs last_fn()
+// (which must not read peer memory: it overlaps the peers' done flags in flight; it is the place
+// to copy and zero per-op slot counters and to call grid_barrier_reset), then waits for the
+// peers' done flags (lane s polls done[s], in parallel), then closes the epoch. last_fn runs with all threads of the last block, block-uniformly; every
 // other block of the grid has finished its work when it runs.
 // trace >= 0: marks trace (all blocks arrived) and trace + 1 (peers' done seen), last block.
 template <typename LastFn>
-__device__ __forceinline__ void end_barrier_fast(const PeerSlots& ps, unsigned long long e,
+__device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
                                                  int64_t timeout_ns, const char* phase,
                                                  LastFn&& last_fn, int trace = -1) {
   __syncthreads();
-  __shared__ bool is_last_fast;
+  __shared__ bool is_last;
   if (threadIdx.x == 0) {
     __threadfence();
     Slot* me = ps.slot[ps.rank];
     unsigned int prev = atomicAdd(&me->block_counter, 1u);
-    is_last_fast = (prev == gridDim.x * gridDim.y * gridDim.z - 1);
-    if (is_last_fast) {
+    is_last = (prev == gridDim.x * gridDim.y * gridDim.z - 1);
+    if (is_last) {
       __threadfence();  // acquire: see what the other blocks wrote
       if (trace >= 0) trace_mark_last(ps, trace);
     }
   }
   __syncthreads();
-  if (is_last_fast) {
+  if (is_last) {
     Slot* me = ps.slot[ps.rank];
     if (threadIdx.x < 32) {
       if (threadIdx.x == 0) me->block_counter = 0;
@@ -312,6 +244,13 @@ __device__ __forceinline__ void end_barrier_fast(const PeerSlots& ps, unsigned l
     }
   }
   __syncthreads();
+}
+
+// end_barrier without a hook (non-template: preferred for a plain trace index).
+__device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
+                                           int64_t timeout_ns, const char* phase,
+                                           int trace = -1) {
+  end_barrier(ps, e, timeout_ns, phase, []() {}, trace);
 }
 
 }  // namespace jax_ep
