@@ -38,6 +38,8 @@ def timed_scan(mesh, body, args, iters, reps, carry_dep=False):
             a2 = a
             if carry_dep:  # baselines: make the input loop-variant so XLA cannot hoist them
                 a2 = (a[0] + c.astype(a[0].dtype),) + tuple(a[1:])
+            else:  # call i + 1 starts after call i (no kernel: a scheduling constraint only)
+                a2, c = jax.lax.optimization_barrier((a, c))
             out = body(*a2)
             leaf = jax.tree_util.tree_leaves(out)[0]
             return c + leaf.reshape(-1)[0].astype(jnp.float32) * 0, None
@@ -168,19 +170,56 @@ def ll_suite(mesh, R, a, rows):
         (x, idx), it, reps)
     record("dispatch_bf16", "jax_ep", t, 2 * H)
 
+    kw = dict(num_experts=E, max_tokens_per_rank=M, backend="cuda")
+
     def disp(x, i):
-        r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
-                                        use_fp8=False, backend="cuda")
-        return r.recv_x, r.handle.src_to_row
+        r = jax_ep.low_latency_dispatch(x, i, use_fp8=False, **kw)
+        return r.recv_x, r.handle.recv_src, r.handle.recv_slot, r.handle.recv_count
     spec = P("ep")
-    y, s2r = jax.jit(jax.shard_map(disp, mesh=mesh, in_specs=spec, out_specs=spec,
-                                   check_vma=False))(x, idx)
-    L = E // R
-    t = timed_scan(mesh, lambda y, s, i, w: jax_ep.low_latency_combine(
-        y, i, w, jax_ep.LowLatencyHandle(jnp.zeros((L, R * M), jnp.int32), s,
-                                         jnp.zeros((), jnp.int32)), backend="cuda"),
-        (y, s2r, idx, w), it, reps)
+    hargs = jax.jit(jax.shard_map(disp, mesh=mesh, in_specs=spec, out_specs=spec,
+                                  check_vma=False))(x, idx)
+
+    def handle(s, sl, c):
+        return jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32))
+    t = timed_scan(mesh, lambda y, s, sl, c, i, w: jax_ep.low_latency_combine(
+        y, i, w, handle(s, sl, c), backend="cuda"), hargs + (idx, w), it, reps)
     record("combine_bf16", "jax_ep", t, 2 * H)
+
+    # The send / receive split, back to back (its cost over the fused op) ...
+    t = timed_scan(mesh, lambda x, i: jax_ep.low_latency_dispatch_recv(
+        jax_ep.low_latency_dispatch_send(x, i, use_fp8=True, **kw)).recv_x[0],
+        (x, idx), it, reps)
+    record("dispatch_fp8", "jax_ep send+recv", t, H + 4 * H // 128)
+    t = timed_scan(mesh, lambda y, s, sl, c, i, w: jax_ep.low_latency_combine_recv(
+        jax_ep.low_latency_combine_send(y, i, w, handle(s, sl, c), backend="cuda")),
+        hargs + (idx, w), it, reps)
+    record("combine_bf16", "jax_ep send+recv", t, 2 * H)
+
+    # ... and with other work between the halves: a [N, N] bf16 matmul per call, ordered
+    # send -> matmul -> recv by data dependencies, against matmul + fused dispatch.
+    n_mm = a.overlap_matmul
+    mm = jax.device_put(jnp.asarray(rng.standard_normal((R * n_mm, n_mm)) / 64, jnp.bfloat16),
+                        shard)
+
+    def mm_only(m):
+        return (m @ m)[:1, :1]
+
+    def fused_then_mm(x, i, m):
+        r = jax_ep.low_latency_dispatch(x, i, use_fp8=True, **kw)
+        return (m @ m)[:1, :1] + r.recv_count[:1, None].astype(m.dtype)
+
+    def send_mm_recv(x, i, m):
+        pend = jax_ep.low_latency_dispatch_send(x, i, use_fp8=True, **kw)
+        m = m + jax.tree_util.tree_leaves(pend)[0][0].astype(m.dtype) * 0   # after the send
+        prod, pend = jax.lax.optimization_barrier((m @ m, pend))            # recv after it
+        r = jax_ep.low_latency_dispatch_recv(pend)
+        return prod[:1, :1] + r.recv_count[:1, None].astype(m.dtype)
+
+    record(f"matmul {n_mm}^2 (bf16)", "-", timed_scan(mesh, mm_only, (mm,), it, reps), 0)
+    record(f"dispatch_fp8 + matmul", "fused, then matmul",
+           timed_scan(mesh, fused_then_mm, (x, idx, mm), it, reps), H + 4 * H // 128)
+    record(f"dispatch_fp8 + matmul", "send, matmul, recv",
+           timed_scan(mesh, send_mm_recv, (x, idx, mm), it, reps), H + 4 * H // 128)
     cap = int(np.ceil(1.25 * T * (1 - (1 - 1 / R) ** K)))
     t = timed_scan(mesh, lambda x, i: baselines.all_to_all_dispatch(
         x, i, num_experts=E, axis_name="ep", capacity=cap)[0], (x, idx), it, reps, True)
@@ -197,6 +236,8 @@ def main():
     p.add_argument("--mode", nargs="+", default=["ht", "ll"], choices=["ht", "ll"])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ll-tokens", type=int, default=128)
+    p.add_argument("--overlap-matmul", type=int, default=2048,
+                   help="N of the [N, N] matmul run between the LL send and receive")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts-per-rank", type=int, default=32)

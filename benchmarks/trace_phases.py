@@ -32,9 +32,10 @@ MARKS = {
     4: "layout end", 5: "copy start", 9: "gather: peers ready", 6: "copy loop done",
     7: "all blocks arrived", 8: "peers done",
     10: "start", 11: "peers ready", 12: "loop done", 13: "all blocks arrived", 14: "peers done",
-    16: "start", 17: "own quantisation done", 18: "peers' addresses", 19: "receive loop done",
-    20: "all blocks arrived", 21: "peers done",
-    24: "start", 25: "peers ready", 26: "loop done", 27: "all blocks arrived", 28: "peers done",
+    16: "start", 17: "send done (flags out)", 18: "peers' rows arrived (block 0)",
+    19: "receive done",
+    24: "start", 25: "send done (flags out)", 26: "peers' rows arrived (block 0)",
+    27: "receive done",
 }
 
 
@@ -153,14 +154,14 @@ def suite(R, gpus, runs):
     def ll_disp(x, i):
         r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
                                         use_fp8=True, backend="cuda")
-        return r.recv_x[0], r.handle.src_to_row
-    _, s2r = run_op("LL dispatch fp8 T=M=128 H=7168", mesh, group, ll_disp, (xl, idxl), runs)
+        return r.recv_x[0], r.handle.recv_src, r.handle.recv_slot, r.handle.recv_count
+    _, *h = run_op("LL dispatch fp8 T=M=128 H=7168", mesh, group, ll_disp, (xl, idxl), runs)
     y = jax.jit(lambda: jnp.ones((R * L, R * M, H), jnp.bfloat16), out_shardings=shard)()
     run_op("LL combine bf16 T=M=128 H=7168", mesh, group,
-           lambda y, s, i, w: jax_ep.low_latency_combine(
-               y, i, w, jax_ep.LowLatencyHandle(jnp.zeros((L, R * M), jnp.int32), s,
-                                                jnp.zeros((), jnp.int32)), backend="cuda"),
-           (y, s2r, idxl, wl), runs)
+           lambda y, s, sl, c, i, w: jax_ep.low_latency_combine(
+               y, i, w, jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32)),
+               backend="cuda"),
+           (y, *h, idxl, wl), runs)
 
 
 def main():

@@ -2,6 +2,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
+#include <stdexcept>
+
 #include <cuda_runtime.h>
 
 #include "ffi/handlers.h"
@@ -23,6 +25,10 @@ NB_MODULE(_C, m) {
     d["jax_ep_ht_combine"] = encapsulate(JaxEpHtCombine);
     d["jax_ep_ll_dispatch"] = encapsulate(JaxEpLlDispatch);
     d["jax_ep_ll_combine"] = encapsulate(JaxEpLlCombine);
+    d["jax_ep_ll_dispatch_send"] = encapsulate(JaxEpLlDispatchSend);
+    d["jax_ep_ll_dispatch_recv"] = encapsulate(JaxEpLlDispatchRecv);
+    d["jax_ep_ll_combine_send"] = encapsulate(JaxEpLlCombineSend);
+    d["jax_ep_ll_combine_recv"] = encapsulate(JaxEpLlCombineRecv);
     return d;
   });
   m.def("init_group", &jax_ep::init_group, nb::arg("devices"),
@@ -47,6 +53,21 @@ NB_MODULE(_C, m) {
       nb::arg("group"), nb::arg("device"),
       "Diagnostic: num_slots * trace_slots phase timestamps (ns, slot-major) of the group's "
       "workspace on `device` (see csrc/transport/peer.cuh, phase tracer).");
+  m.def(
+      "reserve_slot_buffer",
+      [](nb::list group, int slot, size_t bytes) {
+        std::vector<int> g;
+        for (nb::handle h : group) g.push_back(nb::cast<int>(h));
+        if (slot < jax_ep::kFirstPushSlot || slot >= jax_ep::kNumSlots)
+          throw std::invalid_argument("jax_ep: not a push slot");
+        nb::list out;
+        for (unsigned long long p : jax_ep::reserve_slot_buffer(g, slot, bytes)) out.append(p);
+        return out;
+      },
+      nb::arg("group"), nb::arg("slot"), nb::arg("bytes"),
+      "Receive buffer (>= bytes) of a push slot on every device of the group: device addresses "
+      "in group order.");
+  m.def("slot_buffer_bytes", &jax_ep::slot_buffer_bytes, nb::arg("device"));
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
   m.def("cuda_device_count", []() {
     int n = 0;
@@ -58,6 +79,7 @@ NB_MODULE(_C, m) {
   });
   m.attr("max_ranks") = jax_ep::kMaxRanks;
   m.attr("num_slots") = jax_ep::kNumSlots;
+  m.attr("first_push_slot") = jax_ep::kFirstPushSlot;
   m.attr("max_local_experts") = jax_ep::kMaxLocalExperts;
   m.attr("trace_slots") = jax_ep::kTraceSlots;
 }

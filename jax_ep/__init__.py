@@ -3,8 +3,10 @@
 Public contract: API.md (shared). Ops run per shard inside `jax.shard_map` over the EP axis.
 """
 from jax_ep.high_throughput import DispatchHandle, DispatchResult, combine, dispatch
-from jax_ep.low_latency import (LowLatencyHandle, LowLatencyResult, low_latency_combine,
-                                low_latency_dispatch)
+from jax_ep.low_latency import (LowLatencyHandle, LowLatencyPending, LowLatencyResult,
+                                low_latency_combine, low_latency_combine_recv,
+                                low_latency_combine_send, low_latency_dispatch,
+                                low_latency_dispatch_recv, low_latency_dispatch_send)
 from jax_ep.reference import dequantize_fp8, quantize_fp8
 from jax_ep.runtime import initialize, runtime_info, set_num_blocks
 from jax_ep.layout import get_dispatch_layout
@@ -12,6 +14,8 @@ from jax_ep.layout import get_dispatch_layout
 __all__ = [
     "dispatch", "combine", "DispatchResult", "DispatchHandle",
     "low_latency_dispatch", "low_latency_combine", "LowLatencyResult", "LowLatencyHandle",
+    "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send",
+    "low_latency_combine_recv", "LowLatencyPending",
     "quantize_fp8", "dequantize_fp8", "get_dispatch_layout",
     "initialize", "runtime_info", "set_num_blocks",
 ]

@@ -3,7 +3,10 @@
 One primitive serves all targets. Its lowering adds what only the lowering knows: the EP group
 table (CUDA device ordinals of every group along `axis_name`, from the enclosing shard_map's
 mesh, in the flat device order the executable is compiled for), and makes sure the peer
-runtime covers those devices. Calls are marked side-effecting so XLA never merges or drops them.
+runtime covers those devices. Push ops (attribute `buffer_bytes`, the low-latency kernels) also
+get their slot's receive buffers, reserved here from the static shapes, as device addresses
+(`bufs`, aligned with the group table). Calls are marked side-effecting so XLA never merges or
+drops them.
 """
 from __future__ import annotations
 
@@ -76,8 +79,15 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups):
         runtime.ensure_peer_runtime(list(np.asarray(mesh.devices).flat), table)
         kwargs["groups"] = table.reshape(-1)
         kwargs["group_size"] = np.int64(table.shape[1])
-        kwargs["slot"] = np.int64(runtime.next_slot())
+        push = "buffer_bytes" in kwargs
+        slot = kwargs.pop("slot", None)  # given: a send / receive pair shares one slot
+        slot = runtime.next_slot(push=push) if slot is None else int(slot)
+        kwargs["slot"] = np.int64(slot)
         kwargs["timeout_ns"] = np.int64(runtime.timeout_ns())
+        if push:
+            kwargs["bufs"] = np.asarray(
+                runtime.reserve_slot_buffers(table, slot, int(kwargs["buffer_bytes"])),
+                dtype=np.int64)
     return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *args, **kwargs)
 
 
@@ -107,7 +117,9 @@ def _varying(x, axes):
 def call(target, args, out_types, *, axis_name=None, **attrs):
     """Bind a custom call. out_types: [(shape, dtype)]; attrs: static scalars.
 
-    With axis_name, the lowering adds groups / group_size / slot / timeout_ns.
+    With axis_name, the lowering adds groups / group_size / slot / timeout_ns (a `slot`
+    attribute given here is kept: the two halves of a split op share it) and, for push ops
+    (a `buffer_bytes` attribute), the receive buffers `bufs`.
     """
     axes = frozenset().union(*(_vma(a) for a in args))
     if axis_name is not None:

@@ -1,7 +1,12 @@
-"""Low-latency dispatch / combine (decode): arguments, shape rules, custom VJPs.
+"""Low-latency dispatch / combine (decode): arguments, shape rules, custom VJPs, send/recv split.
 
 Receive layout is expert-major [L, R * M, H] (M = max_tokens_per_rank, static), rows of
 expert l valid up to recv_count[l], in any order; FP8 is quantised online (128-column groups).
+
+The CUDA kernels push rows into a receive buffer owned by the op's call site (double-buffered,
+no barrier between calls). Each op is one kernel; the split API runs the same kernel in two
+halves: `*_send` writes to the peers and returns at once, `*_recv` waits for the peers' rows and
+delivers the outputs, so XLA can schedule other work in between.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ from jax_ep import runtime
 
 class LowLatencyHandle(NamedTuple):
     recv_src: jax.Array     # [L, R*M] int32: src_rank * M + src_token, -1 past recv_count
-    src_to_row: jax.Array   # [R, M, L] int32: row of (source s, token t) in expert l here, or -1
+    recv_slot: jax.Array    # [L, R*M] int32: first top-k slot of the source token naming the
+    #                         row's expert (where combine sends the output back), -1 past count
+    recv_count: jax.Array   # [L] int32
     num_invalid: jax.Array  # [] int32
 
 
@@ -27,39 +34,75 @@ class LowLatencyResult(NamedTuple):
     handle: LowLatencyHandle
 
 
+def _align16(n):
+    return (n + 15) // 16 * 16
+
+
+def _dispatch_buffer_bytes(R, M, K, H, use_fp8):
+    """Receive buffer of a dispatch slot (csrc/kernels/low_latency.cu: dispatch_buffer_bytes)."""
+    payload = H + 4 * (H // ref.FP8_GROUP) if use_fp8 else 2 * H
+    return 2 * R * M * (_align16(4 * (1 + K)) + _align16(payload))
+
+
+def _combine_buffer_bytes(M, K, H):
+    """Receive buffer of a combine slot (csrc/kernels/low_latency.cu: combine_buffer_bytes)."""
+    return 2 * M * K * _align16(2 * H)
+
+
+def _ll_attrs(*, num_experts, M, K, H, use_fp8, round_scale, buffer_bytes):
+    return dict(num_experts=int(num_experts), max_tokens=int(M), num_topk=int(K), hidden=int(H),
+                use_fp8=bool(use_fp8), round_scale=bool(round_scale),
+                buffer_bytes=int(buffer_bytes))
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------
+
+def _dispatch_cuda_args(cfg, K, H):
+    num_experts, M, use_fp8, round_scale, axis_name, _ = cfg
+    R, _ = ref.axis_info(axis_name)
+    L = num_experts // R
+    G = H // ref.FP8_GROUP if use_fp8 else 0
+    recv_types = [((L, R * M, H), jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16),
+                  ((L, R * M, G), jnp.float32), ((L,), jnp.int32), ((L, R * M), jnp.int32),
+                  ((L, R * M), jnp.int32)]
+    attrs = _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=use_fp8,
+                      round_scale=round_scale,
+                      buffer_bytes=_dispatch_buffer_bytes(R, M, K, H, use_fp8))
+    return recv_types, attrs
+
+
+def _dispatch_result(recv_outs, stats, use_fp8):
+    rx, rs, cnt, src, slot = recv_outs
+    return ((rx, rs) if use_fp8 else rx), cnt, LowLatencyHandle(src, slot, cnt, stats[0])
+
+
 def _dispatch_core(x, idx, cfg):
     num_experts, M, use_fp8, round_scale, axis_name, backend = cfg
     if backend == "reference":
-        rx, cnt, src, s2r, inv = ref.ll_dispatch(
+        rx, cnt, src, slot, inv = ref.ll_dispatch(
             x, idx, num_experts=num_experts, max_tokens_per_rank=M, use_fp8=use_fp8,
             round_scale=round_scale, axis_name=axis_name)
-        return rx, cnt, LowLatencyHandle(src, s2r, inv)
-    R, _ = ref.axis_info(axis_name)
-    T, H = x.shape
-    L = num_experts // R
-    G = H // ref.FP8_GROUP if use_fp8 else 0
-    staging = H + 4 * G if use_fp8 else 2 * H
-    outs = _ffi.call(
-        "jax_ep_ll_dispatch", [x, idx.astype(jnp.int32)],
-        [((L, R * M, H), jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16),
-         ((L, R * M, G), jnp.float32), ((L,), jnp.int32), ((L, R * M), jnp.int32),
-         ((R, M, L), jnp.int32), ((2,), jnp.int32), ((M, staging), jnp.uint8)],
-        axis_name=axis_name, num_experts=num_experts, max_tokens=M, use_fp8=bool(use_fp8),
-        round_scale=bool(round_scale), num_blocks=runtime.num_blocks())
-    rx, rs, cnt, src, s2r, stats, _ = outs
-    return ((rx, rs) if use_fp8 else rx), cnt, LowLatencyHandle(src, s2r, stats[0])
+        return rx, cnt, LowLatencyHandle(src, slot, cnt, inv)
+    recv_types, attrs = _dispatch_cuda_args(cfg, idx.shape[1], x.shape[1])
+    outs = _ffi.call("jax_ep_ll_dispatch", [x, idx], recv_types + [((2,), jnp.int32)],
+                     axis_name=axis_name, **attrs)
+    return _dispatch_result(outs[:5], outs[5], use_fp8)
 
 
-def _combine_core(y, idx, w, src_to_row, cfg):
-    num_experts, axis_name, backend = cfg
+def _combine_core(y, idx, w, handle_arrays, cfg):
+    num_experts, M, axis_name, backend = cfg
+    src, slot, cnt = handle_arrays
     if backend == "reference":
-        return ref.ll_combine(y, idx, w, src_to_row, num_experts=num_experts,
-                              axis_name=axis_name)
-    T = idx.shape[0]
-    (out,) = _ffi.call("jax_ep_ll_combine",
-                       [y, idx.astype(jnp.int32), w.astype(jnp.float32), src_to_row],
-                       [((T, y.shape[-1]), jnp.bfloat16)], axis_name=axis_name,
-                       num_experts=num_experts, num_blocks=runtime.num_blocks())
+        return ref.ll_combine(y, idx, w, src, num_experts=num_experts, axis_name=axis_name)
+    R, _ = ref.axis_info(axis_name)
+    T, K = idx.shape
+    H = y.shape[-1]
+    attrs = _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=False, round_scale=False,
+                      buffer_bytes=_combine_buffer_bytes(M, K, H))
+    (out,) = _ffi.call("jax_ep_ll_combine", [y, src, slot, cnt, idx, w.astype(jnp.float32)],
+                       [((T, H), jnp.bfloat16)], axis_name=axis_name, **attrs)
     return out
 
 
@@ -71,21 +114,29 @@ def _dispatch_diff(x, idx, cfg):
 
 def _dispatch_fwd(x, idx, cfg):
     out = _dispatch_diff(x, idx, cfg)
-    return out, (idx, out[2].src_to_row)
+    h = out[2]
+    return out, (idx, (h.recv_src, h.recv_slot, h.recv_count))
 
 
 def _dispatch_bwd(cfg, res, g):
-    idx, src_to_row = res
-    num_experts, _, _, _, axis_name, backend = cfg
+    idx, handle_arrays = res
+    num_experts, M, _, _, axis_name, backend = cfg
     g_rx = g[0]
     clean, _ = ref.sanitize(idx, num_experts)
     unit = ref.first_occurrence(clean).astype(jnp.float32)
-    dx = _combine_core(g_rx.astype(jnp.bfloat16), idx, unit, src_to_row,
-                       (num_experts, axis_name, backend))
+    dx = _combine_core(g_rx.astype(jnp.bfloat16), idx, unit, handle_arrays,
+                       (num_experts, M, axis_name, backend))
     return dx, None
 
 
 _dispatch_diff.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def _forward_only(what):
+    def jvp(cfg, primals, tangents):
+        raise TypeError(f"jax_ep.{what} is forward only; use the non-split op "
+                        "(use_fp8=False for the dispatch) to differentiate")
+    return jvp
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -99,20 +150,21 @@ def _dispatch_fp8_jvp(cfg, primals, tangents):
                     "no useful gradient); use use_fp8=False to differentiate in x")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _combine_diff(y, w, idx, src_to_row, cfg):
-    return _combine_core(y, idx, w, src_to_row, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _combine_diff(y, w, idx, src, slot, cnt, cfg):
+    return _combine_core(y, idx, w, (src, slot, cnt), cfg)
 
 
-def _combine_fwd(y, w, idx, src_to_row, cfg):
-    return _combine_core(y, idx, w, src_to_row, cfg), (y, w, idx, src_to_row)
+def _combine_fwd(y, w, idx, src, slot, cnt, cfg):
+    return _combine_core(y, idx, w, (src, slot, cnt), cfg), (y, w, idx, src)
 
 
 def _combine_bwd(cfg, res, g):
     """Pure-JAX collectives on the handle (both backends): decode rarely needs this path."""
-    y, w, idx, src_to_row = res
-    num_experts, axis_name, _ = cfg
+    y, w, idx, recv_src = res
+    num_experts, _, axis_name, _ = cfg
     R, r = ref.axis_info(axis_name)
+    src_to_row = ref.ll_src_to_row(recv_src, R)
     _, M, L = src_to_row.shape
     T, K = idx.shape
     clean, _ = ref.sanitize(idx, num_experts)
@@ -139,16 +191,18 @@ def _combine_bwd(cfg, res, g):
     q = jnp.where(valid, clean // L, 0)
     l = jnp.where(valid, clean % L, 0)
     dw = jnp.where(valid, back[q, jnp.arange(T)[:, None], l], 0.0)
-    return dy.astype(y.dtype), dw.astype(w.dtype), None, None
+    return dy.astype(y.dtype), dw.astype(w.dtype), None, None, None, None
 
 
 _combine_diff.defvjp(_combine_fwd, _combine_bwd)
 
 
-def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name="ep",
-                         use_fp8=True, round_scale=False, backend="auto",
-                         check=None) -> LowLatencyResult:
-    """Decode dispatch into the expert-major [L, R * M, H] layout (see API.md)."""
+# ----------------------------------------------------------------------------------------------
+# argument checks shared by the fused and the split ops
+# ----------------------------------------------------------------------------------------------
+
+def _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
+                  round_scale, backend):
     _checks.expect_rank("x", x, 2, "[T, H]")
     _checks.expect_dtype("x", x, (jnp.bfloat16,))
     T, H = x.shape
@@ -162,17 +216,56 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
     R, _ = ref.axis_info(axis_name)
     _checks.experts_per_rank(num_experts, R)
     cfg = (int(num_experts), M, bool(use_fp8), bool(round_scale), axis_name, be)
-    idx = _checks.int32_ids(topk_idx, num_experts)
-    fn = _dispatch_fp8 if use_fp8 else _dispatch_diff
-    rx, cnt, handle = fn(x, idx, cfg)
+    return cfg, _checks.int32_ids(topk_idx, num_experts)
+
+
+def _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend):
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(f"handle: expected the LowLatencyHandle of a low_latency_dispatch, got "
+                        f"{type(handle).__name__}")
+    _checks.expect_rank("y", y, 3, "[L, R * M, H]")
+    _checks.expect_dtype("y", y, (jnp.bfloat16,))
+    L, RM = handle.recv_src.shape
+    if tuple(y.shape[:2]) != (L, RM):
+        raise ValueError(f"y: shape {tuple(y.shape)}, expected ({L}, {RM}, H) like recv_x")
+    _checks.expect_rank("topk_idx", topk_idx, 2, "[T, K]")
+    _checks.expect_dtype("topk_idx", topk_idx, (jnp.int32, jnp.int64))
+    _checks.weights("topk_weights", topk_weights, topk_idx.shape)
+    be = _checks.resolve_backend(backend)
+    R, _ = ref.axis_info(axis_name)
+    if RM % R:
+        raise ValueError(f"handle: made for an EP group whose size divides {RM}, but axis "
+                         f"{axis_name!r} has {R} ranks")
+    M = RM // R
+    if topk_idx.shape[0] > M:
+        raise ValueError(f"topk_idx: T={topk_idx.shape[0]} is more than max_tokens_per_rank={M}")
+    cfg = (L * R, M, axis_name, be)
+    return cfg, _checks.int32_ids(topk_idx, L * R)
+
+
+def _check_invalid(handle, axis_name, check, what):
     if runtime.check_enabled(check):
         def raise_if(n, total):
             if int(total):
-                raise RuntimeError(f"jax_ep.low_latency_dispatch(check=True): {int(n)} expert "
-                                   f"ids outside [-1, E) on this rank ({int(total)} over all "
-                                   "shards)")
+                raise RuntimeError(f"jax_ep.{what}(check=True): {int(n)} expert ids outside "
+                                   f"[-1, E) on this rank ({int(total)} over all shards)")
         jax.debug.callback(raise_if, handle.num_invalid,
                            _checks.sum_over_shards(handle.num_invalid, axis_name))
+
+
+# ----------------------------------------------------------------------------------------------
+# public ops
+# ----------------------------------------------------------------------------------------------
+
+def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name="ep",
+                         use_fp8=True, round_scale=False, backend="auto",
+                         check=None) -> LowLatencyResult:
+    """Decode dispatch into the expert-major [L, R * M, H] layout (see API.md)."""
+    cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
+                             round_scale, backend)
+    fn = _dispatch_fp8 if use_fp8 else _dispatch_diff
+    rx, cnt, handle = fn(x, idx, cfg)
+    _check_invalid(handle, axis_name, check, "low_latency_dispatch")
     return LowLatencyResult(rx, cnt, handle)
 
 
@@ -180,24 +273,128 @@ def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, 
                         backend="auto", check=None):
     """Weighted sum of the expert outputs of each token: [T, H] bfloat16 (see API.md)."""
     del check
-    if not isinstance(handle, LowLatencyHandle):
-        raise TypeError(f"handle: expected the LowLatencyHandle of a low_latency_dispatch, got "
-                        f"{type(handle).__name__}")
-    R_h, M, L = handle.src_to_row.shape
-    _checks.expect_rank("y", y, 3, "[L, R * M, H]")
-    _checks.expect_dtype("y", y, (jnp.bfloat16,))
-    if tuple(y.shape[:2]) != (L, R_h * M):
-        raise ValueError(f"y: shape {tuple(y.shape)}, expected ({L}, {R_h * M}, H) like recv_x")
-    _checks.expect_rank("topk_idx", topk_idx, 2, "[T, K]")
-    _checks.expect_dtype("topk_idx", topk_idx, (jnp.int32, jnp.int64))
-    _checks.weights("topk_weights", topk_weights, topk_idx.shape)
-    if topk_idx.shape[0] > M:
-        raise ValueError(f"topk_idx: T={topk_idx.shape[0]} is more than max_tokens_per_rank={M}")
-    be = _checks.resolve_backend(backend)
-    R, _ = ref.axis_info(axis_name)
-    if R != R_h:
-        raise ValueError(f"handle: made for an EP group of {R_h} ranks, but axis "
-                         f"{axis_name!r} has {R}")
-    cfg = (L * R, axis_name, be)
-    return _combine_diff(y, topk_weights, _checks.int32_ids(topk_idx, L * R),
-                         handle.src_to_row, cfg)
+    cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
+    return _combine_diff(y, topk_weights, idx, handle.recv_src, handle.recv_slot,
+                         handle.recv_count, cfg)
+
+
+@jax.tree_util.register_pytree_node_class
+class LowLatencyPending:
+    """The in-flight half of a split low-latency op: pass it to the matching `*_recv`.
+
+    A pytree (its arrays are leaves; the call site, shapes and settings are static), so it can
+    cross `jit`, `scan` and `remat` boundaries between the send and the receive.
+    """
+
+    def __init__(self, arrays, meta):
+        self.arrays = tuple(arrays)
+        self.meta = meta
+
+    def tree_flatten(self):
+        return self.arrays, self.meta
+
+    @classmethod
+    def tree_unflatten(cls, meta, arrays):
+        return cls(arrays, meta)
+
+
+def _no_grad(fn, what):
+    """fn(*arrays) with a clear error under differentiation (the split ops are forward only)."""
+    wrapped = jax.custom_jvp(fn)
+    wrapped.defjvp(lambda primals, tangents: _forward_only(what)(None, primals, tangents))
+    return wrapped
+
+
+def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name="ep",
+                              use_fp8=True, round_scale=False, backend="auto",
+                              check=None) -> LowLatencyPending:
+    """First half of `low_latency_dispatch`: quantise and write the rows to the peers.
+
+    Returns at once (the kernel does not wait for any peer). `low_latency_dispatch_recv` of the
+    result waits for the peers' rows and returns the same `LowLatencyResult` as
+    `low_latency_dispatch`. Forward only. At most one pending send per call site: receive it
+    before the same code sends again.
+    """
+    cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
+                             round_scale, backend)
+    meta = ("dispatch", cfg, tuple(x.shape), idx.shape[1], None, check)
+    if cfg[-1] == "reference":  # the reference runs the whole op in the receive half
+        return LowLatencyPending(_no_grad(lambda a, b: (a, b), "low_latency_dispatch_send")(
+            x, idx), meta)
+    recv_types, attrs = _dispatch_cuda_args(cfg, idx.shape[1], x.shape[1])
+    slot = runtime.next_slot(push=True)
+
+    def send(a, b):
+        return _ffi.call("jax_ep_ll_dispatch_send", [a, b], [((2,), jnp.int32)],
+                         axis_name=axis_name, slot=slot, **attrs)[0]
+
+    stats = _no_grad(send, "low_latency_dispatch_send")(x, idx)
+    return LowLatencyPending((stats,), meta[:4] + (slot, check))
+
+
+def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyResult:
+    """Second half of a split dispatch: wait for the peers' rows, deliver the outputs."""
+    if not isinstance(pending, LowLatencyPending) or pending.meta[0] != "dispatch":
+        raise TypeError("pending: expected the result of jax_ep.low_latency_dispatch_send, got "
+                        f"{type(pending).__name__}")
+    _, cfg, x_shape, K, slot, check = pending.meta
+    num_experts, M, use_fp8, round_scale, axis_name, backend = cfg
+    if backend == "reference":
+        rx, cnt, handle = _dispatch_core(*pending.arrays, cfg)
+    else:
+        (stats,) = pending.arrays
+        recv_types, attrs = _dispatch_cuda_args(cfg, K, x_shape[1])
+        outs = _ffi.call("jax_ep_ll_dispatch_recv", [stats], recv_types, axis_name=axis_name,
+                         slot=slot, **attrs)
+        rx, cnt, handle = _dispatch_result(outs, stats, use_fp8)
+    _check_invalid(handle, axis_name, check, "low_latency_dispatch_recv")
+    return LowLatencyResult(rx, cnt, handle)
+
+
+def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
+                             axis_name="ep", backend="auto") -> LowLatencyPending:
+    """First half of `low_latency_combine`: write the expert outputs back to their sources.
+
+    Returns at once; `low_latency_combine_recv` of the result waits for the rows from every
+    expert rank and returns the same [T, H] output as `low_latency_combine`. Forward only.
+    """
+    cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
+    num_experts, M, _, be = cfg
+    w = topk_weights.astype(jnp.float32)
+    meta = ("combine", cfg, tuple(y.shape), None)
+    if be == "reference":
+        arrays = _no_grad(lambda *a: a, "low_latency_combine_send")(
+            y, idx, w, handle.recv_src, handle.recv_slot, handle.recv_count)
+        return LowLatencyPending(arrays, meta)
+    K, H = idx.shape[1], y.shape[-1]
+    attrs = _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=False, round_scale=False,
+                      buffer_bytes=_combine_buffer_bytes(M, K, H))
+    slot = runtime.next_slot(push=True)
+
+    def send(yy, src, sl, cnt):
+        return _ffi.call("jax_ep_ll_combine_send", [yy, src, sl, cnt], [((1,), jnp.int32)],
+                         axis_name=axis_name, slot=slot, **attrs)[0]
+
+    ticket = _no_grad(send, "low_latency_combine_send")(
+        y, handle.recv_src, handle.recv_slot, handle.recv_count)
+    return LowLatencyPending((ticket, idx, w), meta[:3] + (slot,))
+
+
+def low_latency_combine_recv(pending: LowLatencyPending):
+    """Second half of a split combine: wait for the expert outputs, reduce them per token."""
+    if not isinstance(pending, LowLatencyPending) or pending.meta[0] != "combine":
+        raise TypeError("pending: expected the result of jax_ep.low_latency_combine_send, got "
+                        f"{type(pending).__name__}")
+    _, cfg, y_shape, slot = pending.meta
+    num_experts, M, axis_name, backend = cfg
+    if backend == "reference":
+        y, idx, w, src, sl, cnt = pending.arrays
+        return _combine_core(y, idx, w, (src, sl, cnt), cfg)
+    ticket, idx, w = pending.arrays
+    T, K = idx.shape
+    H = y_shape[-1]
+    attrs = _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=False, round_scale=False,
+                      buffer_bytes=_combine_buffer_bytes(M, K, H))
+    (out,) = _ffi.call("jax_ep_ll_combine_recv", [ticket, idx, w], [((T, H), jnp.bfloat16)],
+                       axis_name=axis_name, slot=slot, **attrs)
+    return out

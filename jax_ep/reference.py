@@ -233,7 +233,8 @@ def ll_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, use_fp8, round
     """Reference low-latency dispatch: expert-major [L, R*M, ...], rows by (source, token).
 
     Returns (recv_x (array or (fp8, scales)), recv_count [L], recv_src [L, R*M],
-    src_to_row [R, M, L], num_invalid).
+    recv_slot [L, R*M], num_invalid). recv_slot: the first top-k slot of the source token
+    naming the row's expert (where combine finds that expert's output), -1 past the count.
     """
     R, r = axis_info(axis_name)
     T, H = x.shape
@@ -243,12 +244,14 @@ def ll_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, use_fp8, round
     idx = jnp.pad(idx, ((0, M - T), (0, 0)), constant_values=-1)
     x = jnp.pad(x, ((0, M - T), (0, 0)))
     first = first_occurrence(idx)
-    # sel[q, t, l]: token t goes to expert l of rank q
+    # match[q, t, k, l]: slot k of token t is the first naming expert l of rank q
     gid = jnp.arange(R * L).reshape(R, L)
-    sel = jnp.any(first[None, :, :, None] & (idx[None, :, :, None] == gid[:, None, None, :]),
-                  axis=2)                                                       # [R, M, L]
+    match = first[None, :, :, None] & (idx[None, :, :, None] == gid[:, None, None, :])
+    sel = jnp.any(match, axis=2)                                                # [R, M, L]
+    kfirst = jnp.argmax(match, axis=2).astype(jnp.int32)                        # [R, M, L]
     payload = quantize_fp8(x, round_scale) if use_fp8 else (x,)
     got_sel = _a2a(sel, axis_name)                                              # [R(s), M, L]
+    got_kf = _a2a(kfirst, axis_name)                                            # [R(s), M, L]
     moved = []
     for a in payload:
         b = _as_bytes(a)                                                         # [M, ..., nb]
@@ -263,12 +266,25 @@ def ll_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, use_fp8, round
     def place(b):
         return jax.vmap(lambda rw: jnp.zeros_like(b).at[rw].set(b, mode="drop"))(rows)
 
+    def place_ids(vals):                                                        # [L, R*M]
+        return jax.vmap(lambda rw, v: jnp.full((R * M,), -1, jnp.int32).at[rw].set(
+            v, mode="drop"))(rows, vals)
+
     recv = tuple(_from_bytes(place(b), dt) for b, dt in moved)
-    recv_src = jax.vmap(lambda rw: jnp.full((R * M,), -1, jnp.int32).at[rw].set(
-        src_ids, mode="drop"))(rows)
-    src_to_row = jnp.where(mask, pos, -1).T.reshape(R, M, L)
+    recv_src = place_ids(jnp.broadcast_to(src_ids[None], (L, R * M)))
+    recv_slot = place_ids(got_kf.reshape(R * M, L).T)
     recv_x = recv if use_fp8 else recv[0]
-    return recv_x, recv_count, recv_src, src_to_row, num_invalid
+    return recv_x, recv_count, recv_src, recv_slot, num_invalid
+
+
+def ll_src_to_row(recv_src, num_ranks):
+    """[R, M, L]: the row of (source s, token t) in local expert l, or -1 (from recv_src)."""
+    L, RM = recv_src.shape
+    rows = jnp.broadcast_to(jnp.arange(RM, dtype=jnp.int32)[None], (L, RM))
+    target = jnp.where(recv_src >= 0, recv_src, RM)                             # RM: dropped
+    s2r = jnp.full((L, RM), -1, jnp.int32).at[jnp.arange(L)[:, None], target].set(
+        rows, mode="drop")
+    return s2r.T.reshape(num_ranks, RM // num_ranks, L)
 
 
 def ll_rows_back(y, src_to_row, *, axis_name):
@@ -281,12 +297,13 @@ def ll_rows_back(y, src_to_row, *, axis_name):
     return _a2a(back, axis_name)                                                # [R(q), M, L, H]
 
 
-def ll_combine(y, topk_idx, topk_weights, src_to_row, *, num_experts, axis_name):
+def ll_combine(y, topk_idx, topk_weights, recv_src, *, num_experts, axis_name):
     """out[t] = sum_k w[t, k] * y[e_k][row of (t, k)] (float32), as bfloat16."""
     R, _ = axis_info(axis_name)
     L = num_experts // R
     T, K = topk_idx.shape
     idx, _ = sanitize(topk_idx, num_experts)
+    src_to_row = ll_src_to_row(recv_src, R)
     got = ll_rows_back(y, src_to_row, axis_name=axis_name)[:, :T]              # [R, T, L, H]
     valid = idx >= 0
     q = jnp.where(valid, idx // L, 0)

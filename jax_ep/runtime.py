@@ -1,9 +1,10 @@
 """Process mode, peers, buffers and settings of the CUDA backend; `runtime_info()`.
 
 One process driving all GPUs of a node: each device gets a small workspace (flags and published
-addresses, see csrc/runtime/workspace.h) and peer access to the others. Data never goes through
-the workspace: kernels read their peers' XLA buffers directly, so nothing here depends on shapes
-and there is no buffer size to compute or to get wrong.
+addresses, see csrc/runtime/workspace.h) and peer access to the others. High-throughput kernels
+read their peers' XLA buffers directly (no data buffers). Low-latency kernels push into per-slot
+receive buffers, which the lowering sizes from the op's static shapes (reserve_slot_buffer):
+nobody computes a buffer size by hand.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ _ext_error: str | None = None
 _ext_loaded = False
 _warned = False
 _slot_counter = itertools.count()
+_push_slot_counter = itertools.count()
 _num_blocks: int | None = None
 
 
@@ -88,11 +90,33 @@ def check_enabled(check: bool | None) -> bool:
     return os.environ.get("JAX_EP_CHECK", "0") not in ("", "0", "false", "False")
 
 
-def next_slot() -> int:
-    """Workspace slot of a new call site (round robin over the slots)."""
+def next_slot(push: bool = False) -> int:
+    """Workspace slot of a new call site (round robin over the pull or the push slots).
+
+    Pull ops (high-throughput) and push ops (low-latency) keep separate slot ranges: their
+    epoch counters advance differently, so one slot must never serve both kinds.
+    """
     ext = _load_extension()
-    n = ext.num_slots if ext is not None else 64
-    return next(_slot_counter) % n
+    n = ext.num_slots if ext is not None else 128
+    first_push = ext.first_push_slot if ext is not None else 64
+    if push:
+        return first_push + next(_push_slot_counter) % (n - first_push)
+    return next(_slot_counter) % first_push
+
+
+def reserve_slot_buffers(groups, slot: int, nbytes: int) -> list[int]:
+    """Receive buffers (>= nbytes) of a push slot for every EP group of the table.
+
+    Returns device addresses aligned with the flattened group table (what the `bufs`
+    attribute of the low-latency custom calls carries).
+    """
+    ext = _load_extension()
+    out = []
+    with _lock:
+        for g in groups:
+            out.extend(int(p) for p in ext.reserve_slot_buffer([int(v) for v in g], int(slot),
+                                                               int(nbytes)))
+    return out
 
 
 def ensure_peer_runtime(devices, groups=None) -> None:
@@ -152,6 +176,8 @@ def runtime_info() -> dict:
             "peer_devices": list(ext.runtime_devices()),
             "ep_groups": int(ext.runtime_num_groups()),
             "workspace_bytes_per_device_per_group": int(ext.workspace_bytes()),
+            "ll_receive_buffer_bytes_per_device": {
+                int(d): int(ext.slot_buffer_bytes(int(d))) for d in ext.runtime_devices()},
             "num_slots": int(ext.num_slots),
             "max_ranks": int(ext.max_ranks),
         })

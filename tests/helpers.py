@@ -122,15 +122,23 @@ def ht_fn(mesh, num_experts, capacity=None, has_w=True, check=None, backend=BACK
 
 @functools.lru_cache(maxsize=None)
 def ll_fn(mesh, num_experts, max_tokens, use_fp8, round_scale=False, check=None,
-          backend=BACKEND):
-    """(x, idx, w, y) -> (LowLatencyResult, low_latency_combine(y, idx, w, handle))."""
+          backend=BACKEND, split=False):
+    """(x, idx, w, y) -> (LowLatencyResult, low_latency_combine(y, idx, w, handle)).
+
+    split: the send / receive halves instead, with other work between them.
+    """
 
     def f(x, idx, w, y):
-        res = jax_ep.low_latency_dispatch(x, idx, num_experts=num_experts,
-                                          max_tokens_per_rank=max_tokens, use_fp8=use_fp8,
-                                          round_scale=round_scale, backend=backend, check=check)
-        out = jax_ep.low_latency_combine(y, idx, w, res.handle, backend=backend)
-        return res, out
+        kw = dict(num_experts=num_experts, max_tokens_per_rank=max_tokens, use_fp8=use_fp8,
+                  round_scale=round_scale, backend=backend, check=check)
+        if not split:
+            res = jax_ep.low_latency_dispatch(x, idx, **kw)
+            return res, jax_ep.low_latency_combine(y, idx, w, res.handle, backend=backend)
+        pending = jax_ep.low_latency_dispatch_send(x, idx, **kw)
+        y = (y.astype(jnp.float32) * 1.0).astype(y.dtype)  # work between the halves
+        res = jax_ep.low_latency_dispatch_recv(pending)
+        cpending = jax_ep.low_latency_combine_send(y, idx, w, res.handle, backend=backend)
+        return res, jax_ep.low_latency_combine_recv(cpending)
 
     return smap(mesh, f)
 

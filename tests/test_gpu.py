@@ -195,12 +195,27 @@ def test_ht_scan_back_to_back(R):
                                rtol=2e-2, atol=2e-2)
 
 
-def _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale):
+def _ll_dispatch(x, idx, split, **kw):
+    if not split:
+        return jax_ep.low_latency_dispatch(x, idx, **kw)
+    pending = jax_ep.low_latency_dispatch_send(x, idx, **kw)
+    return jax_ep.low_latency_dispatch_recv(pending)
+
+
+def _ll_combine(y, idx, w, handle, split, **kw):
+    if not split:
+        return jax_ep.low_latency_combine(y, idx, w, handle, **kw)
+    return jax_ep.low_latency_combine_recv(
+        jax_ep.low_latency_combine_send(y, idx, w, handle, **kw))
+
+
+def _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale, split=False):
     def body(x, idx, w):
         outs = []
         for be in ("cuda", "reference"):
-            r = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
-                                            use_fp8=use_fp8, round_scale=round_scale, backend=be)
+            r = _ll_dispatch(x, idx, split and be == "cuda", num_experts=E,
+                             max_tokens_per_rank=M, use_fp8=use_fp8, round_scale=round_scale,
+                             backend=be)
             rx, sc = r.recv_x if use_fp8 else (r.recv_x, jnp.zeros((1,), jnp.float32))
             # Expert outputs as a function of (source token, expert, column) only, exact in
             # bf16: both backends then combine identical values whatever their row order.
@@ -211,8 +226,8 @@ def _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale):
             # Make padding rows of y garbage (NaN) on purpose: combine must never read them.
             rows = jnp.arange(y.shape[1])[None, :, None]
             y = jnp.where(rows < r.recv_count[:, None, None], y, jnp.nan)
-            out = jax_ep.low_latency_combine(y, idx, w, r.handle, backend=be)
-            outs.append((rx, sc, r.recv_count, r.handle.recv_src, r.handle.src_to_row,
+            out = _ll_combine(y, idx, w, r.handle, split and be == "cuda", backend=be)
+            outs.append((rx, sc, r.recv_count, r.handle.recv_src, r.handle.recv_slot,
                          r.handle.num_invalid[None], out))
         return outs
 
@@ -240,12 +255,23 @@ def _ll_rows(rx, sc, cnt, src, R, L):
     return out
 
 
+def _ll_slots(cnt, src, slot, R, L):
+    """{(rank, l, src): recv_slot} over the valid rows, order-independent."""
+    cnt, src, slot = (np.asarray(a) for a in (cnt, src, slot))
+    RM = src.shape[-1]
+    src, slot, cnt = src.reshape(R, L, RM), slot.reshape(R, L, RM), cnt.reshape(R, L)
+    return {(q, l, int(src[q, l, j])): int(slot[q, l, j])
+            for q in range(R) for l in range(L) for j in range(cnt[q, l])}
+
+
 @pytest.mark.parametrize("R", [2, 4])
 @pytest.mark.parametrize("kind", ["random", "skewed", "masked"])
-@pytest.mark.parametrize("T,M,use_fp8,round_scale", [(128, 128, True, False),
-                                                     (1, 16, True, True),
-                                                     (57, 64, False, False)])
-def test_ll_matches_reference(R, kind, T, M, use_fp8, round_scale):
+@pytest.mark.parametrize("T,M,use_fp8,round_scale,split", [(128, 128, True, False, False),
+                                                           (1, 16, True, True, False),
+                                                           (57, 64, False, False, False),
+                                                           (100, 128, True, False, True),
+                                                           (33, 40, False, False, True)])
+def test_ll_matches_reference(R, kind, T, M, use_fp8, round_scale, split):
     rng = np.random.default_rng(hash((R, kind, T, M, use_fp8)) % 2**32)
     H, K, E = 2048, 8, 8 * R
     L = E // R
@@ -253,7 +279,7 @@ def test_ll_matches_reference(R, kind, T, M, use_fp8, round_scale):
     x = jnp.asarray(rng.standard_normal((R * T, H)) * 3, jnp.bfloat16)
     idx = jnp.asarray(_routing(kind, rng, R, T, K, E))
     w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
-    cu, rf = _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale)
+    cu, rf = _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale, split)
     np.testing.assert_array_equal(cu[2], rf[2], err_msg="recv_count")
     np.testing.assert_array_equal(cu[5], rf[5], err_msg="num_invalid")
     rows_c = _ll_rows(cu[0], cu[1], cu[2], cu[3], R, L)
@@ -277,19 +303,21 @@ def test_ll_matches_reference(R, kind, T, M, use_fp8, round_scale):
             cu_q = np.frombuffer(payload, np.uint8).view(ml_dtypes.float8_e4m3fn)
             step = np.abs(ref_q.astype(np.float32) - cu_q.astype(np.float32))
             assert np.all(step <= np.abs(cu_q.astype(np.float32)) * 0.126 + 2.0 ** -9), k
-    # src_to_row must point at the row holding that source in both (rows may differ)
-    s2r_c, s2r_r = np.asarray(cu[4]).reshape(R, R, M, L), np.asarray(rf[4]).reshape(R, R, M, L)
-    np.testing.assert_array_equal(s2r_c >= 0, s2r_r >= 0)
-    src_c = np.asarray(cu[3]).reshape(R, L, R * M)
-    for q, s, t, l in zip(*np.nonzero(s2r_c >= 0)):
-        assert src_c[q, l, s2r_c[q, s, t, l]] == s * M + t
+    # recv_slot (the top-k slot combine returns each row to) matches per (rank, expert, source)
+    assert _ll_slots(cu[2], cu[3], cu[4], R, L) == _ll_slots(rf[2], rf[3], rf[4], R, L)
+    for arr in (cu[3], cu[4]):  # -1 past the count
+        arr = np.asarray(arr).reshape(R, L, R * M)
+        for q in range(R):
+            for l in range(L):
+                assert (arr[q, l, np.asarray(cu[2]).reshape(R, L)[q, l]:] == -1).all()
     a, b = np.asarray(cu[6], np.float32), np.asarray(rf[6], np.float32)
     assert np.isfinite(a).all()
     np.testing.assert_allclose(a, b, rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("R", [2, 4])
-def test_ll_scan_back_to_back(R):
+def test_ll_scan_back_to_back(R, split):
     mesh = _mesh(R)
     steps, T, M, H, K, E = 500, 16, 16, 256, 4, 4 * R
     rng = np.random.default_rng(5)
@@ -301,9 +329,10 @@ def test_ll_scan_back_to_back(R):
         def body(xs, idx, w):
             def step(c, inp):
                 x, i, ww = inp
-                r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
-                                                use_fp8=False, backend=be)
-                out = jax_ep.low_latency_combine(r.recv_x, i, ww, r.handle, backend=be)
+                sp = split and be == "cuda"
+                r = _ll_dispatch(x, i, sp, num_experts=E, max_tokens_per_rank=M,
+                                 use_fp8=False, backend=be)
+                out = _ll_combine(r.recv_x, i, ww, r.handle, sp, backend=be)
                 return c, (out, r.recv_count)
             return jax.lax.scan(step, 0, (xs, idx, w))[1]
         spec = P(None, "ep")
@@ -315,6 +344,49 @@ def test_ll_scan_back_to_back(R):
     np.testing.assert_array_equal(cc, crf)
     np.testing.assert_allclose(np.asarray(oc, np.float32), np.asarray(orf, np.float32),
                                rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_ll_split_two_in_flight(R):
+    """Separately jitted halves, called from Python so that step s sends before step s - 1 is
+    received: two calls of one call site in flight (both halves of its double buffer), 60
+    steps with fresh routing, against the reference."""
+    mesh = _mesh(R)
+    steps, T, M, H, K, E = 60, 24, 32, 512, 4, 4 * R
+    rng = np.random.default_rng(7)
+    xs = [jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16) for _ in range(steps)]
+    idx = [jnp.asarray(_routing("random", rng, R, T, K, E)) for _ in range(steps)]
+    w = [jnp.asarray(rng.random((R * T, K)), jnp.float32) for _ in range(steps)]
+    kw = dict(num_experts=E, max_tokens_per_rank=M, use_fp8=False)
+    spec = P("ep")
+
+    def smap(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
+
+    send = smap(lambda x, i: jax_ep.low_latency_dispatch_send(x, i, backend="cuda", **kw))
+
+    def recv_combine(pend, i, ww):
+        r = jax_ep.low_latency_dispatch_recv(pend)
+        return jax_ep.low_latency_combine(r.recv_x, i, ww, r.handle, backend="cuda")
+
+    finish = smap(recv_combine)
+
+    def ref_fn(x, i, ww):
+        r = jax_ep.low_latency_dispatch(x, i, backend="reference", **kw)
+        return jax_ep.low_latency_combine(r.recv_x, i, ww, r.handle, backend="reference")
+
+    ref = smap(ref_fn)
+    _poison()
+    got, pend = [], send(xs[0], idx[0])
+    for s in range(1, steps):
+        new = send(xs[s], idx[s])          # call s is sent before call s - 1 is received
+        got.append(finish(pend, idx[s - 1], w[s - 1]))
+        pend = new
+    got.append(finish(pend, idx[-1], w[-1]))
+    for s in range(steps):
+        np.testing.assert_allclose(np.asarray(got[s], np.float32),
+                                   np.asarray(ref(xs[s], idx[s], w[s]), np.float32),
+                                   rtol=2e-2, atol=5e-2, err_msg=f"step {s}")
 
 
 def test_ll_under_command_buffers():
@@ -333,17 +405,23 @@ def test_ll_under_command_buffers():
         "x = jnp.asarray(rng.standard_normal((64, 512)), jnp.bfloat16)\n"
         "idx = jnp.asarray(rng.integers(-1, 8, (64, 4)), jnp.int32)\n"
         "w = jnp.asarray(rng.random((64, 4)), jnp.float32)\n"
+        "kw = dict(num_experts=8, max_tokens_per_rank=32, use_fp8=False)\n"
         "def body(x, idx, w, be):\n"
-        "    r = jax_ep.low_latency_dispatch(x, idx, num_experts=8, max_tokens_per_rank=32,"
-        " use_fp8=False, backend=be)\n"
+        "    if be == 'split':\n"
+        "        r = jax_ep.low_latency_dispatch_recv(\n"
+        "            jax_ep.low_latency_dispatch_send(x, idx, backend='cuda', **kw))\n"
+        "        return jax_ep.low_latency_combine_recv(jax_ep.low_latency_combine_send(\n"
+        "            r.recv_x, idx, w, r.handle, backend='cuda'))\n"
+        "    r = jax_ep.low_latency_dispatch(x, idx, backend=be, **kw)\n"
         "    return jax_ep.low_latency_combine(r.recv_x, idx, w, r.handle, backend=be)\n"
         "res = {}\n"
-        "for be in ('cuda', 'reference'):\n"
+        "for be in ('cuda', 'split', 'reference'):\n"
         "    f = jax.jit(jax.shard_map(lambda a, b, c: body(a, b, c, be), mesh=mesh,"
         " in_specs=P('ep'), out_specs=P('ep')))\n"
         "    for _ in range(20): o = f(x, idx, w)\n"
         "    res[be] = np.asarray(o, np.float32)\n"
-        "np.testing.assert_allclose(res['cuda'], res['reference'], rtol=2e-2, atol=5e-2)\n"
+        "for be in ('cuda', 'split'):\n"
+        "    np.testing.assert_allclose(res[be], res['reference'], rtol=2e-2, atol=5e-2)\n"
         "print('OK command buffers')\n")
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +

@@ -27,8 +27,8 @@ def make_inputs(rng, mesh, T, K, H, M, kind):
     return xs, idxs, ws, ys
 
 
-def run_ll(mesh, xs, idxs, ws, ys, M, use_fp8, round_scale=False):
-    fn = ll_fn(mesh, E, M, use_fp8, round_scale)
+def run_ll(mesh, xs, idxs, ws, ys, M, use_fp8, round_scale=False, split=False):
+    fn = ll_fn(mesh, E, M, use_fp8, round_scale, split=split)
     return to_np(fn(stack(xs), stack(idxs), stack(ws), stack(ys)))
 
 
@@ -66,6 +66,15 @@ def check_ll(mesh, xs, idxs, ws, ys, res, out, M, use_fp8, round_scale=False):
                 src = res.handle.recv_src[i, l]
                 assert sorted(src[:c].tolist()) == sorted(want), where
                 assert (src[c:] == -1).all(), where
+                assert res.handle.recv_count[i, l] == c, where
+                # recv_slot: the first top-k slot of the source token naming this expert
+                slot = res.handle.recv_slot[i, l]
+                assert (slot[c:] == -1).all(), where
+                for row in range(c):
+                    s_rank, t = divmod(int(src[row]), M)
+                    clean, _ = oracle.sanitize(idxs[group[s_rank]], E)
+                    first = int(np.flatnonzero(clean[t] == j * L + l)[0])
+                    assert slot[row] == first, (where, row)
                 for row in range(c):
                     w = want[int(src[row])]
                     if use_fp8:
@@ -95,6 +104,44 @@ def test_bf16_vs_oracle(meshes, mesh_name, kind):
     res, out = run_ll(mesh, xs, idxs, ws, ys, M, False)
     check_ll(mesh, xs, idxs, ws, ys, res, out, M, False)
     assert (res.handle.num_invalid > 0).all() == (kind == "invalid")
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+@pytest.mark.parametrize("mesh_name", ["ep4", "dp_ep_perm"])
+def test_split_send_recv(meshes, mesh_name, use_fp8):
+    """The send / receive halves give what the fused ops give (same oracle checks)."""
+    mesh = meshes[mesh_name]
+    rng = np.random.default_rng(hash((mesh_name, use_fp8, "split")) % 2**32)
+    T, K, H, M = 5, 3, 128, 6
+    xs, idxs, ws, ys = make_inputs(rng, mesh, T, K, H, M, "dups")
+    res, out = run_ll(mesh, xs, idxs, ws, ys, M, use_fp8, split=True)
+    check_ll(mesh, xs, idxs, ws, ys, res, out, M, use_fp8)
+
+
+def test_split_ops_reject_bad_use(mesh2):
+    """The split halves: forward only, and the receive takes only the matching send."""
+    T, K, H, M = 2, 2, 128, 2
+    x = jnp.ones((2, T, H), jnp.bfloat16)
+    idx = jnp.zeros((2, T, K), jnp.int32)
+    w = jnp.ones((2, T, K), jnp.float32)
+
+    def loss(x):
+        p = jax_ep.low_latency_dispatch_send(x, idx[0], num_experts=E, max_tokens_per_rank=M,
+                                             use_fp8=False, backend=BACKEND)
+        return jnp.sum(jax_ep.low_latency_dispatch_recv(p).recv_x.astype(jnp.float32))
+
+    with pytest.raises(TypeError, match="forward only"):
+        smap(mesh2, lambda x: jax.grad(loss)(x))(x)
+
+    def wrong(x, idx, w):
+        p = jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                             backend=BACKEND)
+        return jax_ep.low_latency_combine_recv(p)
+
+    with pytest.raises(TypeError, match="low_latency_combine_send"):
+        smap(mesh2, wrong)(x, idx, w)
+    with pytest.raises(TypeError, match="low_latency_dispatch_send"):
+        smap(mesh2, lambda x: jax_ep.low_latency_dispatch_recv(x))(x)
 
 
 @pytest.mark.parametrize("round_scale", [False, True])

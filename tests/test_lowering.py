@@ -17,8 +17,10 @@ import jax_ep.runtime
 from helpers import smap
 
 E = 8
-COMM_TARGETS = ("jax_ep_ht_dispatch", "jax_ep_ht_combine", "jax_ep_ht_gather",
-                "jax_ep_ll_dispatch", "jax_ep_ll_combine")
+PULL_TARGETS = ("jax_ep_ht_dispatch", "jax_ep_ht_combine", "jax_ep_ht_gather")
+PUSH_TARGETS = ("jax_ep_ll_dispatch", "jax_ep_ll_combine", "jax_ep_ll_dispatch_send",
+                "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv")
+COMM_TARGETS = PULL_TARGETS + PUSH_TARGETS
 
 
 @pytest.fixture
@@ -26,6 +28,10 @@ def cuda_lowering(monkeypatch):
     monkeypatch.setattr(jax_ep.runtime, "cuda_backend_available", lambda: True)
     monkeypatch.setattr(jax_ep.runtime, "ensure_peer_runtime", lambda *a, **k: None)
     monkeypatch.setattr(jax_ep._ffi, "_register_targets", lambda: None)
+    # receive buffers of the push slots: fake addresses, one per device of the table
+    monkeypatch.setattr(jax_ep.runtime, "reserve_slot_buffers",
+                        lambda groups, slot, n: [4096 * (slot + 1) + i
+                                                 for i in range(np.size(groups))])
 
 
 def expected_groups(mesh, axis="ep"):
@@ -87,8 +93,13 @@ def all_ops(x, idx, w, xl, il, wl):
     ll16 = jax_ep.low_latency_dispatch(xl, il, num_experts=E, max_tokens_per_rank=6,
                                        use_fp8=False, backend="cuda")
     outl = jax_ep.low_latency_combine(ll16.recv_x, il, wl, ll16.handle, backend="cuda")
+    pend = jax_ep.low_latency_dispatch_send(xl, il, num_experts=E, max_tokens_per_rank=6,
+                                            backend="cuda")
+    lls = jax_ep.low_latency_dispatch_recv(pend)
+    cpend = jax_ep.low_latency_combine_send(ll16.recv_x, il, wl, ll16.handle, backend="cuda")
+    outs = jax_ep.low_latency_combine_recv(cpend)
     lay = jax_ep.get_dispatch_layout(idx, num_experts=E, num_ranks=2, backend="cuda")
-    return (out, res8.recv_x[1], gx, gw, ll.recv_x[1], outl, lay[0])
+    return (out, res8.recv_x[1], gx, gw, ll.recv_x[1], outl, lay[0], lls.recv_x[0], outs)
 
 
 def lower_all(mesh):
@@ -131,19 +142,33 @@ def test_cuda_lowering(cuda_lowering, meshes, mesh_name):
         assert sorted(rows) == sorted(want), (target, rows, want)
         assert int_attr(a, "group_size") == R
         assert int_attr(a, "timeout_ns") > 0
-        assert int_attr(a, "num_blocks") >= 1
-        sig = re.sub(r"slot = \d+ : i64", "", re.sub(r"%[\w#]+", "%", a))
-        slots.append((target, sig, int_attr(a, "slot")))
+        slot = int_attr(a, "slot")
+        if target in PULL_TARGETS:
+            assert int_attr(a, "num_blocks") >= 1
+            assert 0 <= slot < 64, (target, slot)
+        else:  # push ops: a push slot and its receive buffer on every device of the table
+            assert 64 <= slot < 128, (target, slot)
+            m = re.search(r"bufs = (?:dense<\[?([-\d, ]+)\]?>|array<i64: ([-\d, ]+)>)", a)
+            assert m, a[:300]
+            bufs = [int(v) for v in (m.group(1) or m.group(2)).split(",")]
+            assert bufs == [4096 * (slot + 1) + i for i in range(len(flat))]
+            assert int_attr(a, "buffer_bytes") > 0
+        sig = re.sub(r"(slot = \d+ : i64|bufs = (dense|array)<[^>]*>)", "",
+                     re.sub(r"%[\w#]+", "%", a))
+        slots.append((target, sig, slot))
     # Call sites get their own workspace slot. (JAX's lowering cache gives call sites with the
     # same target, attributes and types one lowering, hence one slot; the slot's epoch protocol
     # orders such calls, which run one after the other in the same order on every rank.)
+    # The two halves of a split op share one slot (its receive buffer); nothing else does.
     by_sig = {}
     for target, sig, slot in slots:
         by_sig.setdefault((target, sig), set()).add(slot)
     assert all(len(v) == 1 for v in by_sig.values()), by_sig
-    distinct = [next(iter(v)) for v in by_sig.values()]
-    assert len(distinct) >= 7 and len(set(distinct)) == len(distinct), by_sig
-    assert all(0 <= s < 64 for _, _, s in slots)
+    slot_of = {t: next(iter(v)) for (t, _), v in by_sig.items()}
+    assert slot_of["jax_ep_ll_dispatch_send"] == slot_of["jax_ep_ll_dispatch_recv"]
+    assert slot_of["jax_ep_ll_combine_send"] == slot_of["jax_ep_ll_combine_recv"]
+    distinct = [next(iter(v)) for (t, _), v in by_sig.items() if not t.endswith("_recv")]
+    assert len(distinct) >= 9 and len(set(distinct)) == len(distinct), by_sig
 
 
 def test_cuda_lowering_settings(cuda_lowering, mesh2, monkeypatch):

@@ -1,5 +1,7 @@
-// jax_ep_ll_dispatch / jax_ep_ll_combine: decode, check shapes, one kernel launch each.
-// Contract: docs/ffi.md. Kernels: kernels/low_latency.cu.
+// Low-latency handlers: the fused ops (jax_ep_ll_dispatch / jax_ep_ll_combine, one kernel each)
+// and the split ops (*_send / *_recv, one kernel each, same kernels in one phase). They decode
+// the attributes, check shapes and the receive buffer, and launch. Contract: docs/ffi.md.
+// Kernels: kernels/low_latency.cu.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -11,8 +13,12 @@
 
 namespace ffi = xla::ffi;
 using jax_ep::dims_str;
+namespace ll = jax_ep::ll;
+namespace push = jax_ep::push;
 
 namespace {
+
+constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
 
 bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
   if (d.size() != want.size()) return false;
@@ -22,78 +28,119 @@ bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
   return true;
 }
 
-constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
+// Attributes every LL op carries (the lowering adds the first six; see jax_ep/_ffi.py).
+struct LlAttrs {
+  ffi::Span<const int64_t> groups;
+  int64_t group_size, slot, timeout_ns;
+  ffi::Span<const int64_t> bufs;  // receive buffer of this slot, per device of `groups`
+  int64_t buffer_bytes, num_experts, max_tokens, num_topk, hidden;
+  bool use_fp8, round_scale;
+};
 
-ffi::Error LlDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
-                          ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::AnyBuffer> recv_x,
-                          ffi::Result<ffi::Buffer<ffi::F32>> recv_scales,
-                          ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
-                          ffi::Result<ffi::Buffer<ffi::S32>> recv_src,
-                          ffi::Result<ffi::Buffer<ffi::S32>> src_to_row,
-                          ffi::Result<ffi::Buffer<ffi::S32>> stats,
-                          ffi::Result<ffi::AnyBuffer> staging, ffi::Span<const int64_t> groups,
-                          int64_t group_size, int64_t slot, int64_t timeout_ns,
-                          int64_t num_blocks, int64_t num_experts, int64_t max_tokens,
-                          bool use_fp8, bool round_scale) {
-  auto bad = [](const std::string& m) {
-    return ffi::Error::InvalidArgument("jax_ep_ll_dispatch: " + m);
-  };
-  jax_ep::GroupInfo gi;
-  if (ffi::Error err = jax_ep::resolve_group(device, groups, group_size, slot, &gi); err.failure())
+// The group of `device`, its receive buffers and the common shape checks.
+ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::GroupInfo* gi,
+                   uint8_t** bufs, int64_t need_bytes) {
+  if (ffi::Error err = jax_ep::resolve_group(device, a.groups, a.group_size, a.slot, gi);
+      err.failure())
     return err;
-  const int64_t R = group_size, M = max_tokens, E = num_experts;
+  auto bad = [op](const std::string& m) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + m);
+  };
+  const int64_t R = a.group_size, E = a.num_experts;
   if (E < R || E % R != 0 || E > (1 << 30))
     return bad("num_experts (" + std::to_string(E) + ") must be a positive multiple of the group "
                "size (" + std::to_string(R) + ")");
-  const int64_t L = E / R;
-  if (L > jax_ep::kMaxLocalExperts)
-    return bad("experts per rank " + std::to_string(L) + " exceeds " +
+  if (E / R > jax_ep::kMaxLocalExperts)
+    return bad("experts per rank " + std::to_string(E / R) + " exceeds " +
                std::to_string(jax_ep::kMaxLocalExperts));
-  const auto dx = x.dimensions(), di = topk_idx.dimensions();
-  if (dx.size() != 2) return bad("x must be [T, H], got " + dims_str(dx));
-  const int64_t T = dx[0], H = dx[1];
-  if (di.size() != 2 || di[0] != T) return bad("topk_idx must be [T, K], got " + dims_str(di));
-  const int64_t K = di[1];
-  if (M < 0 || T > M)
-    return bad("T = " + std::to_string(T) + " exceeds max_tokens = " + std::to_string(M));
-  if (R * M > kIntMax / 2 || T * K > kIntMax || H > kIntMax / 4 || K > (1 << 20) ||
-      L * R * M > kIntMax)
-    return bad("shapes too large");
-  if (use_fp8 && H % 128 != 0) return bad("use_fp8 needs H % 128 == 0, got H = " + std::to_string(H));
-  const int64_t G = use_fp8 ? H / 128 : 0;
-  const auto want_x = use_fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
-  if (recv_x->element_type() != want_x)
-    return bad(std::string("recv_x must be ") + (use_fp8 ? "float8_e4m3fn" : "bfloat16"));
-  if (!dims_are(recv_x->dimensions(), {L, R * M, H}))
-    return bad("recv_x must be [L, R*M, H], got " + dims_str(recv_x->dimensions()));
-  if (!dims_are(recv_scales->dimensions(), {L, R * M, G}))
-    return bad("recv_scales must be [L, R*M, G], got " + dims_str(recv_scales->dimensions()));
-  if (!dims_are(recv_count->dimensions(), {L}))
-    return bad("recv_count must be [L], got " + dims_str(recv_count->dimensions()));
-  if (!dims_are(recv_src->dimensions(), {L, R * M}))
-    return bad("recv_src must be [L, R*M], got " + dims_str(recv_src->dimensions()));
-  if (!dims_are(src_to_row->dimensions(), {R, M, L}))
-    return bad("src_to_row must be [R, M, L], got " + dims_str(src_to_row->dimensions()));
-  if (stats->element_count() != 2) return bad("stats must be [2]");
-  const int64_t S = use_fp8 ? H + 4 * G : 2 * H;
-  if (staging->size_bytes() < static_cast<size_t>(M * S))
-    return bad("staging must hold [M, S] bytes with S = " + std::to_string(S));
+  if (a.slot < jax_ep::kFirstPushSlot) return bad("slot is not a push slot");
+  if (a.bufs.size() != a.groups.size())
+    return bad("bufs must name one receive buffer per device of the group table");
+  if (need_bytes > a.buffer_bytes)
+    return bad("the receive buffer holds " + std::to_string(a.buffer_bytes) + " bytes, this call "
+               "needs " + std::to_string(need_bytes) + " (a lowering bug: the buffer is sized "
+               "from the same shapes)");
+  const int64_t g = [&] {
+    for (size_t i = 0; i < a.groups.size(); ++i)
+      if (a.groups[i] == device) return static_cast<int64_t>(i) / R;
+    return int64_t{0};
+  }();
+  for (int q = 0; q < R; ++q) {
+    bufs[q] = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(a.bufs[g * R + q]));
+    if (bufs[q] == nullptr) return bad("missing receive buffer");
+  }
+  return ffi::Error::Success();
+}
 
-  (void)num_blocks;  // LL dispatch uses every SM (latency-bound); see kernels/low_latency.cuh
-  const int grid = jax_ep::ll::dispatch_grid(device, static_cast<int>(K));
-  if (grid < 1) return jax_ep::cuda_error("jax_ep_ll_dispatch: occupancy query");
+// ------------------------------------------------------------------------------------------
+// Dispatch: x, topk_idx (send) -> recv_x, recv_scales, recv_count, recv_src, recv_slot (recv)
+// ------------------------------------------------------------------------------------------
 
-  jax_ep::ll::DispatchParams p{};
+ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t device,
+                         const LlAttrs& a, const ffi::AnyBuffer* x, const ffi::AnyBuffer* idx,
+                         int32_t* stats, ffi::Result<ffi::AnyBuffer>* recv_x,
+                         ffi::Result<ffi::AnyBuffer>* recv_scales,
+                         ffi::Result<ffi::AnyBuffer>* recv_count,
+                         ffi::Result<ffi::AnyBuffer>* recv_src,
+                         ffi::Result<ffi::AnyBuffer>* recv_slot) {
+  auto bad = [op](const std::string& m) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + m);
+  };
+  const int64_t R = a.group_size, M = a.max_tokens, E = a.num_experts, L = E / R;
+  const int64_t H = a.hidden, K = a.num_topk;
+  int64_t T = 0;
+  if (mode & push::kModeSend) {
+    const auto dx = x->dimensions(), di = idx->dimensions();
+    if (x->element_type() != ffi::DataType::BF16) return bad("x must be bfloat16");
+    if (dx.size() != 2 || dx[1] != H) return bad("x must be [T, H], got " + dims_str(dx));
+    T = dx[0];
+    if (idx->element_type() != ffi::DataType::S32) return bad("topk_idx must be int32");
+    if (!dims_are(di, {T, K})) return bad("topk_idx must be [T, K], got " + dims_str(di));
+    if (M < 0 || T > M)
+      return bad("T = " + std::to_string(T) + " exceeds max_tokens = " + std::to_string(M));
+  }
+  if (R * M > kIntMax / 2 || M * K > kIntMax || H > kIntMax / 4 || K > (1 << 20) ||
+      L * R * M > kIntMax || H < 1 || K < 1)
+    return bad("shapes out of range");
+  if (a.use_fp8 && H % 128 != 0)
+    return bad("use_fp8 needs H % 128 == 0, got H = " + std::to_string(H));
+  const int64_t G = a.use_fp8 ? H / 128 : 0;
+  if (mode & push::kModeRecv) {
+    const auto want_x = a.use_fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
+    if ((*recv_x)->element_type() != want_x)
+      return bad(std::string("recv_x must be ") + (a.use_fp8 ? "float8_e4m3fn" : "bfloat16"));
+    if (!dims_are((*recv_x)->dimensions(), {L, R * M, H}))
+      return bad("recv_x must be [L, R*M, H], got " + dims_str((*recv_x)->dimensions()));
+    if (!dims_are((*recv_scales)->dimensions(), {L, R * M, G}))
+      return bad("recv_scales must be [L, R*M, G], got " + dims_str((*recv_scales)->dimensions()));
+    if (!dims_are((*recv_count)->dimensions(), {L}))
+      return bad("recv_count must be [L], got " + dims_str((*recv_count)->dimensions()));
+    if (!dims_are((*recv_src)->dimensions(), {L, R * M}) ||
+        !dims_are((*recv_slot)->dimensions(), {L, R * M}))
+      return bad("recv_src / recv_slot must be [L, R*M]");
+  }
+  jax_ep::GroupInfo gi;
+  ll::DispatchParams p{};
+  if (ffi::Error err = resolve(op, device, a, &gi, p.buf,
+                               ll::dispatch_buffer_bytes(R, M, K, H, a.use_fp8));
+      err.failure())
+    return err;
+  const int grid = ll::grid_size(device);
+  if (grid < 1) return jax_ep::cuda_error(op);
   p.ps = gi.peers;
-  p.x = x.untyped_data();
-  p.topk_idx = topk_idx.typed_data();
-  p.recv_x = recv_x->untyped_data();
-  p.recv_scales = recv_scales->typed_data();
-  p.recv_count = recv_count->typed_data();
-  p.recv_src = recv_src->typed_data();
-  p.src_to_row = src_to_row->typed_data();
-  p.stats = stats->typed_data();
-  p.staging = static_cast<uint8_t*>(staging->untyped_data());
+  p.mode = mode;
+  if (mode & push::kModeSend) {
+    p.x = x->untyped_data();
+    p.topk_idx = static_cast<const int32_t*>(idx->untyped_data());
+    p.stats = stats;
+  }
+  if (mode & push::kModeRecv) {
+    p.recv_x = (*recv_x)->untyped_data();
+    p.recv_scales = static_cast<float*>((*recv_scales)->untyped_data());
+    p.recv_count = static_cast<int32_t*>((*recv_count)->untyped_data());
+    p.recv_src = static_cast<int32_t*>((*recv_src)->untyped_data());
+    p.recv_slot = static_cast<int32_t*>((*recv_slot)->untyped_data());
+  }
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
   p.K = static_cast<int>(K);
@@ -101,107 +148,207 @@ ffi::Error LlDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   p.L = static_cast<int>(L);
   p.M = static_cast<int>(M);
   p.G = static_cast<int>(G);
-  p.use_fp8 = use_fp8 ? 1 : 0;
-  p.round_scale = round_scale ? 1 : 0;
-  p.timeout_ns = timeout_ns;
-  jax_ep::ll::launch_dispatch(p, grid, stream);
-  return jax_ep::cuda_error("jax_ep_ll_dispatch launch");
+  p.use_fp8 = a.use_fp8 ? 1 : 0;
+  p.round_scale = a.round_scale ? 1 : 0;
+  p.hdr_bytes = ll::dispatch_header_bytes(K);
+  p.row_bytes = ll::dispatch_row_bytes(K, H, a.use_fp8);
+  p.timeout_ns = a.timeout_ns;
+  ll::launch_dispatch(p, grid, stream);
+  return jax_ep::cuda_error(op);
 }
 
-ffi::Error LlCombineImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> y,
-                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                         ffi::Buffer<ffi::S32> src_to_row, ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t slot,
-                         int64_t timeout_ns, int64_t num_blocks, int64_t num_experts) {
-  (void)num_blocks;  // grid follows the shape (no grid barrier in combine)
-  auto bad = [](const std::string& m) {
-    return ffi::Error::InvalidArgument("jax_ep_ll_combine: " + m);
-  };
-  jax_ep::GroupInfo gi;
-  if (ffi::Error err = jax_ep::resolve_group(device, groups, group_size, slot, &gi); err.failure())
-    return err;
-  const int64_t R = group_size, E = num_experts;
-  if (E < R || E % R != 0 || E > (1 << 30))
-    return bad("num_experts (" + std::to_string(E) + ") must be a positive multiple of the group "
-               "size (" + std::to_string(R) + ")");
-  const int64_t L = E / R;
-  const auto ds = src_to_row.dimensions();
-  if (ds.size() != 3 || ds[0] != R || ds[2] != L)
-    return bad("src_to_row must be [R, M, L], got " + dims_str(ds));
-  const int64_t M = ds[1];
-  const auto dy = y.dimensions();
-  if (dy.size() != 3 || dy[0] != L || dy[1] != R * M)
-    return bad("y must be [L, R*M, H], got " + dims_str(dy));
-  const int64_t H = dy[2];
-  const auto di = topk_idx.dimensions();
-  if (di.size() != 2) return bad("topk_idx must be [T, K], got " + dims_str(di));
-  const int64_t T = di[0], K = di[1];
-  if (T > M) return bad("T exceeds max_tokens");
-  if (!dims_are(topk_weights.dimensions(), {T, K}))
-    return bad("topk_weights must be [T, K], got " + dims_str(topk_weights.dimensions()));
-  if (!dims_are(out->dimensions(), {T, H}))
-    return bad("out must be [T, H], got " + dims_str(out->dimensions()));
-  if (R * M > kIntMax / 2 || T * K > kIntMax || H > kIntMax / 4 || K > 2048 ||
-      T * ((H + 255) / 256) > kIntMax)
-    return bad("shapes too large");
+ffi::Error LlDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                          ffi::AnyBuffer idx, ffi::Result<ffi::AnyBuffer> recv_x,
+                          ffi::Result<ffi::AnyBuffer> recv_scales,
+                          ffi::Result<ffi::AnyBuffer> recv_count,
+                          ffi::Result<ffi::AnyBuffer> recv_src,
+                          ffi::Result<ffi::AnyBuffer> recv_slot,
+                          ffi::Result<ffi::Buffer<ffi::S32>> stats, LlAttrs a) {
+  if (stats->element_count() != 2) return ffi::Error::InvalidArgument("stats must be [2]");
+  return LlDispatchAny("jax_ep_ll_dispatch", push::kModeBoth, stream, device, a, &x, &idx,
+                       stats->typed_data(), &recv_x, &recv_scales, &recv_count, &recv_src,
+                       &recv_slot);
+}
 
-  jax_ep::ll::CombineParams p{};
+ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                              ffi::AnyBuffer idx, ffi::Result<ffi::Buffer<ffi::S32>> stats,
+                              LlAttrs a) {
+  if (stats->element_count() != 2) return ffi::Error::InvalidArgument("stats must be [2]");
+  return LlDispatchAny("jax_ep_ll_dispatch_send", push::kModeSend, stream, device, a, &x, &idx,
+                       stats->typed_data(), nullptr, nullptr, nullptr, nullptr, nullptr);
+}
+
+ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
+                              ffi::Result<ffi::AnyBuffer> recv_x,
+                              ffi::Result<ffi::AnyBuffer> recv_scales,
+                              ffi::Result<ffi::AnyBuffer> recv_count,
+                              ffi::Result<ffi::AnyBuffer> recv_src,
+                              ffi::Result<ffi::AnyBuffer> recv_slot, LlAttrs a) {
+  (void)ticket;  // the send's result: only orders this op after the send
+  return LlDispatchAny("jax_ep_ll_dispatch_recv", push::kModeRecv, stream, device, a, nullptr,
+                       nullptr, nullptr, &recv_x, &recv_scales, &recv_count, &recv_src,
+                       &recv_slot);
+}
+
+// ------------------------------------------------------------------------------------------
+// Combine: y, recv_src, recv_slot, recv_count (send, expert side) -> out (recv, source side)
+// ------------------------------------------------------------------------------------------
+
+ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t device,
+                        const LlAttrs& a, const ffi::AnyBuffer* y, const ffi::AnyBuffer* src,
+                        const ffi::AnyBuffer* slot, const ffi::AnyBuffer* count,
+                        int32_t* ticket, const ffi::AnyBuffer* idx, const ffi::AnyBuffer* w,
+                        ffi::Result<ffi::AnyBuffer>* out) {
+  auto bad = [op](const std::string& m) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + m);
+  };
+  const int64_t R = a.group_size, M = a.max_tokens, E = a.num_experts, L = E / R;
+  const int64_t H = a.hidden, K = a.num_topk;
+  int64_t T = 0;
+  if (mode & push::kModeSend) {
+    if (y->element_type() != ffi::DataType::BF16) return bad("y must be bfloat16");
+    if (!dims_are(y->dimensions(), {L, R * M, H}))
+      return bad("y must be [L, R*M, H], got " + dims_str(y->dimensions()));
+    if (!dims_are(src->dimensions(), {L, R * M}) || !dims_are(slot->dimensions(), {L, R * M}))
+      return bad("recv_src / recv_slot must be [L, R*M]");
+    if (!dims_are(count->dimensions(), {L}))
+      return bad("recv_count must be [L], got " + dims_str(count->dimensions()));
+  }
+  if (mode & push::kModeRecv) {
+    const auto di = idx->dimensions();
+    if (di.size() != 2 || di[1] != K) return bad("topk_idx must be [T, K], got " + dims_str(di));
+    T = di[0];
+    if (T > M) return bad("T exceeds max_tokens");
+    if (!dims_are(w->dimensions(), {T, K}))
+      return bad("topk_weights must be [T, K], got " + dims_str(w->dimensions()));
+    if (!dims_are((*out)->dimensions(), {T, H}))
+      return bad("out must be [T, H], got " + dims_str((*out)->dimensions()));
+  }
+  if (R * M > kIntMax / 2 || M * K > kIntMax || H > kIntMax / 4 || K > (1 << 20) || H < 1 ||
+      K < 1 || M * K * ((H + 63) / 64) > kIntMax)
+    return bad("shapes out of range");
+  jax_ep::GroupInfo gi;
+  ll::CombineParams p{};
+  if (ffi::Error err = resolve(op, device, a, &gi, p.buf, ll::combine_buffer_bytes(M, K, H));
+      err.failure())
+    return err;
+  const int grid = ll::grid_size(device);
+  if (grid < 1) return jax_ep::cuda_error(op);
   p.ps = gi.peers;
-  p.y = y.untyped_data();
-  p.topk_idx = topk_idx.typed_data();
-  p.topk_weights = topk_weights.typed_data();
-  p.src_to_row = src_to_row.typed_data();
-  p.out = out->untyped_data();
+  p.mode = mode;
+  if (mode & push::kModeSend) {
+    p.y = y->untyped_data();
+    p.recv_src = static_cast<const int32_t*>(src->untyped_data());
+    p.recv_slot = static_cast<const int32_t*>(slot->untyped_data());
+    p.recv_count = static_cast<const int32_t*>(count->untyped_data());
+    p.ticket = ticket;
+  }
+  if (mode & push::kModeRecv) {
+    p.topk_idx = static_cast<const int32_t*>(idx->untyped_data());
+    p.topk_weights = static_cast<const float*>(w->untyped_data());
+    p.out = (*out)->untyped_data();
+  }
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
   p.K = static_cast<int>(K);
   p.E = static_cast<int>(E);
   p.L = static_cast<int>(L);
   p.M = static_cast<int>(M);
-  p.timeout_ns = timeout_ns;
-  jax_ep::ll::launch_combine(p, stream);
-  return jax_ep::cuda_error("jax_ep_ll_combine launch");
+  p.timeout_ns = a.timeout_ns;
+  ll::launch_combine(p, grid, stream);
+  return jax_ep::cuda_error(op);
+}
+
+ffi::Error LlCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+                         ffi::AnyBuffer src, ffi::AnyBuffer slot, ffi::AnyBuffer count,
+                         ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                         LlAttrs a) {
+  return LlCombineAny("jax_ep_ll_combine", push::kModeBoth, stream, device, a, &y, &src, &slot,
+                      &count, nullptr, &idx, &w, &out);
+}
+
+ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+                             ffi::AnyBuffer src, ffi::AnyBuffer slot, ffi::AnyBuffer count,
+                             ffi::Result<ffi::Buffer<ffi::S32>> ticket, LlAttrs a) {
+  return LlCombineAny("jax_ep_ll_combine_send", push::kModeSend, stream, device, a, &y, &src,
+                      &slot, &count, ticket->typed_data(), nullptr, nullptr, nullptr);
+}
+
+ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
+                             ffi::AnyBuffer idx, ffi::AnyBuffer w,
+                             ffi::Result<ffi::AnyBuffer> out, LlAttrs a) {
+  (void)ticket;
+  return LlCombineAny("jax_ep_ll_combine_recv", push::kModeRecv, stream, device, a, nullptr,
+                      nullptr, nullptr, nullptr, nullptr, &idx, &w, &out);
 }
 
 }  // namespace
 
+// Attribute decoding shared by the six handlers (a dictionary of exactly these names).
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    LlAttrs, ffi::StructMember<ffi::Span<const int64_t>>("groups"),
+    ffi::StructMember<int64_t>("group_size"), ffi::StructMember<int64_t>("slot"),
+    ffi::StructMember<int64_t>("timeout_ns"), ffi::StructMember<ffi::Span<const int64_t>>("bufs"),
+    ffi::StructMember<int64_t>("buffer_bytes"), ffi::StructMember<int64_t>("num_experts"),
+    ffi::StructMember<int64_t>("max_tokens"), ffi::StructMember<int64_t>("num_topk"),
+    ffi::StructMember<int64_t>("hidden"), ffi::StructMember<bool>("use_fp8"),
+    ffi::StructMember<bool>("round_scale"));
+
+#define JAX_EP_LL_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatch, LlDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_idx [T, K]
-                                  .Ret<ffi::AnyBuffer>()          // recv_x [L, R*M, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // recv_scales [L, R*M, G]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_count [L]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_src [L, R*M]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // src_to_row [R, M, L]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // stats [2]
-                                  .Ret<ffi::AnyBuffer>()          // staging [M, S] u8
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("slot")
-                                  .Attr<int64_t>("timeout_ns")
-                                  .Attr<int64_t>("num_blocks")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<bool>("use_fp8")
-                                  .Attr<bool>("round_scale"),
+                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // x [T, H] bf16
+                                  .Arg<ffi::AnyBuffer>()            // topk_idx [T, K] s32
+                                  .Ret<ffi::AnyBuffer>()            // recv_x [L, R*M, H]
+                                  .Ret<ffi::AnyBuffer>()            // recv_scales [L, R*M, G]
+                                  .Ret<ffi::AnyBuffer>()            // recv_count [L]
+                                  .Ret<ffi::AnyBuffer>()            // recv_src [L, R*M]
+                                  .Ret<ffi::AnyBuffer>()            // recv_slot [L, R*M]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // stats [2]
+                                  .Attrs<LlAttrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSend, LlDispatchSendImpl,
+                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()            // topk_idx
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // stats [2] (the ticket)
+                                  .Attrs<LlAttrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecv, LlDispatchRecvImpl,
+                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // ticket [2]
+                                  .Ret<ffi::AnyBuffer>()            // recv_x
+                                  .Ret<ffi::AnyBuffer>()            // recv_scales
+                                  .Ret<ffi::AnyBuffer>()            // recv_count
+                                  .Ret<ffi::AnyBuffer>()            // recv_src
+                                  .Ret<ffi::AnyBuffer>()            // recv_slot
+                                  .Attrs<LlAttrs>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombine, LlCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // y [L, R*M, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_idx [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src_to_row [R, M, L]
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out [T, H]
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("slot")
-                                  .Attr<int64_t>("timeout_ns")
-                                  .Attr<int64_t>("num_blocks")
-                                  .Attr<int64_t>("num_experts"),
+                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // y [L, R*M, H] bf16
+                                  .Arg<ffi::AnyBuffer>()            // recv_src [L, R*M]
+                                  .Arg<ffi::AnyBuffer>()            // recv_slot [L, R*M]
+                                  .Arg<ffi::AnyBuffer>()            // recv_count [L]
+                                  .Arg<ffi::AnyBuffer>()            // topk_idx [T, K]
+                                  .Arg<ffi::AnyBuffer>()            // topk_weights [T, K] f32
+                                  .Ret<ffi::AnyBuffer>()            // out [T, H] bf16
+                                  .Attrs<LlAttrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSend, LlCombineSendImpl,
+                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // y
+                                  .Arg<ffi::AnyBuffer>()            // recv_src
+                                  .Arg<ffi::AnyBuffer>()            // recv_slot
+                                  .Arg<ffi::AnyBuffer>()            // recv_count
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // ticket [1]
+                                  .Attrs<LlAttrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecv, LlCombineRecvImpl,
+                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // ticket [1]
+                                  .Arg<ffi::AnyBuffer>()            // topk_idx
+                                  .Arg<ffi::AnyBuffer>()            // topk_weights
+                                  .Ret<ffi::AnyBuffer>()            // out
+                                  .Attrs<LlAttrs>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

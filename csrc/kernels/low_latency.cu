@@ -1,5 +1,6 @@
-// Low-latency dispatch / combine kernels (one kernel per op, pull over peer memory).
-// Protocol: transport/peer.cuh. Contract: docs/ffi.md. Design notes: docs/kernels.md.
+// Low-latency dispatch / combine kernels: push protocol over peer memory (transport/push.cuh).
+// One kernel runs the send phase, the receive phase, or both (the fused op). Contract:
+// docs/ffi.md. Design notes: docs/kernels.md ("Low-latency kernels").
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -14,11 +15,14 @@ namespace ll {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kDispatchWarps = kDispatchThreads / 32;
-constexpr int kCopyUnroll = 16;  // 16-byte vectors in flight per lane while pulling a row
-constexpr int kQuantUnits = 8;   // (row, group) units in flight per half-warp while quantising
-constexpr int kCombineVpt = 2;   // column vectors per thread in combine
-constexpr int kCombineKb = 8;    // top-k slots whose rows are loaded together in combine
+constexpr int kWarps = kThreads / 32;
+constexpr int kQuantUnits = 4;       // 128-column groups in flight per half-warp (quantisation)
+constexpr int kCopyRegs = 8;         // vectors in flight per lane while copying a row
+constexpr int kPrefillInts = 512;    // recv_src / recv_slot entries set to -1 per prefill item
+constexpr int kCombineVpt = 2;       // column vectors per lane per combine item
+constexpr int kCombineKb = 8;        // top-k rows loaded together in combine
+
+__host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
 
 template <int Bytes> struct VecOf;
 template <> struct VecOf<16> { using type = uint4; };
@@ -32,7 +36,7 @@ __device__ __forceinline__ unsigned lanemask_lt() {
   return m;
 }
 
-// Local expert of this rank named by a raw id, or -1 (invalid ids act as -1).
+// Local expert of rank r named by a raw id, or -1 (invalid ids act as -1).
 __device__ __forceinline__ int local_expert(int v, int E, int L, int r) {
   if (v < 0 || v >= E) return -1;
   const int q = v / L;
@@ -74,58 +78,41 @@ __device__ __forceinline__ void pack(const float (&f)[8], uint4* o) {
   *o = make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
 }
 
-// ---------------------------------------------------------------------------------------------
-// Dispatch
-// ---------------------------------------------------------------------------------------------
-
-// Sender side (use_fp8): quantise own rows x[t] into staging [M*H e4m3 | M*G f32 scales].
-// A half-warp owns one (row, 128-column group) unit: 16 lanes x 8 bf16 (one 16-byte load each);
-// each half-warp keeps kQuantUnits units' loads in flight.
-__device__ __forceinline__ void quantise_own_rows(const DispatchParams& p, int lane, int warp) {
-  const int units = p.T * p.G;
-  const int half = lane >> 4, sub = lane & 15;
-  const uint8_t* x = static_cast<const uint8_t*>(p.x);
-  uint8_t* q_base = p.staging;
-  float* sc_base = reinterpret_cast<float*>(p.staging + (int64_t)p.M * p.H);
-  const bool round_scale = p.round_scale != 0;
-  constexpr int kPerWarp = 2 * kQuantUnits;
-  for (int base = (blockIdx.x * kDispatchWarps + warp) * kPerWarp; base < units;
-       base += gridDim.x * kDispatchWarps * kPerWarp) {  // warp-uniform
-    uint4 raw[kQuantUnits];
+// Whole warp: copy `bytes` (a multiple of sizeof(V)) from src to dst, kCopyRegs vectors per
+// lane in flight. kCg: src may have been written by a peer in this kernel (bypass L1).
+template <typename V, bool kCg>
+__device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64_t bytes,
+                                         int lane) {
+  const int nvec = static_cast<int>(bytes / (int64_t)sizeof(V));
+  const V* s = reinterpret_cast<const V*>(src);
+  V* d = reinterpret_cast<V*>(dst);
+  for (int base = 0; base < nvec; base += kCopyRegs * 32) {
+    V buf[kCopyRegs];
 #pragma unroll
-    for (int q = 0; q < kQuantUnits; ++q) {
-      const int u = base + 2 * q + half;
-      raw[q] = make_uint4(0u, 0u, 0u, 0u);
-      if (u < units) {
-        const int t = u / p.G, g = u - t * p.G;
-        raw[q] = __ldg(reinterpret_cast<const uint4*>(
-            x + ((int64_t)t * p.H + g * fp8::kGroup + sub * 8) * 2));
-      }
+    for (int u = 0; u < kCopyRegs; ++u) {
+      const int v = base + u * 32 + lane;
+      if (v < nvec) buf[u] = kCg ? __ldcg(s + v) : __ldg(s + v);
     }
 #pragma unroll
-    for (int q = 0; q < kQuantUnits; ++q) {
-      const int u = base + 2 * q + half;
-      const int t = u / p.G, g = u - t * p.G;  // used only when u < units
-      fp8::quantise_group_slice(
-          raw[q], round_scale, u < units, sub,
-          reinterpret_cast<uint2*>(q_base + (int64_t)t * p.H + g * fp8::kGroup + sub * 8),
-          sc_base + (int64_t)t * p.G + g);
+    for (int u = 0; u < kCopyRegs; ++u) {
+      const int v = base + u * 32 + lane;
+      if (v < nvec) d[v] = buf[u];
     }
   }
 }
 
-// One warp pulls one row (row_bytes, from a peer) once and stores it into every destination
-// (expert le, row j) held by the lanes in `mask`.
-template <typename V, int kCopyUnroll>
-__device__ __forceinline__ void pull_row(const uint8_t* src, uint8_t* dst_base,
-                                         int64_t row_bytes, int64_t rows_per_expert,
-                                         unsigned mask, int le, int j, int lane) {
+// Whole warp: copy one received payload (bytes, from our buffer) to every destination row
+// (expert le, row j) held by the lanes in `mask`: loaded once, stored once per destination.
+template <typename V>
+__device__ __forceinline__ void copy_to_rows(const uint8_t* src, uint8_t* dst_base,
+                                             int64_t row_bytes, int64_t rows_per_expert,
+                                             unsigned mask, int le, int j, int lane) {
   const int nvec = static_cast<int>(row_bytes / (int64_t)sizeof(V));
   const V* s = reinterpret_cast<const V*>(src);
-  for (int base = 0; base < nvec; base += kCopyUnroll * 32) {
-    V buf[kCopyUnroll];
+  for (int base = 0; base < nvec; base += kCopyRegs * 32) {
+    V buf[kCopyRegs];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < kCopyRegs; ++u) {
       const int v = base + u * 32 + lane;
       if (v < nvec) buf[u] = __ldcg(s + v);
     }
@@ -135,7 +122,7 @@ __device__ __forceinline__ void pull_row(const uint8_t* src, uint8_t* dst_base,
       const int jj = __shfl_sync(kFull, j, sl);
       V* d = reinterpret_cast<V*>(dst_base + ((int64_t)l * rows_per_expert + jj) * row_bytes);
 #pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
+      for (int u = 0; u < kCopyRegs; ++u) {
         const int v = base + u * 32 + lane;
         if (v < nvec) d[v] = buf[u];
       }
@@ -143,593 +130,490 @@ __device__ __forceinline__ void pull_row(const uint8_t* src, uint8_t* dst_base,
   }
 }
 
-__global__ void __launch_bounds__(kDispatchThreads, 1)
-    dispatch_kernel(const __grid_constant__ DispatchParams p) {
-  extern __shared__ int s_counts[];  // [L]: final per-expert counts
-  __shared__ const uint8_t* s_src[kMaxRanks];
-  __shared__ const int32_t* s_idx[kMaxRanks];
-  __shared__ int s_invalid;
-  const PeerSlots& ps = p.ps;
-  const int R = ps.num_ranks, r = ps.rank;
-  int* counters = ps.slot[r]->counters;
-  const unsigned long long epoch = call_epoch(ps);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t RM = (int64_t)R * p.M;
-  unsigned int gen = 0;
-  trace_mark(ps, 16);
-
-  // 1. Sender side: quantise own rows once (FP8); peers pull the staging rows.
-  if (p.use_fp8) {
-    quantise_own_rows(p, lane, warp);
-    grid_barrier(ps, ++gen, p.timeout_ns, "ll_dispatch: quantise");
-    trace_mark(ps, 17);
-  }
-
-  // 2. Publish (every block: idempotent, no dependence on block 0 being scheduled) and wait.
-  // (As wait_ready, with the R waits spread over lanes.)
-  if (warp == 0) {
-    if (lane == 0) {
-      const void* mine[2] = {p.use_fp8 ? static_cast<const void*>(p.staging) : p.x,
-                             static_cast<const void*>(p.topk_idx)};
-      publish(ps, mine, 2, epoch);
-    }
-    __syncwarp();
-    if (lane < R) {  // lane s waits for rank s (the R remote polls run in parallel)
-      wait_flag_geq(&ps.slot[lane]->ready, epoch, p.timeout_ns, r, lane,
-                    "ll_dispatch: wait for peers");
-      s_src[lane] = peer_ptr<const uint8_t>(ps, lane, 0);
-      s_idx[lane] = peer_ptr<const int32_t>(ps, lane, 1);
-    }
-  }
-  __syncthreads();
-  trace_mark(ps, 18);
-
-  // 3. Receiver side: one warp per (source s, token t).
-  const int64_t row_bytes = p.use_fp8 ? (int64_t)p.H : 2LL * p.H;
-  int vw = 16;  // widest vector dividing the row size and the output base
-  while (vw > 2 && ((row_bytes | (int64_t)reinterpret_cast<uintptr_t>(p.recv_x)) & (vw - 1)))
-    vw >>= 1;
-  uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
-  const int nitems = R * p.M;
-  for (int it = blockIdx.x * kDispatchWarps + warp; it < nitems;
-       it += gridDim.x * kDispatchWarps) {  // warp-uniform
-    const int s = it % R, t = it / R;
-    int32_t* s2r = p.src_to_row + ((int64_t)s * p.M + t) * p.L;
-    for (int l = lane; l < p.L; l += 32) s2r[l] = -1;
-    if (t >= p.T) continue;
-    __syncwarp();  // orders the -1 stores before the row stores below (other lanes)
-    const int32_t* idx = s_idx[s] + (int64_t)t * p.K;
-    const uint8_t* src_row = s_src[s] + (int64_t)t * row_bytes;
-    const float* src_sc =
-        reinterpret_cast<const float*>(s_src[s] + (int64_t)p.M * p.H) + (int64_t)t * p.G;
-    for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32
-      const int k = kb + lane;
-      const int le = k < p.K ? local_expert(__ldcg(idx + k), p.E, p.L, r) : -1;
-      const unsigned same = __match_any_sync(kFull, le);
-      bool lead = le >= 0 && (same & lanemask_lt()) == 0;  // first slot naming le
-      if (lead) {
-        for (int k2 = 0; k2 < kb; ++k2)  // earlier passes (K > 32 only)
-          if (local_expert(__ldcg(idx + k2), p.E, p.L, r) == le) {
-            lead = false;
-            break;
-          }
-      }
-      const unsigned mask = __ballot_sync(kFull, lead);
-      if (mask == 0) continue;
-      int j = 0;
-      if (lead) {
-        j = atomicAdd(counters + le, 1);
-        p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
-        s2r[le] = j;
-      }
-      float sc0 = 0.f, sc1 = 0.f;
-      if (p.use_fp8) {
-        if (lane < p.G) sc0 = __ldcg(src_sc + lane);
-        if (lane + 32 < p.G) sc1 = __ldcg(src_sc + lane + 32);
-      }
-      switch (vw) {
-        case 16:
-          pull_row<uint4, kCopyUnroll>(src_row, recv_x, row_bytes, RM, mask, le, j, lane);
-          break;
-        case 8: pull_row<uint2, 8>(src_row, recv_x, row_bytes, RM, mask, le, j, lane); break;
-        case 4: pull_row<unsigned int, 8>(src_row, recv_x, row_bytes, RM, mask, le, j, lane); break;
-        default: pull_row<unsigned short, 8>(src_row, recv_x, row_bytes, RM, mask, le, j, lane);
-      }
-      if (p.use_fp8) {
-        for (unsigned m = mask; m != 0; m &= m - 1) {
-          const int sl = __ffs(m) - 1;
-          const int l = __shfl_sync(kFull, le, sl);
-          const int jj = __shfl_sync(kFull, j, sl);
-          float* d = p.recv_scales + ((int64_t)l * RM + jj) * p.G;
-          if (lane < p.G) d[lane] = sc0;
-          if (lane + 32 < p.G) d[lane + 32] = sc1;
-          for (int g = lane + 64; g < p.G; g += 32) d[g] = __ldcg(src_sc + g);
-        }
-      }
-    }
-  }
-
-  // 4. All rows placed: counts are final. recv_src = -1 past the count.
-  trace_mark(ps, 19);
-  grid_barrier(ps, ++gen, p.timeout_ns, "ll_dispatch: receive");
-  for (int l = threadIdx.x; l < p.L; l += blockDim.x)
-    s_counts[l] = *reinterpret_cast<volatile int*>(counters + l);
-  __syncthreads();
-  const int64_t total = (int64_t)p.L * RM;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-       i += (int64_t)gridDim.x * blockDim.x) {
-    const int l = static_cast<int>(i / RM);
-    if (i - (int64_t)l * RM >= s_counts[l]) p.recv_src[i] = -1;
-  }
-
-  // 5. The last block (every other block has read the counters): recv_count, zero the counters,
-  // stats, reset the grid barrier; then the cross-rank end barrier.
-  end_barrier(ps, epoch, p.timeout_ns, "ll_dispatch: end", [&]() {
-    if (threadIdx.x == 0) s_invalid = 0;
-    for (int l = threadIdx.x; l < p.L; l += blockDim.x) {
-      p.recv_count[l] = s_counts[l];
-      counters[l] = 0;
-    }
-    __syncthreads();
-    int c = 0;
-    const int64_t n = (int64_t)p.T * p.K;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const int v = p.topk_idx[i];
-      c += (v < -1 || v >= p.E) ? 1 : 0;
-    }
-    c = __reduce_add_sync(kFull, c);
-    if (lane == 0 && c != 0) atomicAdd(&s_invalid, c);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      p.stats[0] = s_invalid;
-      p.stats[1] = 0;
-      grid_barrier_reset(ps);
-    }
-  }, 20);
-}
-
 // ---------------------------------------------------------------------------------------------
-// Fast dispatch (K <= 32): push protocol, every SM, several warps per row, no grid barrier.
+// Dispatch
 // ---------------------------------------------------------------------------------------------
 
-constexpr int kFastWarps = kFastDispatchThreads / 32;
-constexpr int kHalfWarps = 2 * kFastWarps;
-constexpr int kRowRegs = 8;  // vectors per lane in flight while pulling a row part
-
-// Sender side (use_fp8): quantise own rows [t0, t1) into staging [M*H e4m3 | M*G f32 scales].
-// A half-warp owns one (row, 128-column group) unit: 16 lanes x 8 bf16 (one 16-byte load each);
-// all units' loads of a round are issued before any is converted. Block-uniform.
-__device__ __forceinline__ void quantise_rows(const DispatchParams& p, int t0, int t1, int lane,
-                                              int warp) {
-  const int units = (t1 - t0) * p.G;
-  const int hw = warp * 2 + (lane >> 4), sub = lane & 15;
-  const uint8_t* x = static_cast<const uint8_t*>(p.x);
-  uint8_t* q_base = p.staging;
-  float* sc_base = reinterpret_cast<float*>(p.staging + (int64_t)p.M * p.H);
-  const bool round_scale = p.round_scale != 0;
-  for (int base = 0; base < units; base += kHalfWarps * kQuantUnits) {  // block-uniform
-    uint4 raw[kQuantUnits];
-#pragma unroll
-    for (int q = 0; q < kQuantUnits; ++q) {
-      const int u = base + q * kHalfWarps + hw;
-      raw[q] = make_uint4(0u, 0u, 0u, 0u);
-      if (u < units) {
-        const int t = t0 + u / p.G, g = u % p.G;
-        raw[q] = __ldg(reinterpret_cast<const uint4*>(
-            x + ((int64_t)t * p.H + g * fp8::kGroup + sub * 8) * 2));
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kQuantUnits; ++q) {
-      const int u = base + q * kHalfWarps + hw;
-      if (base + q * kHalfWarps >= units) break;  // block-uniform: no unit of this q anywhere
-      const int t = t0 + u / p.G, g = u % p.G;  // used only when u < units
-      fp8::quantise_group_slice(
-          raw[q], round_scale, u < units, sub,
-          reinterpret_cast<uint2*>(q_base + (int64_t)t * p.H + g * fp8::kGroup + sub * 8),
-          sc_base + (int64_t)t * p.G + g);
-    }
-  }
-}
-
-// Block b handles work items (s, t), item i = t * R + s, i in [b*n/grid, (b+1)*n/grid), n = R*T,
-// in rounds of up to 16 items. Per round:
-//   A: warp w indexes item w: lane k reads topk_idx_s[t][k] (one NVLink round trip for all k),
-//      fills src_to_row[s][t][*] = -1, de-duplicates (first slot naming a local expert leads),
-//      writes the leaders' experts to shared memory; FP8: lane 0 waits for s's chunk flag.
-//   B1: all 16 warps issue the loads of their part of a row (16/n warps per item; one 16-byte
-//      vector per lane per 32*16/n vectors: the whole 7 KiB FP8 row of H = 7168 in one trip).
-//   B2: meanwhile the index warps take the rows: j = atomicAdd(counter[l]), recv_src, src_to_row.
-//   B3: after __syncthreads, store the part to every leader's row (l, j) + the scales.
+// Send item it = (token t, destination q), q starting after our own rank so the ranks spread
+// their first writes. Skipped when no expert of t lives on q; else the row goes to slot
+// j = send_count[q]++ of our part of q's buffer: header (t, sanitised ids), then the payload
+// (FP8: quantised here, per 128-column group by a half-warp; BF16: copied).
 template <typename V>
-__global__ void __launch_bounds__(kFastDispatchThreads, 1)
-    dispatch_fast_kernel(const __grid_constant__ DispatchParams p) {
-  __shared__ const uint8_t* s_src[kMaxRanks];
-  __shared__ const int32_t* s_idx[kMaxRanks];
-  __shared__ int s_nlead[kFastWarps];
-  __shared__ int s_le[kFastWarps][kFastMaxK];
-  __shared__ int s_j[kFastWarps][kFastMaxK];
-  __shared__ int s_invalid;
+__device__ __forceinline__ void dispatch_send_item(const DispatchParams& p, int it, int par,
+                                                   int lane) {
   const PeerSlots& ps = p.ps;
   const int R = ps.num_ranks, r = ps.rank;
-  int* counters = ps.slot[r]->counters;
-  const unsigned long long epoch = call_epoch(ps);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = it / R, q = (it % R + r + 1) % R;
+  const int32_t* ids = p.topk_idx + (int64_t)t * p.K;
+  bool any = false;
+  for (int kb = 0; kb < p.K; kb += 32) {  // warp-uniform
+    const int k = kb + lane;
+    const int v = k < p.K ? __ldg(ids + k) : -1;
+    any |= __ballot_sync(kFull, v >= 0 && v < p.E && v / p.L == q) != 0;
+  }
+  if (!any) return;
+  unsigned int j = 0;
+  if (lane == 0) j = atomicAdd(&ps.slot[r]->send_count[q], 1u);
+  j = __shfl_sync(kFull, j, 0);
+  uint8_t* row = p.buf[q] + (((int64_t)par * R + r) * p.M + j) * p.row_bytes;
+  int* hdr = reinterpret_cast<int*>(row);
+  if (lane == 0) hdr[0] = t;
+  for (int k = lane; k < p.K; k += 32) {
+    const int v = __ldg(ids + k);
+    hdr[1 + k] = (v >= 0 && v < p.E) ? v : -1;
+  }
+  uint8_t* pay = row + p.hdr_bytes;
+  const uint8_t* xr = static_cast<const uint8_t*>(p.x) + (int64_t)t * p.H * 2;
+  if (p.use_fp8) {
+    const int half = lane >> 4, sub = lane & 15;
+    float* sc = reinterpret_cast<float*>(pay + p.H);
+    const bool round_scale = p.round_scale != 0;
+    for (int g0 = 0; g0 < p.G; g0 += 2 * kQuantUnits) {  // warp-uniform
+      uint4 raw[kQuantUnits];
+#pragma unroll
+      for (int u = 0; u < kQuantUnits; ++u) {
+        const int g = g0 + 2 * u + half;
+        raw[u] = g < p.G ? __ldg(reinterpret_cast<const uint4*>(xr + (g * fp8::kGroup + sub * 8) * 2))
+                         : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < kQuantUnits; ++u) {
+        const int g = g0 + 2 * u + half;
+        fp8::quantise_group_slice(raw[u], round_scale, g < p.G, sub,
+                                  reinterpret_cast<uint2*>(pay + g * fp8::kGroup + sub * 8),
+                                  sc + g);
+      }
+    }
+  } else {
+    copy_row<V, false>(xr, pay, 2LL * p.H, lane);
+  }
+}
+
+// Receive item: row i of sender s in our buffer. The warp de-duplicates the token's ids (first
+// slot naming each local expert leads), takes a row j per lead expert, records the source, and
+// copies the payload to every lead's row.
+template <typename V>
+__device__ __forceinline__ void dispatch_recv_item(const DispatchParams& p, int s, int i, int par,
+                                                   int lane) {
+  const PeerSlots& ps = p.ps;
+  const int R = ps.num_ranks, r = ps.rank;
   const int64_t RM = (int64_t)R * p.M;
-  const bool fp8 = p.use_fp8 != 0;
-  const int64_t row_bytes = fp8 ? (int64_t)p.H : 2LL * p.H;
-  const int nch = max(1, min(p.M, kMaxChunks));  // chunk c = tokens [c*tpc, (c+1)*tpc)
-  const int tpc = max(1, (p.M + nch - 1) / nch);
+  const uint8_t* row = p.buf[r] + (((int64_t)par * R + s) * p.M + i) * p.row_bytes;
+  const int* hdr = reinterpret_cast<const int*>(row);
+  const int t = __ldcg(hdr);
+  const uint8_t* pay = row + p.hdr_bytes;
+  for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32
+    const int k = kb + lane;
+    const int le = k < p.K ? local_expert(__ldcg(hdr + 1 + k), p.E, p.L, r) : -1;
+    const unsigned same = __match_any_sync(kFull, le);
+    bool lead = le >= 0 && (same & lanemask_lt()) == 0;
+    if (lead) {
+      for (int k2 = 0; k2 < kb; ++k2)  // earlier passes (K > 32 only)
+        if (local_expert(__ldcg(hdr + 1 + k2), p.E, p.L, r) == le) {
+          lead = false;
+          break;
+        }
+    }
+    const unsigned mask = __ballot_sync(kFull, lead);
+    if (mask == 0) continue;
+    int j = 0;
+    if (lead) {
+      j = atomicAdd(ps.slot[r]->counters + le, 1);
+      p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
+      p.recv_slot[(int64_t)le * RM + j] = k;
+    }
+    uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
+    if (p.use_fp8) {
+      copy_to_rows<uint4>(pay, recv_x, p.H, RM, mask, le, j, lane);
+      const float* sc = reinterpret_cast<const float*>(pay + p.H);
+      for (unsigned m = mask; m != 0; m &= m - 1) {
+        const int sl = __ffs(m) - 1;
+        const int l = __shfl_sync(kFull, le, sl);
+        const int jj = __shfl_sync(kFull, j, sl);
+        float* d = p.recv_scales + ((int64_t)l * RM + jj) * p.G;
+        for (int g = lane; g < p.G; g += 32) d[g] = __ldcg(sc + g);
+      }
+    } else {
+      copy_to_rows<V>(pay, recv_x, 2LL * p.H, RM, mask, le, j, lane);
+    }
+  }
+}
+
+// Closing step of the send phase (whole warp): flags (with row counts) to every receiver, then
+// num_invalid over our own ids.
+__device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
+                                                    unsigned long long es, int lane) {
+  const PeerSlots& ps = p.ps;
+  if (lane < ps.num_ranks) {
+    const unsigned int rows = atomicExch(&ps.slot[ps.rank]->send_count[lane], 0u);
+    push::signal_data(ps, lane, static_cast<int>(es & 1), es, rows);
+  }
+  if (lane == 0) trace_mark_last(ps, 17);
+  int c = 0;
+  const int64_t n = (int64_t)p.T * p.K;
+  for (int64_t i = lane; i < n; i += 32) {
+    const int v = __ldg(p.topk_idx + i);
+    c += (v < -1 || v >= p.E) ? 1 : 0;
+  }
+  c = __reduce_add_sync(kFull, c);
+  if (lane == 0) {
+    p.stats[0] = c;
+    p.stats[1] = 0;
+  }
+}
+
+// Closing step of the receive phase (whole warp): final counts, counters back to 0, and our
+// half of every sender's buffer freed.
+__device__ __forceinline__ void dispatch_close_recv(const DispatchParams& p,
+                                                    unsigned long long er, int lane) {
+  const PeerSlots& ps = p.ps;
+  int* counters = ps.slot[ps.rank]->counters;
+  for (int l = lane; l < p.L; l += 32) p.recv_count[l] = atomicExch(counters + l, 0);
+  if (lane < ps.num_ranks) push::signal_freed(ps, lane, er);
+  if (lane == 0) trace_mark_last(ps, 19);
+}
+
+// recv_src / recv_slot = -1 on entries [c * kPrefillInts, (c + 1) * kPrefillInts) (whole warp).
+__device__ __forceinline__ void prefill_chunk(const DispatchParams& p, int c, int64_t total,
+                                              int lane) {
+  const int64_t b = (int64_t)c * kPrefillInts;
+  const bool vec = ((reinterpret_cast<uintptr_t>(p.recv_src) |
+                     reinterpret_cast<uintptr_t>(p.recv_slot)) & 15) == 0;
+  const int4 m1 = make_int4(-1, -1, -1, -1);
+#pragma unroll
+  for (int u = 0; u < kPrefillInts / 128; ++u) {
+    const int64_t i = b + (int64_t)(u * 32 + lane) * 4;
+    if (vec && i + 3 < total) {
+      *reinterpret_cast<int4*>(p.recv_src + i) = m1;
+      *reinterpret_cast<int4*>(p.recv_slot + i) = m1;
+    } else {
+      for (int64_t e = i; e < i + 4 && e < total; ++e) {
+        p.recv_src[e] = -1;
+        p.recv_slot[e] = -1;
+      }
+    }
+  }
+}
+
+template <typename V>
+__global__ void __launch_bounds__(kThreads, 1)
+    dispatch_kernel(const __grid_constant__ DispatchParams p) {
+  __shared__ int s_pref[kMaxRanks + 1];
+  const PeerSlots& ps = p.ps;
+  const int R = ps.num_ranks;
+  Slot* me = ps.slot[ps.rank];
+  const int lane = threadIdx.x & 31;
+  const unsigned long long es = push::send_epoch(ps), er = push::recv_epoch(ps);
   trace_mark(ps, 16);
 
-  // 1. Push our addresses into every rank's slot (a few blocks, identical values).
-  if (blockIdx.x < kPushBlocks && warp == 0 && lane < R) {
-    const void* mine[2] = {fp8 ? static_cast<const void*>(p.staging) : p.x,
-                           static_cast<const void*>(p.topk_idx)};
-    push_publish_lane(ps, lane, mine, 2, epoch);
-  }
-
-  // 2. FP8 sender side: quantise own chunks (each token once), flag each chunk to every rank.
-  //    Chunks are taken from a ticket counter, not by block index: the first resident blocks
-  //    quantise everything before anyone waits, so the kernel never needs all of its blocks
-  //    co-resident (XLA may run another kernel, e.g. a NCCL collective, beside it).
-  if (fp8) {
-    __shared__ int s_ticket;
-    for (;;) {  // block-uniform
-      if (threadIdx.x == 0) s_ticket = (int)atomicAdd(&ps.slot[r]->work_ticket, 1u);
-      __syncthreads();
-      const int c = s_ticket;
-      __syncthreads();
-      if (c >= nch) break;
-      const int t0 = c * tpc, t1 = min(p.T, t0 + tpc);
-      if (t1 > t0) quantise_rows(p, t0, t1, lane, warp);
-      push_chunk_ready(ps, c, epoch);
-    }
-    trace_mark(ps, 17);
-  }
-
-  // 3. src_to_row[s][t][*] = -1 for T <= t < M (no other writer; t < T: by the item's warp).
-  {
-    const int64_t per_s = (int64_t)(p.M - p.T) * p.L;
-    const int64_t n = (int64_t)R * per_s;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-      const int64_t s = i / per_s;
-      p.src_to_row[(s * p.M + p.T) * p.L + (i - s * per_s)] = -1;
-    }
-  }
-
-  // 4. Wait for every rank's addresses (local polls; lane s for rank s).
-  if (warp == 0 && lane < R) {
-    push_wait_ready(ps, lane, epoch, p.timeout_ns, "ll_dispatch: wait for peers");
-    s_src[lane] = pushed_ptr<const uint8_t>(ps, lane, 0);
-    s_idx[lane] = pushed_ptr<const int32_t>(ps, lane, 1);
-  }
-  __syncthreads();
-  trace_mark(ps, 18);
-
-  // 5. Receive.
-  const int nitems = R * p.T;
-  const int i0 = (int)((int64_t)blockIdx.x * nitems / gridDim.x);
-  const int i1 = (int)((int64_t)(blockIdx.x + 1) * nitems / gridDim.x);
-  const int nvec = static_cast<int>(row_bytes / (int64_t)sizeof(V));
-  const int G = p.G;
-  uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
-  for (int base = i0; base < i1; base += kFastWarps) {  // block-uniform
-    const int n = min(kFastWarps, i1 - base);
-    // A. index warps
-    int my_le = -1, my_pos = 0;
-    bool lead = false;
-    if (warp < n) {
-      const int it = base + warp, s = it % R, t = it / R;
-      const int v = lane < p.K ? __ldcg(s_idx[s] + (int64_t)t * p.K + lane) : -1;
-      int32_t* s2r = p.src_to_row + ((int64_t)s * p.M + t) * p.L;
-      for (int l = lane; l < p.L; l += 32) s2r[l] = -1;
-      if (fp8 && lane == 0)
-        push_wait_chunk(ps, s, t / tpc, epoch, p.timeout_ns, "ll_dispatch: wait for rows");
-      my_le = local_expert(v, p.E, p.L, r);
-      const unsigned same = __match_any_sync(kFull, my_le);
-      lead = my_le >= 0 && (same & lanemask_lt()) == 0;  // first slot naming the expert
-      const unsigned mask = __ballot_sync(kFull, lead);
-      my_pos = __popc(mask & lanemask_lt());
-      if (lead) s_le[warp][my_pos] = my_le;
-      if (lane == 0) s_nlead[warp] = __popc(mask);
-    }
+  if (p.mode & push::kModeSend) {
+    const int par = static_cast<int>(es & 1);
+    if ((int)threadIdx.x < R)
+      push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_dispatch: receivers free the buffer");
     __syncthreads();
-    // B1. every warp: loads of its part of one row
-    const int wpi = kFastWarps / n;  // warps per item
-    const int ci = warp % n, u = warp / n;
-    const int nl = s_nlead[ci];
-    const bool copier = u < wpi && nl > 0;
-    const int cit = base + ci, cs = cit % R, ct = cit / R;
-    const V* src = reinterpret_cast<const V*>(s_src[cs] + (int64_t)ct * row_bytes);
-    const float* src_sc =
-        reinterpret_cast<const float*>(s_src[cs] + (int64_t)p.M * p.H) + (int64_t)ct * G;
-    const int stride = wpi * 32, lane0 = u * 32 + lane;
-    V buf[kRowRegs];
-    float sc[2] = {0.f, 0.f};
-    if (copier) {
-#pragma unroll
-      for (int k = 0; k < kRowRegs; ++k) {
-        const int v = lane0 + k * stride;
-        if (v < nvec) buf[k] = __ldcg(src + v);
+    const int n = p.T * R;
+    for (;;) {  // warp-uniform
+      const int it = push::take_ticket(me, push::kSend, lane);
+      if (it >= n) {
+        if (n == 0 && it == 0) dispatch_close_send(p, es, lane);
+        break;
       }
-      if (fp8) {
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const int g = lane0 + k * stride;
-          if (g < G) sc[k] = __ldcg(src_sc + g);
-        }
-      }
+      dispatch_send_item<V>(p, it, par, lane);
+      if (push::finish_item(me, push::kSend, n, true, lane)) dispatch_close_send(p, es, lane);
     }
-    // B2. index warps take the rows while the loads are in flight
-    if (lead) {
-      const int it = base + warp, s = it % R, t = it / R;
-      const int j = atomicAdd(counters + my_le, 1);
-      s_j[warp][my_pos] = j;
-      p.recv_src[(int64_t)my_le * RM + j] = s * p.M + t;
-      p.src_to_row[((int64_t)s * p.M + t) * p.L + my_le] = j;  // after the -1 (same warp)
-    }
-    __syncthreads();
-    // B3. store to every leader's row (local), then any rest of the row
-    if (copier) {
-      for (int q = 0; q < nl; ++q) {  // warp-uniform
-        const int64_t row = (int64_t)s_le[ci][q] * RM + s_j[ci][q];
-        V* d = reinterpret_cast<V*>(recv_x + row * row_bytes);
-#pragma unroll
-        for (int k = 0; k < kRowRegs; ++k) {
-          const int v = lane0 + k * stride;
-          if (v < nvec) d[v] = buf[k];
-        }
-        if (fp8) {
-          float* ds = p.recv_scales + row * G;
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const int g = lane0 + k * stride;
-            if (g < G) ds[g] = sc[k];
-          }
-          for (int g = lane0 + 2 * stride; g < G; g += stride) ds[g] = __ldcg(src_sc + g);
-        }
-      }
-      for (int v0 = kRowRegs * stride; v0 < nvec; v0 += kRowRegs * stride) {  // long rows
-#pragma unroll
-        for (int k = 0; k < kRowRegs; ++k) {
-          const int v = v0 + lane0 + k * stride;
-          if (v < nvec) buf[k] = __ldcg(src + v);
-        }
-        for (int q = 0; q < nl; ++q) {
-          const int64_t row = (int64_t)s_le[ci][q] * RM + s_j[ci][q];
-          V* d = reinterpret_cast<V*>(recv_x + row * row_bytes);
-#pragma unroll
-          for (int k = 0; k < kRowRegs; ++k) {
-            const int v = v0 + lane0 + k * stride;
-            if (v < nvec) d[v] = buf[k];
-          }
-        }
-      }
-    }
-    __syncthreads();  // shared tables are rewritten by the next round
   }
-  trace_mark(ps, 19);
 
-  // 6. num_invalid over own ids (one block; no dependence on the others).
-  if (blockIdx.x == gridDim.x - 1) {  // block-uniform
-    if (threadIdx.x == 0) s_invalid = 0;
-    __syncthreads();
-    int c = 0;
-    const int64_t n = (int64_t)p.T * p.K;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const int v = __ldg(p.topk_idx + i);
-      c += (v < -1 || v >= p.E) ? 1 : 0;
+  if (p.mode & push::kModeRecv) {
+    const int par = static_cast<int>(er & 1);
+    const int64_t total = (int64_t)p.L * R * p.M;
+    const int nchunks = static_cast<int>((total + kPrefillInts - 1) / kPrefillInts);
+    for (;;) {  // own outputs first: no dependence on the peers
+      const int c = push::take_ticket(me, push::kPrefill, lane);
+      if (c >= nchunks) break;
+      prefill_chunk(p, c, total, lane);
+      push::finish_item(me, push::kPrefill, nchunks, false, lane);
     }
-    c = __reduce_add_sync(kFull, c);
-    if (lane == 0 && c != 0) atomicAdd(&s_invalid, c);
+    if ((int)threadIdx.x < R)
+      s_pref[threadIdx.x + 1] = (int)push::wait_data(ps, threadIdx.x, par, er, p.timeout_ns,
+                                                     "ll_dispatch: wait for the peers' rows");
     __syncthreads();
     if (threadIdx.x == 0) {
-      p.stats[0] = s_invalid;
-      p.stats[1] = 0;
+      s_pref[0] = 0;
+      for (int s = 0; s < R; ++s) s_pref[s + 1] += s_pref[s];
+    }
+    __syncthreads();
+    trace_mark(ps, 18);
+    if (lane == 0)
+      push::wait_items(me, push::kPrefill, nchunks, p.timeout_ns, ps.rank,
+                       "ll_dispatch: prefill");
+    __syncwarp();
+    const int n = s_pref[R];
+    for (;;) {  // warp-uniform
+      const int it = push::take_ticket(me, push::kRecv, lane);
+      if (it >= n) {
+        if (n == 0 && it == 0) dispatch_close_recv(p, er, lane);
+        break;
+      }
+      int s = 0;
+      while (it >= s_pref[s + 1]) ++s;
+      dispatch_recv_item<V>(p, s, it - s_pref[s], par, lane);
+      if (push::finish_item(me, push::kRecv, n, false, lane)) dispatch_close_recv(p, er, lane);
     }
   }
-
-  // 7. End barrier. The last block (all atomics done: counts final) signals done first, then
-  // writes recv_count, recv_src = -1 past each count, zeroes the counters, then waits.
-  end_barrier(ps, epoch, p.timeout_ns, "ll_dispatch: end", [&]() {
-    if (threadIdx.x == 0) ps.slot[r]->work_ticket = 0;  // every block is past its tickets
-    for (int l = warp; l < p.L; l += kFastWarps) {  // warp-uniform
-      int cnt = 0;
-      if (lane == 0) cnt = *reinterpret_cast<volatile int*>(counters + l);
-      cnt = __shfl_sync(kFull, cnt, 0);
-      if (lane == 0) {
-        p.recv_count[l] = cnt;
-        counters[l] = 0;
-      }
-      int32_t* rs = p.recv_src + (int64_t)l * RM;
-      int64_t j = cnt;
-      // scalar head up to 16-byte alignment, int4 body, scalar tail
-      const int64_t head = min(RM, (j + 3) & ~int64_t{3});
-      const bool vec_ok = (reinterpret_cast<uintptr_t>(p.recv_src) & 15) == 0 && (RM & 3) == 0;
-      if (vec_ok) {
-        if (j + lane < head) rs[j + lane] = -1;
-        j = head;
-        int4* rs4 = reinterpret_cast<int4*>(rs + j);
-        const int64_t n4 = (RM - j) >> 2;
-        for (int64_t v = lane; v < n4; v += 32) rs4[v] = make_int4(-1, -1, -1, -1);
-        j += n4 * 4;
-      }
-      for (int64_t jj = j + lane; jj < RM; jj += 32) rs[jj] = -1;
-    }
-  }, 20);
+  push::leave_kernel(ps, p.mode, es, er);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Combine
 // ---------------------------------------------------------------------------------------------
 
-// Block (t, c): token t, column vectors [c*chunk, (c+1)*chunk) of H / EPV.
-template <int EPV>
-__global__ void __launch_bounds__(kCombineThreads)
-    combine_kernel(const __grid_constant__ CombineParams p, int blocks_per_token, int chunk) {
-  using V = typename VecOf<EPV * 2>::type;
-  extern __shared__ __align__(16) unsigned char smem[];  // K row pointers, then K weights
-  const uint8_t** s_row = reinterpret_cast<const uint8_t**>(smem);
-  float* s_w = reinterpret_cast<float*>(smem + sizeof(void*) * p.K);
-  __shared__ const uint8_t* s_y[kMaxRanks];
-  __shared__ const int32_t* s_s2r[kMaxRanks];
+// Top-k slot k of token t at the source: whether it names a valid expert, the first slot naming
+// the same expert (where the expert rank wrote the row), and its weight. K <= 32: lane k holds
+// them (reg_*), broadcast by shuffle; larger K: read from memory.
+struct SlotInfo {
+  bool valid;
+  int kf;
+  float w;
+};
+
+__device__ __forceinline__ SlotInfo slot_info(const CombineParams& p, int t, int k, bool reg_valid,
+                                              int reg_kf, float reg_w) {
+  SlotInfo s;
+  if (p.K <= 32) {
+    s.valid = __shfl_sync(kFull, reg_valid ? 1 : 0, k) != 0;
+    s.kf = __shfl_sync(kFull, reg_kf, k);
+    s.w = __shfl_sync(kFull, reg_w, k);
+    return s;
+  }
+  const int32_t* ids = p.topk_idx + (int64_t)t * p.K;
+  const int v = __ldg(ids + k);
+  s.valid = v >= 0 && v < p.E;
+  s.kf = k;
+  if (s.valid)
+    for (int k2 = 0; k2 < k; ++k2)
+      if (__ldg(ids + k2) == v) {
+        s.kf = k2;
+        break;
+      }
+  s.w = s.valid ? __ldg(p.topk_weights + (int64_t)t * p.K + k) : 0.f;
+  return s;
+}
+
+// Send item: row j of local expert l goes back to its source (s, t), at slot k of t.
+template <typename V>
+__device__ __forceinline__ void combine_send_item(const CombineParams& p, int l, int j, int par,
+                                                  int64_t crs, int lane) {
+  const int64_t RM = (int64_t)p.ps.num_ranks * p.M;
+  const int src = __ldg(p.recv_src + (int64_t)l * RM + j);
+  const int k = __ldg(p.recv_slot + (int64_t)l * RM + j);
+  if (src < 0 || src >= RM || k < 0 || k >= p.K) return;
+  const int s = src / p.M, t = src - s * p.M;
+  uint8_t* dst = p.buf[s] + (((int64_t)par * p.M + t) * p.K + k) * crs;
+  const uint8_t* y = static_cast<const uint8_t*>(p.y) + ((int64_t)l * RM + j) * 2LL * p.H;
+  copy_row<V, false>(y, dst, 2LL * p.H, lane);
+}
+
+// Receive item (token t, column chunk c): out[t] = sum_k w[t][k] * row(t, first slot of e_k),
+// accumulated in float32 in k order.
+template <typename V>
+__device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t, int c, int par,
+                                                  int64_t crs, int lane) {
+  constexpr int EPV = sizeof(V) / 2;
+  const int nvec = p.H / EPV;
+  bool reg_valid = false;
+  int reg_kf = lane;
+  float reg_w = 0.f;
+  if (p.K <= 32) {
+    const int v = lane < p.K ? __ldg(p.topk_idx + (int64_t)t * p.K + lane) : -1;
+    reg_valid = v >= 0 && v < p.E;
+    const unsigned same = __match_any_sync(kFull, reg_valid ? v : -1);
+    reg_kf = __ffs(same) - 1;
+    reg_w = reg_valid ? __ldg(p.topk_weights + (int64_t)t * p.K + lane) : 0.f;
+  }
+  const uint8_t* base = p.buf[p.ps.rank] + ((int64_t)par * p.M + t) * p.K * crs;
+  const int v0 = c * 32 * kCombineVpt;
+  float acc[kCombineVpt][EPV];
+#pragma unroll
+  for (int i = 0; i < kCombineVpt; ++i)
+#pragma unroll
+    for (int e = 0; e < EPV; ++e) acc[i][e] = 0.f;
+  for (int k0 = 0; k0 < p.K; k0 += kCombineKb) {  // warp-uniform
+    V buf[kCombineKb][kCombineVpt];
+    SlotInfo si[kCombineKb];
+#pragma unroll
+    for (int kk = 0; kk < kCombineKb; ++kk) {  // all loads first
+      const int k = k0 + kk;
+      si[kk] = k < p.K ? slot_info(p, t, k, reg_valid, reg_kf, reg_w) : SlotInfo{false, 0, 0.f};
+#pragma unroll
+      for (int i = 0; i < kCombineVpt; ++i) {
+        const int v = v0 + i * 32 + lane;
+        if (si[kk].valid && v < nvec)
+          buf[kk][i] = __ldcg(reinterpret_cast<const V*>(base + si[kk].kf * crs) + v);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kCombineKb; ++kk) {  // then accumulate in k order
+      if (!si[kk].valid) continue;
+#pragma unroll
+      for (int i = 0; i < kCombineVpt; ++i) {
+        float f[EPV];
+        unpack(buf[kk][i], f);
+#pragma unroll
+        for (int e = 0; e < EPV; ++e) acc[i][e] = __fadd_rn(acc[i][e], __fmul_rn(si[kk].w, f[e]));
+      }
+    }
+  }
+  V* out = reinterpret_cast<V*>(static_cast<uint8_t*>(p.out) + (int64_t)t * 2LL * p.H);
+#pragma unroll
+  for (int i = 0; i < kCombineVpt; ++i) {
+    const int v = v0 + i * 32 + lane;
+    if (v < nvec) pack(acc[i], out + v);
+  }
+}
+
+template <typename V>
+__global__ void __launch_bounds__(kThreads, 1)
+    combine_kernel(const __grid_constant__ CombineParams p) {
+  __shared__ int s_pref[kMaxLocalExperts + 1];
   const PeerSlots& ps = p.ps;
-  const int R = ps.num_ranks, r = ps.rank;
-  const unsigned long long epoch = call_epoch(ps);
+  const int R = ps.num_ranks;
+  Slot* me = ps.slot[ps.rank];
+  const int lane = threadIdx.x & 31;
+  const unsigned long long es = push::send_epoch(ps), er = push::recv_epoch(ps);
+  const int64_t crs = align16(2LL * p.H);
   trace_mark(ps, 24);
 
-  const int t = blockIdx.x / blocks_per_token;
-  const int c = blockIdx.x - t * blocks_per_token;
-  // Own operands first (no dependence on the peers): their loads overlap the wait below.
-  int v_pre = -1;
-  float w_pre = 0.f;
-  if (t < p.T && (int)threadIdx.x < p.K) {
-    v_pre = __ldg(p.topk_idx + (int64_t)t * p.K + threadIdx.x);
-    w_pre = __ldg(p.topk_weights + (int64_t)t * p.K + threadIdx.x);
-  }
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    if (blockIdx.x < kPushBlocks && lane < R) {  // lane s pushes to rank s
-      const void* mine[2] = {p.y, static_cast<const void*>(p.src_to_row)};
-      push_publish_lane(ps, lane, mine, 2, epoch);
-    }
-    if (lane < R) {  // lane s waits (local poll) for rank s's addresses
-      push_wait_ready(ps, lane, epoch, p.timeout_ns, "ll_combine: wait for peers");
-      s_y[lane] = pushed_ptr<const uint8_t>(ps, lane, 0);
-      s_s2r[lane] = pushed_ptr<const int32_t>(ps, lane, 1);
-    }
-  }
-  __syncthreads();
-  trace_mark(ps, 25);
-
-  if (t < p.T) {  // block-uniform
-    const int64_t RM = (int64_t)R * p.M;
-    const int64_t row_bytes = 2LL * p.H;
-    // Resolve each slot's source row once per block: src_to_row of rank q (peer read), all K
-    // slots in parallel (one thread each).
-    for (int k = threadIdx.x; k < p.K; k += blockDim.x) {
-      const int v = k == (int)threadIdx.x ? v_pre : __ldg(p.topk_idx + (int64_t)t * p.K + k);
-      const uint8_t* rp = nullptr;
-      float w = 0.f;
-      if (v >= 0 && v < p.E) {
-        const int q = v / p.L, l = v - q * p.L;
-        const int row = __ldcg(s_s2r[q] + ((int64_t)r * p.M + t) * p.L + l);
-        if (row >= 0 && row < RM) {
-          rp = s_y[q] + ((int64_t)l * RM + row) * row_bytes;
-          w = k == (int)threadIdx.x ? w_pre : __ldg(p.topk_weights + (int64_t)t * p.K + k);
+  if (p.mode & push::kModeSend) {
+    const int par = static_cast<int>(es & 1);
+    if ((int)threadIdx.x < R)
+      push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_combine: sources free the buffer");
+    if (p.ticket != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.ticket[0] = 0;
+    // Row prefix over the local experts: item n -> (l, j).
+    if (threadIdx.x < 32) {
+      int carry = 0;
+      for (int l0 = 0; l0 < p.L; l0 += 32) {
+        const int l = l0 + lane;
+        const int c = l < p.L ? __ldg(p.recv_count + l) : 0;
+        int incl = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(kFull, incl, o);
+          if (lane >= o) incl += y;
         }
+        if (l < p.L) s_pref[l] = carry + incl - c;
+        carry += __shfl_sync(kFull, incl, 31);
       }
-      s_row[k] = rp;
-      s_w[k] = w;
+      if (lane == 0) s_pref[p.L] = carry;
     }
     __syncthreads();
-    const int nvec = p.H / EPV;
-    const int v0 = c * chunk;
-    const int v1 = min(v0 + chunk, nvec);
-    float acc[kCombineVpt][EPV];
-#pragma unroll
-    for (int i = 0; i < kCombineVpt; ++i)
-#pragma unroll
-      for (int e = 0; e < EPV; ++e) acc[i][e] = 0.f;
-    for (int k0 = 0; k0 < p.K; k0 += kCombineKb) {
-      V buf[kCombineVpt][kCombineKb] = {};
-#pragma unroll
-      for (int kk = 0; kk < kCombineKb; ++kk) {  // all loads first: K x Vpt in flight
-        const uint8_t* rp = k0 + kk < p.K ? s_row[k0 + kk] : nullptr;
-#pragma unroll
-        for (int i = 0; i < kCombineVpt; ++i) {
-          const int v = v0 + threadIdx.x + i * kCombineThreads;
-          if (rp != nullptr && v < v1) buf[i][kk] = __ldcg(reinterpret_cast<const V*>(rp) + v);
-        }
+    const int n = s_pref[p.L];
+    for (;;) {  // warp-uniform
+      const int it = push::take_ticket(me, push::kSend, lane);
+      if (it >= n) {
+        if (n == 0 && it == 0 && lane < R) push::signal_data(ps, lane, par, es, 0u);
+        break;
       }
-#pragma unroll
-      for (int kk = 0; kk < kCombineKb; ++kk) {  // then accumulate in k order
-        const uint8_t* rp = k0 + kk < p.K ? s_row[k0 + kk] : nullptr;
-        if (rp == nullptr) continue;
-        const float w = s_w[k0 + kk];
-#pragma unroll
-        for (int i = 0; i < kCombineVpt; ++i) {
-          float f[EPV];
-          unpack(buf[i][kk], f);
-#pragma unroll
-          for (int e = 0; e < EPV; ++e) acc[i][e] = __fadd_rn(acc[i][e], __fmul_rn(w, f[e]));
-        }
+      int lo = 0, hi = p.L - 1;  // last l with s_pref[l] <= it
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_pref[mid] <= it) lo = mid; else hi = mid - 1;
       }
-    }
-    V* out = reinterpret_cast<V*>(static_cast<uint8_t*>(p.out) + (int64_t)t * row_bytes);
-#pragma unroll
-    for (int i = 0; i < kCombineVpt; ++i) {
-      const int v = v0 + threadIdx.x + i * kCombineThreads;
-      if (v < v1) pack(acc[i], out + v);
+      combine_send_item<V>(p, lo, it - s_pref[lo], par, crs, lane);
+      if (push::finish_item(me, push::kSend, n, true, lane)) {
+        if (lane < R) push::signal_data(ps, lane, par, es, 0u);
+        if (lane == 0) trace_mark_last(ps, 25);
+      }
     }
   }
-  trace_mark(ps, 26);
-  end_barrier(ps, epoch, p.timeout_ns, "ll_combine: end", []() {}, 27);
+
+  if (p.mode & push::kModeRecv) {
+    const int par = static_cast<int>(er & 1);
+    if ((int)threadIdx.x < R)
+      push::wait_data(ps, threadIdx.x, par, er, p.timeout_ns,
+                      "ll_combine: wait for the expert outputs");
+    __syncthreads();
+    trace_mark(ps, 26);
+    constexpr int EPV = sizeof(V) / 2;
+    const int nvec = p.H / EPV;
+    const int nchunk = (nvec + 32 * kCombineVpt - 1) / (32 * kCombineVpt);
+    const int n = p.T * nchunk;
+    for (;;) {  // warp-uniform
+      const int it = push::take_ticket(me, push::kRecv, lane);
+      if (it >= n) {
+        if (n == 0 && it == 0 && lane < R) push::signal_freed(ps, lane, er);
+        break;
+      }
+      combine_recv_item<V>(p, it / nchunk, it % nchunk, par, crs, lane);
+      if (push::finish_item(me, push::kRecv, n, false, lane)) {
+        if (lane < R) push::signal_freed(ps, lane, er);
+        if (lane == 0) trace_mark_last(ps, 27);
+      }
+    }
+  }
+  push::leave_kernel(ps, p.mode, es, er);
 }
 
 constexpr int kMaxDevices = 256;
-std::atomic<int> g_dispatch_ctas[kMaxDevices];  // co-resident dispatch CTAs per device (0: unknown)
+std::atomic<int> g_grid[kMaxDevices];  // blocks per LL kernel per device (0: unknown)
+
+// Widest vector (bytes) dividing every value.
+int vec_bytes(std::initializer_list<uintptr_t> vals) {
+  int vw = 16;
+  for (uintptr_t v : vals)
+    while (vw > 2 && (v & (vw - 1))) vw >>= 1;
+  return vw;
+}
 
 }  // namespace
 
-int dispatch_grid(int device, int K) {
-  (void)K;
-  int cap = (device >= 0 && device < kMaxDevices) ? g_dispatch_ctas[device].load() : 0;
+int64_t dispatch_header_bytes(int64_t K) { return align16(4 * (1 + K)); }
+int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8) {
+  return dispatch_header_bytes(K) + align16(use_fp8 ? H + 4 * (H / 128) : 2 * H);
+}
+int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8) {
+  return 2 * R * M * dispatch_row_bytes(K, H, use_fp8);
+}
+int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H) {
+  return 2 * M * K * align16(2 * H);
+}
+
+int grid_size(int device) {
+  int cap = (device >= 0 && device < kMaxDevices) ? g_grid[device].load() : 0;
   if (cap == 0) {
-    int sms = 0, occ = 0, occ_fast = 0;
+    int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
       return 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dispatch_kernel, kDispatchThreads,
-                                                      kMaxLocalExperts * sizeof(int)) !=
-        cudaSuccess)
-      return 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &occ_fast, dispatch_fast_kernel<uint4>, kFastDispatchThreads, 0) != cudaSuccess)
-      return 0;
-    if (occ < 1 || occ_fast < 1) return 0;
-    // One CTA per SM on half the SMs. Co-residency is not required (quantisation is ticketed),
-    // but a grid holding every SM while it spins on its peers would starve other kernels that
-    // XLA runs beside it (a NCCL collective on another stream) and that the peers may wait on.
+    // Half the SMs: a grid holding every SM while it spins on its peers would starve other
+    // kernels that XLA runs beside it (a NCCL collective on another stream) and that the peers
+    // may wait on. Work is taken by tickets, so fewer resident blocks only cost time.
     cap = sms / 2 > 0 ? sms / 2 : 1;
-    if (device >= 0 && device < kMaxDevices) g_dispatch_ctas[device].store(cap);
+    if (device >= 0 && device < kMaxDevices) g_grid[device].store(cap);
   }
   return cap;
 }
 
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream) {
-  if (p.K > kFastMaxK) {  // generic kernel: one warp per item, grid barriers
-    dispatch_kernel<<<grid, kDispatchThreads, p.L * sizeof(int), stream>>>(p);
-    return cudaGetLastError();
-  }
-  const int64_t row_bytes = p.use_fp8 ? (int64_t)p.H : 2LL * p.H;
-  int vw = 16;  // widest vector dividing the row size and the output base
-  while (vw > 2 && ((row_bytes | (int64_t)reinterpret_cast<uintptr_t>(p.recv_x)) & (vw - 1)))
-    vw >>= 1;
+  // V: the BF16 payload copies (x rows, recv_x rows); FP8 rows always move as 16-byte vectors.
+  const int vw = p.use_fp8 ? 16
+                           : vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.x),
+                                        reinterpret_cast<uintptr_t>(p.recv_x)});
   switch (vw) {
-    case 16: dispatch_fast_kernel<uint4><<<grid, kFastDispatchThreads, 0, stream>>>(p); break;
-    case 8: dispatch_fast_kernel<uint2><<<grid, kFastDispatchThreads, 0, stream>>>(p); break;
-    case 4: dispatch_fast_kernel<unsigned int><<<grid, kFastDispatchThreads, 0, stream>>>(p); break;
-    default: dispatch_fast_kernel<unsigned short><<<grid, kFastDispatchThreads, 0, stream>>>(p);
+    case 16: dispatch_kernel<uint4><<<grid, kThreads, 0, stream>>>(p); break;
+    case 8: dispatch_kernel<uint2><<<grid, kThreads, 0, stream>>>(p); break;
+    case 4: dispatch_kernel<unsigned int><<<grid, kThreads, 0, stream>>>(p); break;
+    default: dispatch_kernel<unsigned short><<<grid, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
 
-cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
-  const int epv = (p.H % 8 == 0) ? 8 : (p.H % 4 == 0) ? 4 : (p.H % 2 == 0) ? 2 : 1;
-  const int nvec = p.H / epv;
-  const int cap = kCombineThreads * kCombineVpt;
-  const int bpt = nvec > cap ? (nvec + cap - 1) / cap : 1;
-  const int chunk = (nvec + bpt - 1) / bpt;
-  const int64_t blocks = (int64_t)p.T * bpt;
-  const int grid = blocks > 0 ? static_cast<int>(blocks) : 1;  // every rank joins the protocol
-  const size_t smem = (size_t)p.K * (sizeof(void*) + sizeof(float));
-  switch (epv) {
-    case 8: combine_kernel<8><<<grid, kCombineThreads, smem, stream>>>(p, bpt, chunk); break;
-    case 4: combine_kernel<4><<<grid, kCombineThreads, smem, stream>>>(p, bpt, chunk); break;
-    case 2: combine_kernel<2><<<grid, kCombineThreads, smem, stream>>>(p, bpt, chunk); break;
-    default: combine_kernel<1><<<grid, kCombineThreads, smem, stream>>>(p, bpt, chunk);
+cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream) {
+  const int vw = vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.y),
+                            reinterpret_cast<uintptr_t>(p.out)});
+  switch (vw) {
+    case 16: combine_kernel<uint4><<<grid, kThreads, 0, stream>>>(p); break;
+    case 8: combine_kernel<uint2><<<grid, kThreads, 0, stream>>>(p); break;
+    case 4: combine_kernel<unsigned int><<<grid, kThreads, 0, stream>>>(p); break;
+    default: combine_kernel<unsigned short><<<grid, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -1,54 +1,69 @@
-// Low-latency (decode) dispatch / combine over peer memory: one kernel per op, pull design.
-// Kernels in low_latency.cu; handlers in ffi/low_latency.cc; contract in docs/ffi.md; how they
-// work in docs/kernels.md ("Low-latency kernels").
+// Low-latency (decode) dispatch / combine: push protocol (transport/push.cuh), one kernel per op,
+// or two (send, receive) for the split API. Kernels in low_latency.cu; handlers in
+// ffi/low_latency.cc; contract in docs/ffi.md; how they work in docs/kernels.md.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "transport/peer.cuh"
+#include "transport/push.cuh"
 
 namespace jax_ep {
 namespace ll {
 
-constexpr int kDispatchThreads = 256;      // generic dispatch kernel (K > 32): 8 warps
-constexpr int kFastDispatchThreads = 512;  // fast dispatch kernel (K <= 32): 16 warps
-constexpr int kFastMaxK = 32;              // the fast kernel keeps one top-k slot per lane
-constexpr int kCombineThreads = 256;  // combine: 2 x 16-byte columns per thread, 512 per block
-constexpr int kPushBlocks = 4;  // blocks that push this rank's addresses to the peers
+constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on half the SMs
+
+// Receive-buffer layout. Dispatch: [parity][src rank s][row i < M] rows of dispatch_row_bytes:
+// a header (int token, int topk_ids[K], padded to 16 bytes) then the payload (FP8: H e4m3 bytes,
+// then G float32 scales; BF16: 2H bytes), padded to 16 bytes. Combine: [parity][token t][slot k]
+// rows of 2H bytes (bf16 expert output of the expert named first by slot k).
+int64_t dispatch_header_bytes(int64_t K);
+int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8);
+int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8);
+int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H);
 
 struct DispatchParams {
   PeerSlots ps;
-  const void* x;          // [T, H] bf16
-  const int32_t* topk_idx;  // [T, K]
-  void* recv_x;           // [L, R*M, H] bf16, or e4m3 with use_fp8
-  float* recv_scales;     // [L, R*M, G]
-  int32_t* recv_count;    // [L]
-  int32_t* recv_src;      // [L, R*M]
-  int32_t* src_to_row;    // [R, M, L]
-  int32_t* stats;         // [2]
-  uint8_t* staging;       // [M, S] bytes; under use_fp8 laid out as [M*H e4m3 | M*G f32]
+  uint8_t* buf[kMaxRanks];    // this slot's receive buffer on every rank (UVA)
+  int mode;                   // push::Mode
+  // send side (mode & kModeSend)
+  const void* x;              // [T, H] bf16
+  const int32_t* topk_idx;    // [T, K]
+  int32_t* stats;             // [2]: num_invalid, 0
+  // receive side (mode & kModeRecv)
+  void* recv_x;               // [L, R*M, H] bf16, or e4m3 with use_fp8
+  float* recv_scales;         // [L, R*M, G]
+  int32_t* recv_count;        // [L]
+  int32_t* recv_src;          // [L, R*M]: s * M + t, -1 past the count
+  int32_t* recv_slot;         // [L, R*M]: first top-k slot of (s, t) naming the expert, -1 past
   int T, H, K, E, L, M, G;
   int use_fp8, round_scale;
+  int64_t hdr_bytes, row_bytes;
   int64_t timeout_ns;
 };
 
 struct CombineParams {
   PeerSlots ps;
-  const void* y;            // [L, R*M, H] bf16
-  const int32_t* topk_idx;  // [T, K]
+  uint8_t* buf[kMaxRanks];
+  int mode;
+  // send side (expert rank)
+  const void* y;              // [L, R*M, H] bf16
+  const int32_t* recv_src;    // [L, R*M]
+  const int32_t* recv_slot;   // [L, R*M]
+  const int32_t* recv_count;  // [L]
+  int32_t* ticket;            // [1] or null: the send op's result (0), a data dependency only
+  // receive side (source rank)
+  const int32_t* topk_idx;    // [T, K]
   const float* topk_weights;  // [T, K]
-  const int32_t* src_to_row;  // [R, M, L]
-  void* out;                // [T, H] bf16
+  void* out;                  // [T, H] bf16
   int T, H, K, E, L, M;
   int64_t timeout_ns;
 };
 
-// Grid of the dispatch kernel: one CTA per SM, every SM (LL is latency-bound; the grid stays
-// co-resident, which the kernels' in-grid waits need). `num_blocks` is not used. 0 on a CUDA error.
-int dispatch_grid(int device, int K);
+// Blocks of the LL kernels on `device` (half its SMs: see low_latency.cu); 0 on a CUDA error.
+int grid_size(int device);
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream);
-cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
+cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream);
 
 }  // namespace ll
 }  // namespace jax_ep

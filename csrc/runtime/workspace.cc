@@ -12,6 +12,12 @@ namespace jax_ep {
 namespace {
 std::mutex g_mu;
 std::map<std::vector<int>, std::map<int, Workspace*>> g_groups;
+struct SlotBuffer {
+  std::vector<unsigned long long> ptrs;  // per device of the group, group order
+  size_t bytes = 0;
+};
+std::map<std::pair<std::vector<int>, int>, SlotBuffer> g_slot_buffers;
+std::map<int, size_t> g_buffer_bytes;  // per device, including superseded buffers
 
 void check(cudaError_t e, const char* what, int dev) {
   if (e != cudaSuccess) {
@@ -113,5 +119,44 @@ std::vector<unsigned long long> read_traces(const std::vector<int>& group, int d
   return out;
 }
 
+std::vector<unsigned long long> reserve_slot_buffer(const std::vector<int>& group, int slot,
+                                                    size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  SlotBuffer& sb = g_slot_buffers[{group, slot}];
+  if (sb.bytes >= bytes && sb.ptrs.size() == group.size()) return sb.ptrs;
+  // Superseded buffers are kept: a compiled executable (or CUDA graph) may still name them.
+  int prev = 0;
+  cudaGetDevice(&prev);
+  std::vector<unsigned long long> ptrs;
+  for (int d : group) {
+    void* p = nullptr;
+    cudaError_t e = cudaSetDevice(d);
+    if (e == cudaSuccess) e = cudaMalloc(&p, bytes);
+    if (e == cudaSuccess) e = cudaMemset(p, 0, bytes);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      cudaSetDevice(prev);
+      std::ostringstream os;
+      os << "jax_ep: allocating the low-latency receive buffer of " << bytes << " bytes (slot "
+         << slot << ") on device " << d << " failed: " << cudaGetErrorString(e)
+         << ". It is sized from max_tokens_per_rank, the hidden size and top-k; leave that "
+            "much GPU memory outside JAX's pool (XLA_PYTHON_CLIENT_MEM_FRACTION).";
+      throw std::runtime_error(os.str());
+    }
+    ptrs.push_back(reinterpret_cast<unsigned long long>(p));
+    g_buffer_bytes[d] += bytes;
+  }
+  cudaSetDevice(prev);
+  sb.ptrs = ptrs;
+  sb.bytes = bytes;
+  return ptrs;
+}
+
+size_t slot_buffer_bytes(int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_buffer_bytes.find(device);
+  return it == g_buffer_bytes.end() ? 0 : it->second;
+}
 
 }  // namespace jax_ep

@@ -1,7 +1,8 @@
 // Per-device workspace: a small block of device memory that every peer in the process can
 // read and write (peer access). It holds, per call-site slot, the addresses each op publishes
-// for its peers and the epoch flags that order the ranks. Data never goes through it: peers
-// read each other's XLA buffers directly (pull design), so its size does not depend on shapes.
+// for its peers and the epoch flags that order the ranks. High-throughput data never goes
+// through it (peers read each other's XLA buffers: pull design). The low-latency ops push their
+// data into per-slot receive buffers (reserve_slot_buffer), sized from the static shapes.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -10,10 +11,10 @@
 namespace jax_ep {
 
 constexpr int kMaxRanks = 8;       // EP group size limit for the one-process (peer) transport
-constexpr int kNumSlots = 64;      // call-site slots; each op names one (attribute "slot")
+constexpr int kNumSlots = 128;     // call-site slots; each op names one (attribute "slot")
+constexpr int kFirstPushSlot = 64; // slots [0, 64): pull ops (HT); [64, 128): push ops (LL)
 constexpr int kMaxPtrs = 8;        // addresses one op can publish
 constexpr int kMaxLocalExperts = 1024;
-constexpr int kMaxChunks = 128;    // per-source chunk flags of the push protocol (LL dispatch)
 constexpr int kTraceSlots = 32;    // phase timestamps per slot (peer.cuh trace_mark, diagnostic)
 
 // One slot. Flags are monotonically increasing epochs: never reset, so no cleaning kernel.
@@ -25,15 +26,19 @@ struct alignas(128) Slot {
   unsigned int block_counter;          // last-block-done counter (owner only), returns to 0
   unsigned int grid_counter;           // in-kernel grid barrier counter (owner only)
   int counters[kMaxLocalExperts];      // per-op scratch counters, left at 0 by every op
-  // Push variant of the protocol (peer.cuh "push_*"; used by the LL kernels): peers WRITE into
-  // our slot, we poll our own memory (one NVLink one-way trip instead of remote polling).
-  unsigned long long in_ptrs[kMaxRanks][kMaxPtrs];       // in_ptrs[s]: addresses rank s published
-  unsigned long long in_ready[kMaxRanks];                // epoch e: in_ptrs[s] of call e valid
-  unsigned long long chunk_ready[kMaxRanks][kMaxChunks];  // epoch e: rank s's chunk c is ready
-  // Work tickets of the op's own-side tasks (LL FP8 quantisation chunks): whichever blocks are
-  // resident take them all before any block waits on a peer, so no wait ever depends on a block
-  // that XLA could not schedule (another kernel holding SMs). Back to 0 at the op's end.
-  unsigned int work_ticket;
+  // Push protocol (transport/push.cuh; the LL kernels). Peers WRITE these flags into our slot
+  // and we poll our own memory. Data lands in the slot's receive buffer, double-buffered by the
+  // parity of the epoch, so back-to-back calls need no barrier.
+  unsigned long long data_flag[2][kMaxRanks];  // [parity][s]: (epoch << 32) | rows, from sender s
+  unsigned long long freed[kMaxRanks];         // [q]: last epoch whose data receiver q has read
+  unsigned long long send_epoch;               // owner: epoch of the last send phase
+  unsigned int send_count[kMaxRanks];          // owner: rows written to rank q in this call
+  // Work tickets and finished-item counts per phase (send, prefill, receive). Whichever warps are
+  // resident take every ticket before any of them waits on a peer, so no wait ever depends on a
+  // block that XLA could not schedule (another kernel holding SMs). Reset by the last block out.
+  unsigned int ticket[4];
+  unsigned int items_done[4];
+  unsigned int exit_counter;
   // Diagnostic phase tracer (peer.cuh trace_mark, index table there): %globaltimer ns of each
   // phase boundary of the last call on this slot, written by block 0 / the end barrier's last
   // block. Never reset: a mark not reached by the last call keeps an older value.
@@ -58,5 +63,14 @@ int runtime_num_groups();
 // workspace on `device`, slot-major. Throws std::runtime_error when the group is unknown or a
 // CUDA call fails. Synchronous copies: call it after the ops have finished.
 std::vector<unsigned long long> read_traces(const std::vector<int>& group, int device);
+
+// Receive buffer of one push slot on every device of the group (in group order), at least
+// `bytes` each: allocated on first use, reallocated larger when a call site needs more (old
+// buffers stay allocated until exit, so executables compiled earlier keep valid addresses).
+// Returns the device addresses (UVA). Throws std::runtime_error naming the size on failure.
+std::vector<unsigned long long> reserve_slot_buffer(const std::vector<int>& group, int slot,
+                                                    size_t bytes);
+// Total bytes of receive buffers allocated on one device (all groups and slots).
+size_t slot_buffer_bytes(int device);
 
 }  // namespace jax_ep

@@ -57,11 +57,10 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 //      6 copy loop done, 7 all arrived, 8 peers done
 //   HT combine: 10 start, 11 after wait for peers, 12 loop done (block 0), 13 all arrived,
 //      14 peers done
-//   LL dispatch: 16 start, 17 own FP8 quantisation done (block 0; generic kernel: after its
-//      quantise grid barrier), 18 after wait for peers' addresses, 19 receive loop done
-//      (block 0), 20 all arrived (last block), 21 peers done
-//   LL combine: 24 start, 25 after wait for peers, 26 loop done (block 0), 27 all arrived,
-//      28 peers done
+//   LL dispatch (push protocol, transport/push.cuh): 16 start (block 0), 17 send phase done
+//      (flags out: the last warp of the send phase), 18 every peer's flag seen (block 0),
+//      19 receive phase done (the last warp of the receive phase)
+//   LL combine: 24 start, 25 send phase done, 26 peers' flags seen, 27 receive phase done
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void trace_mark_last(const PeerSlots& ps, int i) {
   ps.slot[ps.rank]->trace[i] = global_timer_ns();
@@ -143,58 +142,6 @@ __device__ __forceinline__ void grid_barrier(const PeerSlots& ps, unsigned int g
 // one thread of the last block, e.g. inside the end barrier's last block or a later kernel).
 __device__ __forceinline__ void grid_barrier_reset(const PeerSlots& ps) {
   ps.slot[ps.rank]->grid_counter = 0;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Push variant of steps 1, 2 and 4 (additive; used by the low-latency kernels). Same epochs, same
-// guarantees, but every flag is WRITTEN into the reader's own slot, so every wait polls local
-// memory: a flag costs one NVLink one-way trip instead of remote polling (a round trip per poll),
-// and the R peers are handled by R lanes of one warp (one fence for all, not R serial release
-// stores). Why it is safe to write into a peer's slot: rank s rewrites in_ptrs[s] / in_ready[s] /
-// chunk_ready[s][*] in the peer's slot only in call e+1, which starts after s saw done[peer] = e,
-// i.e. after every block of that peer passed its last read of call e.
-
-// Step 1, called by lane s (< num_ranks) of one warp, lanes in parallel: publish our n
-// addresses into rank s's slot (in_ptrs[rank]) and set its in_ready[rank] = e (release).
-// Idempotent: several blocks may push the same values.
-__device__ __forceinline__ void push_publish_lane(const PeerSlots& ps, int s,
-                                                  const void* const* ptrs, int n,
-                                                  unsigned long long e) {
-  Slot* dst = ps.slot[s];
-  for (int i = 0; i < n; ++i)
-    dst->in_ptrs[ps.rank][i] = reinterpret_cast<unsigned long long>(ptrs[i]);
-  st_release_sys(&dst->in_ready[ps.rank], e);  // release: orders the pointer stores before it
-}
-
-// Step 2 for source s (one thread): wait until rank s pushed call e's addresses into our slot.
-__device__ __forceinline__ void push_wait_ready(const PeerSlots& ps, int s, unsigned long long e,
-                                                int64_t timeout_ns, const char* phase) {
-  wait_flag_geq(&ps.slot[ps.rank]->in_ready[s], e, timeout_ns, ps.rank, s, phase);
-}
-
-// Address number i that rank s pushed for this call (valid after push_wait_ready(s)).
-template <typename T>
-__device__ __forceinline__ T* pushed_ptr(const PeerSlots& ps, int s, int i) {
-  return reinterpret_cast<T*>(ld_volatile_u64(&ps.slot[ps.rank]->in_ptrs[s][i]));
-}
-
-// Per-chunk readiness (data written by this block during this call): the whole block calls it
-// after writing chunk c; lanes 0..R-1 of warp 0 set chunk_ready[rank][c] = e in every peer's slot
-// (and ours). Block-uniform call (uses __syncthreads).
-__device__ __forceinline__ void push_chunk_ready(const PeerSlots& ps, int c,
-                                                 unsigned long long e) {
-  __syncthreads();
-  if (threadIdx.x < 32 && (int)threadIdx.x < ps.num_ranks) {
-    __threadfence_system();  // the block's writes (ordered by the barrier) before the flag
-    st_release_sys(&ps.slot[threadIdx.x]->chunk_ready[ps.rank][c], e);
-  }
-}
-
-// Wait (one thread) until rank s marked its chunk c of call e ready.
-__device__ __forceinline__ void push_wait_chunk(const PeerSlots& ps, int s, int c,
-                                                unsigned long long e, int64_t timeout_ns,
-                                                const char* phase) {
-  wait_flag_geq(&ps.slot[ps.rank]->chunk_ready[s][c], e, timeout_ns, ps.rank, s, phase);
 }
 
 // Step 4, whole block calls it at the very end of the op's last kernel. The last block to

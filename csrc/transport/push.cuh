@@ -1,0 +1,140 @@
+// Push protocol of the low-latency ops (DeepEP low-latency style, over peer memory).
+//
+// Each push slot owns a receive buffer on every rank (reserve_slot_buffer), split in two halves
+// by the parity p = e & 1 of the call's epoch e. A call has a send phase and a receive phase,
+// run by one kernel (fused op) or by two (the send / receive split):
+//   send    wait until every receiver q has freed our half p from call e - 2 (freed[q] >= e - 2,
+//           written by q into OUR slot: normally long true), write rows into q's buffer, then
+//           data_flag[p][r] = (e << 32) | rows in q's slot (release, after a system fence).
+//   receive wait until data_flag[p][s] >> 32 >= e for every sender s (local polls), read the rows
+//           from our own buffer into the XLA outputs, then freed[r] = e in every sender's slot.
+// No barrier at the start or the end: a rank never waits for a peer to finish reading, and
+// nobody reads XLA buffers of another rank, so XLA may reuse them as soon as the kernel ends.
+//
+// Work is split into items taken from per-phase ticket counters by whole warps, so the warps
+// that are resident take every item before any of them waits on a peer: no wait ever depends on
+// a block that cannot be scheduled (XLA may run another kernel, e.g. NCCL, beside ours). The warp
+// that finishes the last item of a phase runs the phase's closing step (flags out, counts).
+// The last block to leave the kernel resets the tickets and counters and advances the epochs.
+// Every wait traps after timeout_ns with the rank, the peer and the phase.
+#pragma once
+#include <cstdint>
+
+#include "transport/peer.cuh"
+
+namespace jax_ep {
+namespace push {
+
+enum Phase { kSend = 0, kPrefill = 1, kRecv = 2 };
+enum Mode { kModeSend = 1, kModeRecv = 2, kModeBoth = 3 };
+
+// Epoch of this call's send / receive phase (owner counters, advanced by leave_kernel).
+__device__ __forceinline__ unsigned long long send_epoch(const PeerSlots& ps) {
+  return ld_volatile_u64(&ps.slot[ps.rank]->send_epoch) + 1;
+}
+__device__ __forceinline__ unsigned long long recv_epoch(const PeerSlots& ps) {
+  return ld_volatile_u64(&ps.slot[ps.rank]->epoch) + 1;
+}
+
+// Whole warp: the next item of `phase` (same value in every lane).
+__device__ __forceinline__ int take_ticket(Slot* me, int phase, int lane) {
+  unsigned int t = 0;
+  if (lane == 0) t = atomicAdd(&me->ticket[phase], 1u);
+  return static_cast<int>(__shfl_sync(0xffffffffu, t, 0));
+}
+
+// Whole warp, after its item's stores: true in every lane for the warp that finished the last of
+// n items. system: the item wrote peer memory (fence at system scope, before the count).
+__device__ __forceinline__ bool finish_item(Slot* me, int phase, int n, bool system, int lane) {
+  __syncwarp();
+  unsigned int d = 0;
+  if (lane == 0) {
+    if (system) __threadfence_system(); else __threadfence();
+    d = atomicAdd(&me->items_done[phase], 1u);
+    if (static_cast<int>(d) == n - 1) __threadfence();  // acquire: the other items' writes
+  }
+  d = __shfl_sync(0xffffffffu, d, 0);
+  return static_cast<int>(d) == n - 1;
+}
+
+// One thread: spin until items_done[phase] >= n (a phase that resident warps finish by tickets).
+__device__ __forceinline__ void wait_items(Slot* me, int phase, int n, int64_t timeout_ns,
+                                           int rank, const char* what) {
+  volatile unsigned int* c = &me->items_done[phase];
+  if (static_cast<int>(*c) >= n) return;
+  const uint64_t start = global_timer_ns();
+  while (static_cast<int>(*c) < n) {
+    if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
+      printf("jax_ep: rank %d timed out in '%s' (%d of %d items done)\n", rank, what, (int)*c, n);
+      __trap();
+    }
+  }
+  __threadfence();
+}
+
+// One thread per sender s: wait for s's data flag of epoch e (our own slot); returns its rows.
+__device__ __forceinline__ unsigned int wait_data(const PeerSlots& ps, int s, int p,
+                                                  unsigned long long e, int64_t timeout_ns,
+                                                  const char* phase) {
+  const unsigned long long* f = &ps.slot[ps.rank]->data_flag[p][s];
+  unsigned long long v = ld_acquire_sys(f);
+  if ((v >> 32) < e) {
+    const uint64_t start = global_timer_ns();
+    while (((v = ld_acquire_sys(f)) >> 32) < e) {
+      if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
+        printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
+               "rank %d (epoch %llu, seen %llu). A peer did not arrive: check that every rank "
+               "runs the same program (JAX_EP_TIMEOUT_S sets the limit).\n",
+               ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32);
+        __trap();
+      }
+    }
+  }
+  return static_cast<unsigned int>(v & 0xffffffffu);
+}
+
+// One thread per receiver q: wait until q freed our half of call e - 2.
+__device__ __forceinline__ void wait_freed(const PeerSlots& ps, int q, unsigned long long e,
+                                           int64_t timeout_ns, const char* phase) {
+  if (e <= 2) return;
+  wait_flag_geq(&ps.slot[ps.rank]->freed[q], e - 2, timeout_ns, ps.rank, q, phase);
+}
+
+// Lane q (< R) of the closing warp of a send phase: rows are in q's buffer; tell q.
+__device__ __forceinline__ void signal_data(const PeerSlots& ps, int q, int p,
+                                            unsigned long long e, unsigned int rows) {
+  __threadfence_system();
+  st_release_sys(&ps.slot[q]->data_flag[p][ps.rank], (e << 32) | rows);
+}
+
+// Lane s (< R) of the closing warp of a receive phase: we are done reading s's rows of call e.
+__device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigned long long e) {
+  __threadfence_system();
+  st_release_sys(&ps.slot[s]->freed[ps.rank], e);
+}
+
+// Whole block, at the very end of the kernel: the last block out resets the tickets and item
+// counts and advances the epochs of the phases this kernel ran.
+__device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode, unsigned long long es,
+                                             unsigned long long er) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Slot* me = ps.slot[ps.rank];
+    __threadfence();
+    const unsigned int prev = atomicAdd(&me->exit_counter, 1u);
+    if (prev == gridDim.x * gridDim.y * gridDim.z - 1) {
+      __threadfence();
+      for (int i = 0; i < 4; ++i) {
+        me->ticket[i] = 0;
+        me->items_done[i] = 0;
+      }
+      me->exit_counter = 0;
+      if (mode & kModeSend) me->send_epoch = es;
+      if (mode & kModeRecv) me->epoch = er;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace push
+}  // namespace jax_ep
