@@ -82,10 +82,13 @@ __device__ __forceinline__ unsigned int wait_data(const PeerSlots& ps, int s, in
     const uint64_t start = global_timer_ns();
     while (((v = ld_acquire_sys(f)) >> 32) < e) {
       if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
+        const Slot* me = ps.slot[ps.rank];
         printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
-               "rank %d (epoch %llu, seen %llu). A peer did not arrive: check that every rank "
-               "runs the same program (JAX_EP_TIMEOUT_S sets the limit).\n",
-               ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32);
+               "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu, receive epoch "
+               "%llu). A peer did not arrive: check that every rank runs the same program "
+               "(JAX_EP_TIMEOUT_S sets the limit).\n",
+               ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
+               ld_volatile_u64(&me->send_epoch), ld_volatile_u64(&me->epoch));
         __trap();
       }
     }
