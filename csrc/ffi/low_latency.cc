@@ -78,7 +78,7 @@ ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::Gro
 
 ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t device,
                          const LlAttrs& a, const ffi::AnyBuffer* x, const ffi::AnyBuffer* idx,
-                         int32_t* stats, ffi::Result<ffi::AnyBuffer>* recv_x,
+                         int32_t* stats, const int32_t* ticket, ffi::Result<ffi::AnyBuffer>* recv_x,
                          ffi::Result<ffi::AnyBuffer>* recv_scales,
                          ffi::Result<ffi::AnyBuffer>* recv_count,
                          ffi::Result<ffi::AnyBuffer>* recv_src,
@@ -134,6 +134,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
     p.topk_idx = static_cast<const int32_t*>(idx->untyped_data());
     p.stats = stats;
   }
+  if (mode == push::kModeRecv) p.ticket = ticket;
   if (mode & push::kModeRecv) {
     p.recv_x = (*recv_x)->untyped_data();
     p.recv_scales = static_cast<float*>((*recv_scales)->untyped_data());
@@ -166,7 +167,7 @@ ffi::Error LlDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                           ffi::Result<ffi::Buffer<ffi::S32>> stats, LlAttrs a) {
   if (stats->element_count() != 2) return ffi::Error::InvalidArgument("stats must be [2]");
   return LlDispatchAny("jax_ep_ll_dispatch", push::kModeBoth, stream, device, a, &x, &idx,
-                       stats->typed_data(), &recv_x, &recv_scales, &recv_count, &recv_src,
+                       stats->typed_data(), nullptr, &recv_x, &recv_scales, &recv_count, &recv_src,
                        &recv_slot);
 }
 
@@ -175,7 +176,7 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               LlAttrs a) {
   if (stats->element_count() != 2) return ffi::Error::InvalidArgument("stats must be [2]");
   return LlDispatchAny("jax_ep_ll_dispatch_send", push::kModeSend, stream, device, a, &x, &idx,
-                       stats->typed_data(), nullptr, nullptr, nullptr, nullptr, nullptr);
+                       stats->typed_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
 ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
@@ -184,9 +185,12 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Result<ffi::AnyBuffer> recv_count,
                               ffi::Result<ffi::AnyBuffer> recv_src,
                               ffi::Result<ffi::AnyBuffer> recv_slot, LlAttrs a) {
-  (void)ticket;  // the send's result: only orders this op after the send
+  if (ticket.element_count() != 2 || ticket.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("jax_ep_ll_dispatch_recv: ticket must be int32 [2]");
+  // The send's stats: orders this op after the send, and carries the send's epoch.
   return LlDispatchAny("jax_ep_ll_dispatch_recv", push::kModeRecv, stream, device, a, nullptr,
-                       nullptr, nullptr, &recv_x, &recv_scales, &recv_count, &recv_src,
+                       nullptr, nullptr, static_cast<const int32_t*>(ticket.untyped_data()),
+                       &recv_x, &recv_scales, &recv_count, &recv_src,
                        &recv_slot);
 }
 
@@ -197,8 +201,8 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t device,
                         const LlAttrs& a, const ffi::AnyBuffer* y, const ffi::AnyBuffer* src,
                         const ffi::AnyBuffer* slot, const ffi::AnyBuffer* count,
-                        int32_t* ticket, const ffi::AnyBuffer* idx, const ffi::AnyBuffer* w,
-                        ffi::Result<ffi::AnyBuffer>* out) {
+                        int32_t* ticket, const int32_t* ticket_in, const ffi::AnyBuffer* idx,
+                        const ffi::AnyBuffer* w, ffi::Result<ffi::AnyBuffer>* out) {
   auto bad = [op](const std::string& m) {
     return ffi::Error::InvalidArgument(std::string(op) + ": " + m);
   };
@@ -243,6 +247,7 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
     p.recv_count = static_cast<const int32_t*>(count->untyped_data());
     p.ticket = ticket;
   }
+  if (mode == push::kModeRecv) p.ticket_in = ticket_in;
   if (mode & push::kModeRecv) {
     p.topk_idx = static_cast<const int32_t*>(idx->untyped_data());
     p.topk_weights = static_cast<const float*>(w->untyped_data());
@@ -264,22 +269,25 @@ ffi::Error LlCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                          ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                          LlAttrs a) {
   return LlCombineAny("jax_ep_ll_combine", push::kModeBoth, stream, device, a, &y, &src, &slot,
-                      &count, nullptr, &idx, &w, &out);
+                      &count, nullptr, nullptr, &idx, &w, &out);
 }
 
 ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                              ffi::AnyBuffer src, ffi::AnyBuffer slot, ffi::AnyBuffer count,
                              ffi::Result<ffi::Buffer<ffi::S32>> ticket, LlAttrs a) {
   return LlCombineAny("jax_ep_ll_combine_send", push::kModeSend, stream, device, a, &y, &src,
-                      &slot, &count, ticket->typed_data(), nullptr, nullptr, nullptr);
+                      &slot, &count, ticket->typed_data(), nullptr, nullptr, nullptr, nullptr);
 }
 
 ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
                              ffi::AnyBuffer idx, ffi::AnyBuffer w,
                              ffi::Result<ffi::AnyBuffer> out, LlAttrs a) {
-  (void)ticket;
+  if (ticket.element_count() != 1 || ticket.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("jax_ep_ll_combine_recv: ticket must be int32 [1]");
+  // The send's ticket: orders this op after the send, and carries the send's epoch.
   return LlCombineAny("jax_ep_ll_combine_recv", push::kModeRecv, stream, device, a, nullptr,
-                      nullptr, nullptr, nullptr, nullptr, &idx, &w, &out);
+                      nullptr, nullptr, nullptr, nullptr,
+                      static_cast<const int32_t*>(ticket.untyped_data()), &idx, &w, &out);
 }
 
 }  // namespace

@@ -16,8 +16,10 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarps = kThreads / 32;
-constexpr int kQuantUnits = 4;       // 128-column groups in flight per half-warp (quantisation)
+constexpr int kSendParts = 2;        // warps per (token, destination) send item
+constexpr int kQuantUnits = 7;       // 128-column groups in flight per half-warp (quantisation)
 constexpr int kCopyRegs = 8;         // vectors in flight per lane while copying a row
+constexpr int kRecvRegs = 14;        // payload vectors per lane loaded with the header (receive)
 constexpr int kPrefillInts = 512;    // recv_src / recv_slot entries set to -1 per prefill item
 constexpr int kCombineVpt = 2;       // column vectors per lane per combine item
 constexpr int kCombineKb = 8;        // top-k rows loaded together in combine
@@ -134,16 +136,18 @@ __device__ __forceinline__ void copy_to_rows(const uint8_t* src, uint8_t* dst_ba
 // Dispatch
 // ---------------------------------------------------------------------------------------------
 
-// Send item it = (token t, destination q), q starting after our own rank so the ranks spread
-// their first writes. Skipped when no expert of t lives on q; else the row goes to slot
-// j = send_count[q]++ of our part of q's buffer: header (t, sanitised ids), then the payload
-// (FP8: quantised here, per 128-column group by a half-warp; BF16: copied).
+// Send item it = (token t, destination q, part): q starts after our own rank so the ranks spread
+// their first writes; kSendParts warps share a row (part 0 also writes the header). Skipped
+// when no expert of t lives on q; else row t of our part of q's buffer gets the header (epoch
+// tag, sanitised ids) and the payload (FP8: quantised here, per 128-column group by a
+// half-warp; BF16: copied).
 template <typename V>
-__device__ __forceinline__ void dispatch_send_item(const DispatchParams& p, int it, int par,
-                                                   int lane) {
+__device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it, int par,
+                                                   unsigned long long es, int lane) {
   const PeerSlots& ps = p.ps;
   const int R = ps.num_ranks, r = ps.rank;
-  const int t = it / R, q = (it % R + r + 1) % R;
+  const int part = it % kSendParts, tq = it / kSendParts;
+  const int t = tq / R, q = (tq % R + r + 1) % R;
   const int32_t* ids = p.topk_idx + (int64_t)t * p.K;
   bool any = false;
   for (int kb = 0; kb < p.K; kb += 32) {  // warp-uniform
@@ -152,56 +156,80 @@ __device__ __forceinline__ void dispatch_send_item(const DispatchParams& p, int 
     any |= __ballot_sync(kFull, v >= 0 && v < p.E && v / p.L == q) != 0;
   }
   if (!any) return;
-  unsigned int j = 0;
-  if (lane == 0) j = atomicAdd(&ps.slot[r]->send_count[q], 1u);
-  j = __shfl_sync(kFull, j, 0);
-  uint8_t* row = p.buf[q] + (((int64_t)par * R + r) * p.M + j) * p.row_bytes;
-  int* hdr = reinterpret_cast<int*>(row);
-  if (lane == 0) hdr[0] = t;
-  for (int k = lane; k < p.K; k += 32) {
-    const int v = __ldg(ids + k);
-    hdr[1 + k] = (v >= 0 && v < p.E) ? v : -1;
+  uint8_t* row = p.buf[q] + (((int64_t)par * R + r) * p.M + t) * p.row_bytes;
+  if (part == 0) {
+    int* hdr = reinterpret_cast<int*>(row);
+    if (lane == 0) hdr[0] = static_cast<int>(es);
+    for (int k = lane; k < p.K; k += 32) {
+      const int v = __ldg(ids + k);
+      hdr[1 + k] = (v >= 0 && v < p.E) ? v : -1;
+    }
   }
   uint8_t* pay = row + p.hdr_bytes;
   const uint8_t* xr = static_cast<const uint8_t*>(p.x) + (int64_t)t * p.H * 2;
   if (p.use_fp8) {
     const int half = lane >> 4, sub = lane & 15;
+    const int per = (p.G + kSendParts - 1) / kSendParts;
+    const int g_begin = part * per, g_end = min(p.G, g_begin + per);
     float* sc = reinterpret_cast<float*>(pay + p.H);
     const bool round_scale = p.round_scale != 0;
-    for (int g0 = 0; g0 < p.G; g0 += 2 * kQuantUnits) {  // warp-uniform
+    for (int g0 = g_begin; g0 < g_end; g0 += 2 * kQuantUnits) {  // warp-uniform
       uint4 raw[kQuantUnits];
 #pragma unroll
-      for (int u = 0; u < kQuantUnits; ++u) {
+      for (int u = 0; u < kQuantUnits; ++u) {  // all loads first
         const int g = g0 + 2 * u + half;
-        raw[u] = g < p.G ? __ldg(reinterpret_cast<const uint4*>(xr + (g * fp8::kGroup + sub * 8) * 2))
-                         : make_uint4(0u, 0u, 0u, 0u);
+        raw[u] = g < g_end
+                     ? __ldg(reinterpret_cast<const uint4*>(xr + (g * fp8::kGroup + sub * 8) * 2))
+                     : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
       for (int u = 0; u < kQuantUnits; ++u) {
         const int g = g0 + 2 * u + half;
-        fp8::quantise_group_slice(raw[u], round_scale, g < p.G, sub,
+        if (g0 + 2 * u >= g_end) break;  // warp-uniform: no group of this u in either half
+        fp8::quantise_group_slice(raw[u], round_scale, g < g_end, sub,
                                   reinterpret_cast<uint2*>(pay + g * fp8::kGroup + sub * 8),
                                   sc + g);
       }
     }
   } else {
-    copy_row<V, false>(xr, pay, 2LL * p.H, lane);
+    const int64_t nvec = 2LL * p.H / (int64_t)sizeof(V);
+    const int64_t per = (nvec + kSendParts - 1) / kSendParts;
+    const int64_t v0 = min(nvec, part * per), v1 = min(nvec, v0 + per);
+    copy_row<V, false>(xr + v0 * sizeof(V), pay + v0 * sizeof(V), (v1 - v0) * sizeof(V), lane);
   }
 }
 
-// Receive item: row i of sender s in our buffer. The warp de-duplicates the token's ids (first
-// slot naming each local expert leads), takes a row j per lead expert, records the source, and
-// copies the payload to every lead's row.
-template <typename V>
-__device__ __forceinline__ void dispatch_recv_item(const DispatchParams& p, int s, int i, int par,
-                                                   int lane) {
+// Receive item: row t of sender s in our buffer. The payload's first kRecvRegs vectors per lane
+// (and the scales) are loaded together with the header; a row whose tag is not this call's
+// epoch was not sent to us and is skipped. The warp de-duplicates the token's ids (first slot
+// naming each local expert leads), takes a row j per lead expert, records the source, and
+// stores the payload to every lead's row.
+template <typename VV>
+__device__ __noinline__ void recv_row(const DispatchParams& p, const uint8_t* row, int s,
+                                         int t, int64_t pay_bytes, unsigned long long er,
+                                         int lane) {
   const PeerSlots& ps = p.ps;
-  const int R = ps.num_ranks, r = ps.rank;
-  const int64_t RM = (int64_t)R * p.M;
-  const uint8_t* row = p.buf[r] + (((int64_t)par * R + s) * p.M + i) * p.row_bytes;
+  const int r = ps.rank;
+  const int64_t RM = (int64_t)ps.num_ranks * p.M;
   const int* hdr = reinterpret_cast<const int*>(row);
-  const int t = __ldcg(hdr);
   const uint8_t* pay = row + p.hdr_bytes;
+  const VV* src = reinterpret_cast<const VV*>(pay);
+  const int nvec = static_cast<int>(pay_bytes / (int64_t)sizeof(VV));
+  VV buf[kRecvRegs];
+#pragma unroll
+  for (int u = 0; u < kRecvRegs; ++u) {
+    const int v = u * 32 + lane;
+    if (v < nvec) buf[u] = __ldcg(src + v);
+  }
+  const float* sc = reinterpret_cast<const float*>(pay + p.H);
+  float sc0 = 0.f, sc1 = 0.f;
+  if (p.use_fp8) {
+    if (lane < p.G) sc0 = __ldcg(sc + lane);
+    if (lane + 32 < p.G) sc1 = __ldcg(sc + lane + 32);
+  }
+  const int tag = __ldcg(hdr);
+  if (tag != static_cast<int>(er)) return;  // not sent to us in this call
+  uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
   for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32
     const int k = kb + lane;
     const int le = k < p.K ? local_expert(__ldcg(hdr + 1 + k), p.E, p.L, r) : -1;
@@ -222,21 +250,35 @@ __device__ __forceinline__ void dispatch_recv_item(const DispatchParams& p, int 
       p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
       p.recv_slot[(int64_t)le * RM + j] = k;
     }
-    uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
-    if (p.use_fp8) {
-      copy_to_rows<uint4>(pay, recv_x, p.H, RM, mask, le, j, lane);
-      const float* sc = reinterpret_cast<const float*>(pay + p.H);
-      for (unsigned m = mask; m != 0; m &= m - 1) {
-        const int sl = __ffs(m) - 1;
-        const int l = __shfl_sync(kFull, le, sl);
-        const int jj = __shfl_sync(kFull, j, sl);
-        float* d = p.recv_scales + ((int64_t)l * RM + jj) * p.G;
-        for (int g = lane; g < p.G; g += 32) d[g] = __ldcg(sc + g);
+    for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
+      const int sl = __ffs(m) - 1;
+      const int l = __shfl_sync(kFull, le, sl);
+      const int jj = __shfl_sync(kFull, j, sl);
+      const int64_t orow = (int64_t)l * RM + jj;
+      VV* d = reinterpret_cast<VV*>(recv_x + orow * pay_bytes);
+#pragma unroll
+      for (int u = 0; u < kRecvRegs; ++u) {
+        const int v = u * 32 + lane;
+        if (v < nvec) d[v] = buf[u];
       }
-    } else {
-      copy_to_rows<V>(pay, recv_x, 2LL * p.H, RM, mask, le, j, lane);
+      for (int v = kRecvRegs * 32 + lane; v < nvec; v += 32) d[v] = __ldcg(src + v);  // long rows
+      if (p.use_fp8) {
+        float* ds = p.recv_scales + orow * p.G;
+        if (lane < p.G) ds[lane] = sc0;
+        if (lane + 32 < p.G) ds[lane + 32] = sc1;
+        for (int g = lane + 64; g < p.G; g += 32) ds[g] = __ldcg(sc + g);
+      }
     }
   }
+}
+
+template <typename V>
+__device__ __forceinline__ void dispatch_recv_item(const DispatchParams& p, int s, int t, int par,
+                                                   unsigned long long er, int lane) {
+  const PeerSlots& ps = p.ps;
+  const uint8_t* row = p.buf[ps.rank] + (((int64_t)par * ps.num_ranks + s) * p.M + t) * p.row_bytes;
+  if (p.use_fp8) recv_row<uint4>(p, row, s, t, p.H, er, lane);
+  else recv_row<V>(p, row, s, t, 2LL * p.H, er, lane);
 }
 
 // Closing step of the send phase (whole warp): flags (with row counts) to every receiver, then
@@ -244,10 +286,8 @@ __device__ __forceinline__ void dispatch_recv_item(const DispatchParams& p, int 
 __device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
                                                     unsigned long long es, int lane) {
   const PeerSlots& ps = p.ps;
-  if (lane < ps.num_ranks) {
-    const unsigned int rows = atomicExch(&ps.slot[ps.rank]->send_count[lane], 0u);
-    push::signal_data(ps, lane, static_cast<int>(es & 1), es, rows);
-  }
+  // rows = T: the receiver looks at our rows 0..T-1 (their tags say which were sent to it)
+  if (lane < ps.num_ranks) push::signal_data(ps, lane, static_cast<int>(es & 1), es, p.T);
   if (lane == 0) trace_mark_last(ps, 17);
   int c = 0;
   const int64_t n = (int64_t)p.T * p.K;
@@ -258,7 +298,7 @@ __device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
   c = __reduce_add_sync(kFull, c);
   if (lane == 0) {
     p.stats[0] = c;
-    p.stats[1] = 0;
+    p.stats[1] = static_cast<int>(es);  // the split receive takes the epoch from here
   }
 }
 
@@ -303,7 +343,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int R = ps.num_ranks;
   Slot* me = ps.slot[ps.rank];
   const int lane = threadIdx.x & 31;
-  const unsigned long long es = push::send_epoch(ps), er = push::recv_epoch(ps);
+  const unsigned long long es = push::send_epoch(ps);
+  const unsigned long long er =
+      push::recv_epoch(ps, p.mode == push::kModeRecv ? p.ticket + 1 : nullptr);
   trace_mark(ps, 16);
 
   if (p.mode & push::kModeSend) {
@@ -311,14 +353,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     if ((int)threadIdx.x < R)
       push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_dispatch: receivers free the buffer");
     __syncthreads();
-    const int n = p.T * R;
+    const int n = p.T * R * kSendParts;
     for (;;) {  // warp-uniform
       const int it = push::take_ticket(me, push::kSend, lane);
       if (it >= n) {
         if (n == 0 && it == 0) dispatch_close_send(p, es, lane);
         break;
       }
-      dispatch_send_item<V>(p, it, par, lane);
+      dispatch_send_item<V>(p, it, par, es, lane);
       if (push::finish_item(me, push::kSend, n, true, lane)) dispatch_close_send(p, es, lane);
     }
   }
@@ -356,11 +398,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       int s = 0;
       while (it >= s_pref[s + 1]) ++s;
-      dispatch_recv_item<V>(p, s, it - s_pref[s], par, lane);
+      dispatch_recv_item<V>(p, s, it - s_pref[s], par, er, lane);
       if (push::finish_item(me, push::kRecv, n, false, lane)) dispatch_close_recv(p, er, lane);
     }
   }
-  push::leave_kernel(ps, p.mode, es, er);
+  push::leave_kernel(ps, p.mode, es);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -479,7 +521,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int R = ps.num_ranks;
   Slot* me = ps.slot[ps.rank];
   const int lane = threadIdx.x & 31;
-  const unsigned long long es = push::send_epoch(ps), er = push::recv_epoch(ps);
+  const unsigned long long es = push::send_epoch(ps);
+  const unsigned long long er =
+      push::recv_epoch(ps, p.mode == push::kModeRecv ? p.ticket_in : nullptr);
   const int64_t crs = align16(2LL * p.H);
   trace_mark(ps, 24);
 
@@ -487,7 +531,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int par = static_cast<int>(es & 1);
     if ((int)threadIdx.x < R)
       push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_combine: sources free the buffer");
-    if (p.ticket != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.ticket[0] = 0;
+    if (p.ticket != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+      p.ticket[0] = static_cast<int>(es);  // the split receive takes the epoch from here
     // Row prefix over the local experts: item n -> (l, j).
     if (threadIdx.x < 32) {
       int carry = 0;
@@ -550,7 +595,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  push::leave_kernel(ps, p.mode, es, er);
+  push::leave_kernel(ps, p.mode, es);
 }
 
 constexpr int kMaxDevices = 256;

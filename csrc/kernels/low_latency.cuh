@@ -13,9 +13,10 @@ namespace ll {
 
 constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on half the SMs
 
-// Receive-buffer layout. Dispatch: [parity][src rank s][row i < M] rows of dispatch_row_bytes:
-// a header (int token, int topk_ids[K], padded to 16 bytes) then the payload (FP8: H e4m3 bytes,
-// then G float32 scales; BF16: 2H bytes), padded to 16 bytes. Combine: [parity][token t][slot k]
+// Receive-buffer layout. Dispatch: [parity][src rank s][token t < M] rows of dispatch_row_bytes:
+// a header (int epoch tag, int topk_ids[K], padded to 16 bytes) then the payload (FP8: H e4m3
+// bytes, then G float32 scales; BF16: 2H bytes), padded to 16 bytes. Row t of sender s holds
+// token t when its tag is this call's epoch (a token not sent to us keeps an older tag). Combine: [parity][token t][slot k]
 // rows of 2H bytes (bf16 expert output of the expert named first by slot k).
 int64_t dispatch_header_bytes(int64_t K);
 int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8);
@@ -29,8 +30,9 @@ struct DispatchParams {
   // send side (mode & kModeSend)
   const void* x;              // [T, H] bf16
   const int32_t* topk_idx;    // [T, K]
-  int32_t* stats;             // [2]: num_invalid, 0
+  int32_t* stats;             // [2]: num_invalid, send epoch (the split's ticket)
   // receive side (mode & kModeRecv)
+  const int32_t* ticket;      // receive-only kernel: the send's stats (epoch in [1]); else null
   void* recv_x;               // [L, R*M, H] bf16, or e4m3 with use_fp8
   float* recv_scales;         // [L, R*M, G]
   int32_t* recv_count;        // [L]
@@ -51,8 +53,9 @@ struct CombineParams {
   const int32_t* recv_src;    // [L, R*M]
   const int32_t* recv_slot;   // [L, R*M]
   const int32_t* recv_count;  // [L]
-  int32_t* ticket;            // [1] or null: the send op's result (0), a data dependency only
+  int32_t* ticket;            // [1] or null: the send op's result (its epoch), for the receive
   // receive side (source rank)
+  const int32_t* ticket_in;   // receive-only kernel: the send's ticket; else null
   const int32_t* topk_idx;    // [T, K]
   const float* topk_weights;  // [T, K]
   void* out;                  // [T, H] bf16

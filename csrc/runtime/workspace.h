@@ -32,7 +32,6 @@ struct alignas(128) Slot {
   unsigned long long data_flag[2][kMaxRanks];  // [parity][s]: (epoch << 32) | rows, from sender s
   unsigned long long freed[kMaxRanks];         // [q]: last epoch whose data receiver q has read
   unsigned long long send_epoch;               // owner: epoch of the last send phase
-  unsigned int send_count[kMaxRanks];          // owner: rows written to rank q in this call
   // Work tickets and finished-item counts per phase (send, prefill, receive). Whichever warps are
   // resident take every ticket before any of them waits on a peer, so no wait ever depends on a
   // block that XLA could not schedule (another kernel holding SMs). Reset by the last block out.

@@ -8,6 +8,9 @@
 //           data_flag[p][r] = (e << 32) | rows in q's slot (release, after a system fence).
 //   receive wait until data_flag[p][s] >> 32 >= e for every sender s (local polls), read the rows
 //           from our own buffer into the XLA outputs, then freed[r] = e in every sender's slot.
+// The send phase takes e = send_epoch + 1. A receive in the same kernel uses the same e; a
+// separate receive kernel (the split API) reads e from its send's result (the "ticket"), so the
+// pair always agrees on e even when XLA reorders or software-pipelines the calls of a loop.
 // No barrier at the start or the end: a rank never waits for a peer to finish reading, and
 // nobody reads XLA buffers of another rank, so XLA may reuse them as soon as the kernel ends.
 //
@@ -28,12 +31,16 @@ namespace push {
 enum Phase { kSend = 0, kPrefill = 1, kRecv = 2 };
 enum Mode { kModeSend = 1, kModeRecv = 2, kModeBoth = 3 };
 
-// Epoch of this call's send / receive phase (owner counters, advanced by leave_kernel).
+// Epoch of this call's send phase (owner counter, advanced by leave_kernel).
 __device__ __forceinline__ unsigned long long send_epoch(const PeerSlots& ps) {
   return ld_volatile_u64(&ps.slot[ps.rank]->send_epoch) + 1;
 }
-__device__ __forceinline__ unsigned long long recv_epoch(const PeerSlots& ps) {
-  return ld_volatile_u64(&ps.slot[ps.rank]->epoch) + 1;
+// Epoch of a receive: the send's, from the ticket a separate send kernel wrote (split), or this
+// kernel's own send epoch (fused).
+__device__ __forceinline__ unsigned long long recv_epoch(const PeerSlots& ps,
+                                                         const int32_t* ticket_epoch) {
+  if (ticket_epoch == nullptr) return send_epoch(ps);
+  return static_cast<unsigned int>(*reinterpret_cast<const volatile int32_t*>(ticket_epoch));
 }
 
 // Whole warp: the next item of `phase` (same value in every lane).
@@ -83,12 +90,15 @@ __device__ __forceinline__ unsigned int wait_data(const PeerSlots& ps, int s, in
     while (((v = ld_acquire_sys(f)) >> 32) < e) {
       if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
         const Slot* me = ps.slot[ps.rank];
-        printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
-               "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu, receive epoch "
-               "%llu). A peer did not arrive: check that every rank runs the same program "
-               "(JAX_EP_TIMEOUT_S sets the limit).\n",
-               ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
-               ld_volatile_u64(&me->send_epoch), ld_volatile_u64(&me->epoch));
+        if (blockIdx.x == 0)  // one report per waiting rank
+          printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
+                 "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; tickets %u %u %u, "
+                 "done %u %u %u, exit %u). A peer did not arrive: check that every rank runs the "
+                 "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
+                 ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
+                 ld_volatile_u64(&me->send_epoch), me->ticket[0],
+                 me->ticket[1], me->ticket[2], me->items_done[0], me->items_done[1],
+                 me->items_done[2], me->exit_counter);
         __trap();
       }
     }
@@ -117,9 +127,9 @@ __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigne
 }
 
 // Whole block, at the very end of the kernel: the last block out resets the tickets and item
-// counts and advances the epochs of the phases this kernel ran.
-__device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode, unsigned long long es,
-                                             unsigned long long er) {
+// counts and, when the kernel ran a send phase, advances the send epoch.
+__device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode,
+                                             unsigned long long es) {
   __syncthreads();
   if (threadIdx.x == 0) {
     Slot* me = ps.slot[ps.rank];
@@ -133,7 +143,6 @@ __device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode, unsi
       }
       me->exit_counter = 0;
       if (mode & kModeSend) me->send_epoch = es;
-      if (mode & kModeRecv) me->epoch = er;
       __threadfence();
     }
   }
