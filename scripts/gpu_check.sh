@@ -38,6 +38,8 @@ if has example; then
   step "example on GPUs"
   (cd /tmp && timeout 300 $PY "$OLDPWD/examples/moe_layer.py" --steps 30 --tokens 512 \
      --hidden 1024 --ffn 2048 --experts-per-device 4 --topk 4 2>&1 | tail -6) || rc=1
+  (cd /tmp && timeout 300 $PY "$OLDPWD/examples/decode_step.py" --steps 50 --tokens 128 \
+     --hidden 7168 --ffn 512 --experts-per-device 8 --topk 8 2>&1 | tail -3) || rc=1
 fi
 if has bench; then
   step benchmark
