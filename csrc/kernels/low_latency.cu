@@ -103,35 +103,6 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64
   }
 }
 
-// Whole warp: copy one received payload (bytes, from our buffer) to every destination row
-// (expert le, row j) held by the lanes in `mask`: loaded once, stored once per destination.
-template <typename V>
-__device__ __forceinline__ void copy_to_rows(const uint8_t* src, uint8_t* dst_base,
-                                             int64_t row_bytes, int64_t rows_per_expert,
-                                             unsigned mask, int le, int j, int lane) {
-  const int nvec = static_cast<int>(row_bytes / (int64_t)sizeof(V));
-  const V* s = reinterpret_cast<const V*>(src);
-  for (int base = 0; base < nvec; base += kCopyRegs * 32) {
-    V buf[kCopyRegs];
-#pragma unroll
-    for (int u = 0; u < kCopyRegs; ++u) {
-      const int v = base + u * 32 + lane;
-      if (v < nvec) buf[u] = __ldcg(s + v);
-    }
-    for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
-      const int sl = __ffs(m) - 1;
-      const int l = __shfl_sync(kFull, le, sl);
-      const int jj = __shfl_sync(kFull, j, sl);
-      V* d = reinterpret_cast<V*>(dst_base + ((int64_t)l * rows_per_expert + jj) * row_bytes);
-#pragma unroll
-      for (int u = 0; u < kCopyRegs; ++u) {
-        const int v = base + u * 32 + lane;
-        if (v < nvec) d[v] = buf[u];
-      }
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Dispatch
 // ---------------------------------------------------------------------------------------------
