@@ -55,6 +55,11 @@ def _ll_attrs(*, num_experts, M, K, H, use_fp8, round_scale, buffer_bytes):
                 buffer_bytes=int(buffer_bytes))
 
 
+def _combine_attrs(num_experts, M, K, H):
+    return _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=False, round_scale=False,
+                     buffer_bytes=_combine_buffer_bytes(M, K, H))
+
+
 # ----------------------------------------------------------------------------------------------
 # dispatch
 # ----------------------------------------------------------------------------------------------
@@ -99,8 +104,7 @@ def _combine_core(y, idx, w, handle_arrays, cfg):
     R, _ = ref.axis_info(axis_name)
     T, K = idx.shape
     H = y.shape[-1]
-    attrs = _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=False, round_scale=False,
-                      buffer_bytes=_combine_buffer_bytes(M, K, H))
+    attrs = _combine_attrs(num_experts, M, K, H)
     (out,) = _ffi.call("jax_ep_ll_combine", [y, src, slot, cnt, idx, w.astype(jnp.float32)],
                        [((T, H), jnp.bfloat16)], axis_name=axis_name, **attrs)
     return out
@@ -130,13 +134,6 @@ def _dispatch_bwd(cfg, res, g):
 
 
 _dispatch_diff.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-def _forward_only(what):
-    def jvp(cfg, primals, tangents):
-        raise TypeError(f"jax_ep.{what} is forward only; use the non-split op "
-                        "(use_fp8=False for the dispatch) to differentiate")
-    return jvp
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -300,8 +297,11 @@ class LowLatencyPending:
 
 def _no_grad(fn, what):
     """fn(*arrays) with a clear error under differentiation (the split ops are forward only)."""
+    def jvp(primals, tangents):
+        raise TypeError(f"jax_ep.{what} is forward only; use the non-split op "
+                        "(use_fp8=False for the dispatch) to differentiate")
     wrapped = jax.custom_jvp(fn)
-    wrapped.defjvp(lambda primals, tangents: _forward_only(what)(None, primals, tangents))
+    wrapped.defjvp(jvp)
     return wrapped
 
 
@@ -317,11 +317,11 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
     """
     cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
                              round_scale, backend)
-    meta = ("dispatch", cfg, tuple(x.shape), idx.shape[1], None, check)
     if cfg[-1] == "reference":  # the reference runs the whole op in the receive half
+        meta = ("dispatch", cfg, tuple(x.shape), idx.shape[1], None, check)
         return LowLatencyPending(_no_grad(lambda a, b: (a, b), "low_latency_dispatch_send")(
             x, idx), meta)
-    recv_types, attrs = _dispatch_cuda_args(cfg, idx.shape[1], x.shape[1])
+    _, attrs = _dispatch_cuda_args(cfg, idx.shape[1], x.shape[1])
     slot = runtime.next_slot(push=True)
 
     def send(a, b):
@@ -329,7 +329,8 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
                          axis_name=axis_name, slot=slot, **attrs)[0]
 
     stats = _no_grad(send, "low_latency_dispatch_send")(x, idx)
-    return LowLatencyPending((stats,), meta[:4] + (slot, check))
+    return LowLatencyPending((stats,), ("dispatch", cfg, tuple(x.shape), idx.shape[1], slot,
+                                        check))
 
 
 def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyResult:
@@ -361,14 +362,12 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
     num_experts, M, _, be = cfg
     w = topk_weights.astype(jnp.float32)
-    meta = ("combine", cfg, tuple(y.shape), None)
     if be == "reference":
         arrays = _no_grad(lambda *a: a, "low_latency_combine_send")(
             y, idx, w, handle.recv_src, handle.recv_slot, handle.recv_count)
-        return LowLatencyPending(arrays, meta)
+        return LowLatencyPending(arrays, ("combine", cfg, tuple(y.shape), None))
     K, H = idx.shape[1], y.shape[-1]
-    attrs = _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=False, round_scale=False,
-                      buffer_bytes=_combine_buffer_bytes(M, K, H))
+    attrs = _combine_attrs(num_experts, M, K, H)
     slot = runtime.next_slot(push=True)
 
     def send(yy, src, sl, cnt):
@@ -377,7 +376,7 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
 
     ticket = _no_grad(send, "low_latency_combine_send")(
         y, handle.recv_src, handle.recv_slot, handle.recv_count)
-    return LowLatencyPending((ticket, idx, w), meta[:3] + (slot,))
+    return LowLatencyPending((ticket, idx, w), ("combine", cfg, tuple(y.shape), slot))
 
 
 def low_latency_combine_recv(pending: LowLatencyPending):
@@ -393,8 +392,7 @@ def low_latency_combine_recv(pending: LowLatencyPending):
     ticket, idx, w = pending.arrays
     T, K = idx.shape
     H = y_shape[-1]
-    attrs = _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=False, round_scale=False,
-                      buffer_bytes=_combine_buffer_bytes(M, K, H))
+    attrs = _combine_attrs(num_experts, M, K, H)
     (out,) = _ffi.call("jax_ep_ll_combine_recv", [ticket, idx, w], [((T, H), jnp.bfloat16)],
                        axis_name=axis_name, slot=slot, **attrs)
     return out

@@ -18,6 +18,7 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
     if (groups[i] != device) continue;
     const int64_t g = i / group_size;
     out->device = device;
+    out->group = static_cast<int>(g);
     out->peers.num_ranks = static_cast<int>(group_size);
     out->peers.rank = static_cast<int>(i % group_size);
     const int64_t* members = groups.begin() + g * group_size;

@@ -13,6 +13,7 @@ namespace jax_ep {
 struct GroupInfo {
   PeerSlots peers;
   int device = -1;
+  int group = -1;  // row of the group table holding this device
 };
 
 // groups: flattened [num_groups * group_size]; returns an error naming what is wrong.

@@ -60,11 +60,7 @@ ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::Gro
     return bad("the receive buffer holds " + std::to_string(a.buffer_bytes) + " bytes, this call "
                "needs " + std::to_string(need_bytes) + " (a lowering bug: the buffer is sized "
                "from the same shapes)");
-  const int64_t g = [&] {
-    for (size_t i = 0; i < a.groups.size(); ++i)
-      if (a.groups[i] == device) return static_cast<int64_t>(i) / R;
-    return int64_t{0};
-  }();
+  const int64_t g = gi->group;
   for (int q = 0; q < R; ++q) {
     bufs[q] = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(a.bufs[g * R + q]));
     if (bufs[q] == nullptr) return bad("missing receive buffer");

@@ -22,7 +22,7 @@ struct alignas(128) Slot {
   unsigned long long ptrs[kMaxPtrs];   // addresses published by this rank for the current call
   unsigned long long ready;            // epoch e: ptrs of call e are valid
   unsigned long long done[kMaxRanks];  // done[s] = last epoch in which rank s finished reading us
-  unsigned long long epoch;            // epoch of the last finished call (touched by owner only)
+  unsigned long long epoch;            // pull ops: epoch of the last finished call (owner only)
   unsigned int block_counter;          // last-block-done counter (owner only), returns to 0
   unsigned int grid_counter;           // in-kernel grid barrier counter (owner only)
   int counters[kMaxLocalExperts];      // per-op scratch counters, left at 0 by every op
