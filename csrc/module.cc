@@ -1,15 +1,30 @@
-// The nanobind module jax_ep._C: FFI handler capsules and the one-process runtime.
+// The nanobind module jax_ep._C: FFI handler capsules, the one-process runtime and the
+// per-process (NVSHMEM) runtime.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
+#include <csignal>
+#include <execinfo.h>
+#include <unistd.h>
+
 #include <stdexcept>
+#include <string>
 
 #include <cuda_runtime.h>
 
 #include "ffi/handlers.h"
+#include "runtime/symmetric.h"
 #include "runtime/workspace.h"
 
 namespace nb = nanobind;
+
+// JAX_EP_DEBUG: native backtrace on SIGSEGV (Python's faulthandler shows Python frames only).
+static void segv_backtrace(int) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, 2);
+  _exit(139);
+}
 
 template <typename T>
 static nb::capsule encapsulate(T* fn) {
@@ -67,8 +82,32 @@ NB_MODULE(_C, m) {
       nb::arg("group"), nb::arg("slot"), nb::arg("bytes"),
       "Receive buffer (>= bytes) of a push slot on every device of the group: device addresses "
       "in group order.");
+  // Per-process mode (runtime/symmetric.h).
+  m.def("nvshmem_built", &jax_ep::sym::built);
+  m.def("sym_active", &jax_ep::sym::active);
+  m.def("sym_my_pe", &jax_ep::sym::my_pe);
+  m.def("sym_n_pes", &jax_ep::sym::n_pes);
+  m.def("sym_attach", &jax_ep::sym::attach, nb::arg("arena_bytes"),
+        "Attach to the NVSHMEM runtime initialised in this process (collective): register the "
+        "module's device state, allocate and zero the symmetric arena.");
+  m.def("sym_self_test", &jax_ep::sym::self_test,
+        "Collective: [device my_pe, device n_pes, token received, token expected, next PE "
+        "mapped] from a kernel of this module calling NVSHMEM device functions.");
+  m.def("sym_init_groups", &jax_ep::sym::init_groups, nb::arg("table"));
+  m.def("sym_reserve", &jax_ep::sym::reserve, nb::arg("table"), nb::arg("slot"),
+        nb::arg("bytes"));
+  m.def("sym_arena_bytes", &jax_ep::sym::arena_bytes);
+  m.def("sym_arena_used", &jax_ep::sym::arena_used);
   m.def("slot_buffer_bytes", &jax_ep::slot_buffer_bytes, nb::arg("device"));
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
+  m.def("debug_segv_backtrace", []() { signal(SIGSEGV, segv_backtrace); });
+  m.def("cuda_set_device", [](int d) {
+    cudaError_t e = cudaSetDevice(d);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("jax_ep: cudaSetDevice: ") + cudaGetErrorString(e));
+    }
+  });
   m.def("cuda_device_count", []() {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {

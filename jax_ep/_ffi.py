@@ -54,15 +54,37 @@ ep_call_p.def_abstract_eval(_abstract_eval)
 
 
 def group_table(mesh, axis_name) -> np.ndarray:
-    """[num_groups, R] CUDA device ordinals: every EP group along `axis_name`, in axis order."""
+    """[num_groups, R]: every EP group along `axis_name`, in axis order.
+
+    One process: CUDA device ordinals. Several processes (one GPU each): process indices, which
+    are the NVSHMEM PEs.
+    """
     names = list(mesh.axis_names)
     if axis_name not in names:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {names}")
     devs = np.asarray(mesh.devices)
     devs = np.moveaxis(devs, names.index(axis_name), -1)
-    ids = np.vectorize(lambda d: int(d.local_hardware_id if d.local_hardware_id is not None
-                                     else d.id))(devs)
+    if runtime.per_process():
+        ident = lambda d: int(d.process_index)  # noqa: E731
+    else:
+        ident = lambda d: int(d.local_hardware_id if d.local_hardware_id is not None  # noqa: E731
+                              else d.id)
+    ids = np.vectorize(ident)(devs)
     return ids.reshape(-1, devs.shape[-1]).astype(np.int64)
+
+
+# Pull ops (high-throughput): how many leading operands their peers read (the `ptrs` each op
+# publishes; csrc/ffi/high_throughput.cc stage_operands stages the same ones).
+_STAGED_OPERANDS = {"jax_ep_ht_dispatch": 4, "jax_ep_ht_gather": 1, "jax_ep_ht_combine": 1}
+
+
+def _stage_bytes(avals, n: int) -> int:
+    """Staging bytes of the first n operands, each rounded up to 256 (as stage_operands does)."""
+    total = 0
+    for a in avals[:n]:
+        nbytes = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+        total += (nbytes + 255) // 256 * 256
+    return max(total, 256)
 
 
 def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups):
@@ -88,6 +110,13 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups):
             kwargs["bufs"] = np.asarray(
                 runtime.reserve_slot_buffers(table, slot, int(kwargs["buffer_bytes"])),
                 dtype=np.int64)
+        elif target in _STAGED_OPERANDS:
+            # Per-process mode: peers read our operands from a symmetric staging buffer.
+            stage = [0]
+            if runtime.per_process():
+                stage = runtime.reserve_slot_buffers(
+                    table, slot, _stage_bytes(ctx.avals_in, _STAGED_OPERANDS[target]))
+            kwargs["stage"] = np.asarray(stage, dtype=np.int64)
     return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *args, **kwargs)
 
 

@@ -5,6 +5,12 @@ addresses, see csrc/runtime/workspace.h) and peer access to the others. High-thr
 read their peers' XLA buffers directly (no data buffers). Low-latency kernels push into per-slot
 receive buffers, which the lowering sizes from the op's static shapes (reserve_slot_buffer):
 nobody computes a buffer size by hand.
+
+One process per GPU (jax.distributed): the same kernels, with workspaces and buffers in the
+NVSHMEM symmetric heap and peers addressed through nvshmem_ptr (jax_ep/per_process.py,
+csrc/runtime/symmetric.h). The group tables then name JAX process indices (= NVSHMEM PEs), and
+high-throughput operands are staged through symmetric buffers, since a peer process cannot read
+this process's XLA buffers.
 """
 from __future__ import annotations
 
@@ -104,13 +110,26 @@ def next_slot(push: bool = False) -> int:
     return next(_slot_counter) % first_push
 
 
-def reserve_slot_buffers(groups, slot: int, nbytes: int) -> list[int]:
-    """Receive buffers (>= nbytes) of a push slot for every EP group of the table.
+def per_process() -> bool:
+    """True when JAX runs several processes: the per-process (NVSHMEM) transport is used."""
+    import jax
 
-    Returns device addresses aligned with the flattened group table (what the `bufs`
-    attribute of the low-latency custom calls carries).
+    return jax.process_count() > 1
+
+
+def reserve_slot_buffers(groups, slot: int, nbytes: int) -> list[int]:
+    """Data buffers (>= nbytes) of a slot for every EP group of the table.
+
+    Returns device addresses aligned with the flattened group table (what the `bufs` attribute
+    of the low-latency custom calls and the `stage` attribute of the high-throughput calls in
+    per-process mode carry). Per-process mode: symmetric memory, addresses as this process sees
+    its own group's members, 0 for other groups.
     """
     ext = _load_extension()
+    if per_process():
+        with _lock:
+            return [int(p) for p in ext.sym_reserve([[int(v) for v in g] for g in groups],
+                                                    int(slot), int(nbytes))]
     out = []
     with _lock:
         for g in groups:
@@ -130,12 +149,15 @@ def ensure_peer_runtime(devices, groups=None) -> None:
         raise RuntimeError("jax_ep: backend='cuda' needs the CUDA extension, which is not built")
     import jax
 
-    procs = {d.process_index for d in devices}
-    if len(procs) > 1 or jax.process_count() > 1:
-        raise NotImplementedError(
-            "jax_ep: the EP group spans several processes; the per-process (NVSHMEM) transport "
-            "is not available in this build. Use backend='reference', or one process driving "
-            "all GPUs of the node.")
+    if jax.process_count() > 1:
+        from jax_ep import per_process as pp
+
+        pp.initialize(ext, timeout_ns() / 1e9)
+        if groups is None:
+            groups = [[int(d.process_index) for d in devices]]
+        with _lock:
+            ext.sym_init_groups([[int(v) for v in g] for g in groups])
+        return
     if groups is None:
         groups = [[int(d.local_hardware_id) for d in devices]]
     with _lock:
@@ -144,15 +166,30 @@ def ensure_peer_runtime(devices, groups=None) -> None:
 
 
 def initialize(devices=None) -> None:
-    """Set up the one-process runtime on `devices` (default: all local GPUs) ahead of time.
+    """Set up the runtime ahead of time (optional: the first lowered op does it lazily).
 
-    Optional: the first traced op does it lazily for the devices of its mesh.
+    One process: workspaces and peer access on `devices` (default: all local GPUs). Several
+    processes (after jax.distributed.initialize, one GPU each): NVSHMEM through nvshmem4py with a
+    unique id shared over jax.distributed's key-value store, the symmetric arena and a self-test
+    kernel (collective: every process must call it, or lower its first op).
     """
     import jax
 
     if devices is None:
-        devices = jax.local_devices()
+        devices = jax.devices() if jax.process_count() > 1 else jax.local_devices()
     ensure_peer_runtime(devices)
+
+
+def _process_mode(ext) -> str:
+    import jax
+
+    n = jax.process_count()
+    cuda = ext is not None and jax.default_backend() == "gpu"
+    if n == 1:
+        return "one process, all local GPUs (peer access)" if cuda else \
+            "one process (reference backend)"
+    return f"{n} processes, one GPU each (NVSHMEM)" if cuda else \
+        f"{n} processes (reference backend)"
 
 
 def runtime_info() -> dict:
@@ -166,8 +203,7 @@ def runtime_info() -> dict:
         "jax_backend": jax.default_backend(),
         "default_backend": "cuda" if (ext is not None and jax.default_backend() == "gpu")
         else "reference",
-        "process_mode": "one process, all local GPUs (peer access)" if jax.process_count() == 1
-        else f"{jax.process_count()} processes (per-process transport not built)",
+        "process_mode": _process_mode(ext),
         "timeout_s": timeout_ns() / 1e9,
         "num_blocks": num_blocks(),
     }
@@ -179,8 +215,19 @@ def runtime_info() -> dict:
             "ll_receive_buffer_bytes_per_device": {
                 int(d): int(ext.slot_buffer_bytes(int(d))) for d in ext.runtime_devices()},
             "num_slots": int(ext.num_slots),
+            "nvshmem_built": bool(ext.nvshmem_built()),
             "max_ranks": int(ext.max_ranks),
         })
+        if ext.sym_active():
+            from jax_ep import per_process as pp
+
+            info.update({
+                "nvshmem_pe": int(ext.sym_my_pe()),
+                "nvshmem_n_pes": int(ext.sym_n_pes()),
+                "symmetric_arena_bytes": int(ext.sym_arena_bytes()),
+                "symmetric_arena_used": int(ext.sym_arena_used()),
+                "nvshmem_self_test": pp._state["self_test"],
+            })
     return info
 
 

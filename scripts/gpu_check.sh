@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
-#   scripts/gpu_check.sh [build] [kernel] [test] [example] [bench] [bench-quick]   (default: all)
+#   scripts/gpu_check.sh [build] [kernel] [test] [mp] [example] [bench] [bench-quick]
+#                        [bench-modes]
+#   (default: build kernel test mp example bench). mp: the per-process (one GPU per process,
+#   NVSHMEM) suite, 2 and 4 processes, and the killed-process test: needs nvshmem4py.
 # Extra args: PYTEST_K="ll_ or layout" (a -k expression); PYTEST_ARGS="--maxfail=3";
 # BENCH_ARGS="--ranks 4".
 set -uo pipefail
@@ -8,7 +11,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-stages=${*:-build kernel test example bench}
+stages=${*:-build kernel test mp example bench}
 rc=0
 step() { echo; echo "=== $1 ($(date +%T))"; }
 has() { [[ " $stages " == *" $1 "* ]]; }
@@ -34,6 +37,12 @@ if has test; then
   (cd /tmp && timeout 540 $PY -m pytest -q -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py" \
      ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40) || rc=1
 fi
+if has mp; then
+  step "per-process suite (jax_ep.launch, NVSHMEM)"
+  (cd /tmp && timeout 900 $PY -m pytest -q -p no:cacheprovider -m gpu \
+     "$OLDPWD/tests/test_multiprocess.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/mp_tests.log" \
+     | tail -40) || rc=1
+fi
 if has example; then
   step "example on GPUs"
   (cd /tmp && timeout 300 $PY "$OLDPWD/examples/moe_layer.py" --steps 30 --tokens 512 \
@@ -50,5 +59,10 @@ if has bench-quick; then
   step "benchmark (quick)"
   (cd /tmp && timeout 560 $PY "$OLDPWD/benchmarks/bench.py" --out "$OUT" --sms 24 132 --iters 10 \
      --reps 5 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -45) || rc=1
+fi
+if has bench-modes; then
+  step "benchmark: one process vs one process per GPU"
+  (cd /tmp && timeout 580 $PY "$OLDPWD/benchmarks/bench_modes.py" --ranks ${MODES_RANKS:-4} \
+     --out "$OUT" -- ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_modes.log" | tail -40) || rc=1
 fi
 exit $rc

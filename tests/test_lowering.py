@@ -146,6 +146,9 @@ def test_cuda_lowering(cuda_lowering, meshes, mesh_name):
         if target in PULL_TARGETS:
             assert int_attr(a, "num_blocks") >= 1
             assert 0 <= slot < 64, (target, slot)
+            # one process: no staging buffers (the per-process mode stages operands)
+            m = re.search(r"stage = (?:dense<\[?([-\d, ]+)\]?>|array<i64: ([-\d, ]+)>)", a)
+            assert m and (m.group(1) or m.group(2)).strip() == "0", (target, a[:300])
         else:  # push ops: a push slot and its receive buffer on every device of the table
             assert 64 <= slot < 128, (target, slot)
             m = re.search(r"bufs = (?:dense<\[?([-\d, ]+)\]?>|array<i64: ([-\d, ]+)>)", a)

@@ -1,5 +1,7 @@
 #include "ffi/group.h"
 
+#include "runtime/symmetric.h"
+
 #include <sstream>
 
 namespace jax_ep {
@@ -13,9 +15,12 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
                                        " is outside [1, " + std::to_string(kMaxRanks) + "]");
   if (slot < 0 || slot >= kNumSlots)
     return ffi::Error::InvalidArgument("jax_ep: slot out of range");
+  // One process over all GPUs: the table names CUDA ordinals. Per-process mode: it names PEs.
+  const bool per_process = sym::active();
+  const int64_t self = per_process ? sym::my_pe() : device;
   const int64_t n = static_cast<int64_t>(groups.size());
   for (int64_t i = 0; i < n; ++i) {
-    if (groups[i] != device) continue;
+    if (groups[i] != self) continue;
     const int64_t g = i / group_size;
     out->device = device;
     out->group = static_cast<int>(g);
@@ -24,11 +29,17 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
     const int64_t* members = groups.begin() + g * group_size;
     for (int r = 0; r < group_size; ++r) {
       const int d = static_cast<int>(members[r]);
-      Workspace* ws = group_workspace(members, static_cast<int>(group_size), d);
+      std::string why;
+      Workspace* ws = per_process
+                          ? sym::group_workspace(members, static_cast<int>(group_size), r, &why)
+                          : group_workspace(members, static_cast<int>(group_size), d);
       if (ws == nullptr) {
         std::ostringstream os;
-        os << "jax_ep: no workspace on device " << d
-           << " for this EP group (the lowering initialises it: was it skipped?)";
+        if (per_process)
+          os << "jax_ep: PE " << self << ": " << why;
+        else
+          os << "jax_ep: no workspace on device " << d
+             << " for this EP group (the lowering initialises it: was it skipped?)";
         return ffi::Error(ffi::ErrorCode::kFailedPrecondition, os.str());
       }
       out->peers.slot[r] = &ws->slots[slot];
@@ -36,7 +47,10 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
     return ffi::Error::Success();
   }
   std::ostringstream os;
-  os << "jax_ep: device " << device << " is not in the EP group table of this op";
+  if (per_process)
+    os << "jax_ep: PE " << self << " is not in the EP group table of this op";
+  else
+    os << "jax_ep: device " << device << " is not in the EP group table of this op";
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, os.str());
 }
 

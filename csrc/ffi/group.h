@@ -11,7 +11,7 @@
 namespace jax_ep {
 
 struct GroupInfo {
-  PeerSlots peers;
+  PeerSlots peers{};
   int device = -1;
   int group = -1;  // row of the group table holding this device
 };

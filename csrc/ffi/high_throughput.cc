@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <utility>
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -67,6 +68,42 @@ ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks)
   return ffi::Error::Success();
 }
 
+// Per-process mode (`stage` names a staging buffer per rank, aligned with `groups`): peers
+// cannot read this rank's XLA buffers, so copy the operands they read into this rank's
+// symmetric staging buffer, stream-ordered before the kernel, and point the kernel at the
+// staging buffers (PeerSlots::stage). Operand i sits at the sum of the 256-byte-aligned sizes
+// of operands 0..i-1 (jax_ep/_ffi.py sizes the buffer the same way). One-process mode passes
+// stage = [0]: nothing to do. Reuse is safe: the previous call on the slot ended with the end
+// barrier, after every peer finished reading.
+ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const int64_t> stage,
+                          ffi::Span<const int64_t> groups, int64_t R, jax_ep::GroupInfo* gi,
+                          std::initializer_list<std::pair<const void*, size_t>> operands) {
+  if (stage.size() == 1 && stage[0] == 0) return ffi::Error::Success();
+  if (stage.size() != groups.size())
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": stage must name one buffer per entry of groups");
+  const int64_t* row = stage.begin() + gi->group * R;
+  for (int r = 0; r < R; ++r) {
+    gi->peers.stage[r] = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(row[r]));
+    if (gi->peers.stage[r] == nullptr)
+      return ffi::Error::InvalidArgument(std::string(op) + ": missing staging buffer");
+  }
+  uint8_t* mine = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(row[gi->peers.rank]));
+  size_t off = 0;
+  int i = 0;
+  for (const auto& operand : operands) {
+    gi->peers.stage_off[i++] = off;
+    if (operand.second > 0 && operand.first != nullptr)
+      cudaMemcpyAsync(mine + off, operand.first, operand.second, cudaMemcpyDeviceToDevice, stream);
+    off += (operand.second + 255) / 256 * 256;
+  }
+  return jax_ep::cuda_error("staging copy");
+}
+
+size_t nbytes(const ffi::AnyBuffer& b) { return b.size_bytes(); }
+template <ffi::DataType T>
+size_t nbytes(const ffi::Buffer<T>& b) { return b.size_bytes(); }
+
 #define JAX_EP_RETURN_IF_ERROR(expr)       \
   do {                                     \
     ffi::Error _e = (expr);                \
@@ -92,7 +129,8 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
                           ffi::Result<ffi::Buffer<ffi::S32>> stats,
                           ffi::Result<ffi::Buffer<ffi::S32>> scratch,
                           ffi::Span<const int64_t> groups, int64_t group_size, int64_t slot,
-                          int64_t timeout_ns, int64_t num_blocks, int64_t num_experts) {
+                          int64_t timeout_ns, int64_t num_blocks, int64_t num_experts,
+                          ffi::Span<const int64_t> stage) {
   const char* op = "jax_ep_ht_dispatch";
   JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
   jax_ep::GroupInfo gi;
@@ -155,6 +193,11 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
     return ffi::Error::Internal(std::string(op) + ": layout plan needs " +
                                 std::to_string(plan.scratch_words) + " scratch words");
 
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, R, &gi,
+                                        {{x.untyped_data(), nbytes(x)},
+                                         {x_scales.untyped_data(), nbytes(x_scales)},
+                                         {topk_idx.untyped_data(), nbytes(topk_idx)},
+                                         {topk_weights.untyped_data(), nbytes(topk_weights)}}));
   DispatchArgs a{};
   a.plan = plan;
   a.ps = gi.peers;
@@ -188,7 +231,8 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
 ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8> x,
                         ffi::Buffer<ffi::S32> recv_src, ffi::Buffer<ffi::S32> stats,
                         ffi::Result<ffi::Buffer<ffi::U8>> recv_x, ffi::Span<const int64_t> groups,
-                        int64_t group_size, int64_t slot, int64_t timeout_ns, int64_t num_blocks) {
+                        int64_t group_size, int64_t slot, int64_t timeout_ns, int64_t num_blocks,
+                        ffi::Span<const int64_t> stage) {
   const char* op = "jax_ep_ht_gather";
   JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
   jax_ep::GroupInfo gi;
@@ -208,6 +252,8 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
   if (group_size * T > kMaxInt || C > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
+                                        {{x.untyped_data(), nbytes(x)}}));
   GatherArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
@@ -227,7 +273,7 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
 ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                          ffi::Buffer<ffi::S32> send_rows, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t slot,
-                         int64_t timeout_ns, int64_t num_blocks) {
+                         int64_t timeout_ns, int64_t num_blocks, ffi::Span<const int64_t> stage) {
   const char* op = "jax_ep_ht_combine";
   JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
   jax_ep::GroupInfo gi;
@@ -265,6 +311,8 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   if (C > kMaxInt || T * group_size > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
+                                        {{y.untyped_data(), nbytes(y)}}));
   CombineArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
@@ -304,7 +352,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtDispatch, HtDispatchImpl,
                                   .Attr<int64_t>("slot")
                                   .Attr<int64_t>("timeout_ns")
                                   .Attr<int64_t>("num_blocks")
-                                  .Attr<int64_t>("num_experts"),
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<ffi::Span<const int64_t>>("stage"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtGather, HtGatherImpl,
@@ -319,7 +368,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtGather, HtGatherImpl,
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("slot")
                                   .Attr<int64_t>("timeout_ns")
-                                  .Attr<int64_t>("num_blocks"),
+                                  .Attr<int64_t>("num_blocks")
+                                  .Attr<ffi::Span<const int64_t>>("stage"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtCombine, HtCombineImpl,
@@ -333,5 +383,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtCombine, HtCombineImpl,
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("slot")
                                   .Attr<int64_t>("timeout_ns")
-                                  .Attr<int64_t>("num_blocks"),
+                                  .Attr<int64_t>("num_blocks")
+                                  .Attr<ffi::Span<const int64_t>>("stage"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

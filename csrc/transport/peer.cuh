@@ -21,6 +21,11 @@ struct PeerSlots {
   Slot* slot[kMaxRanks];
   int num_ranks;
   int rank;
+  // Per-process mode only (null otherwise): peers cannot read each other's XLA buffers, so each
+  // rank copies its published operands into a symmetric staging buffer first; operand i of rank
+  // s is then at stage[s] + stage_off[i] (see stage_operands in ffi/high_throughput.cc).
+  const uint8_t* stage[kMaxRanks];
+  unsigned long long stage_off[kMaxPtrs];
 };
 
 __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
@@ -112,6 +117,7 @@ __device__ __forceinline__ void wait_ready(const PeerSlots& ps, unsigned long lo
 // Address number i that rank s published for this call (valid after wait_ready).
 template <typename T>
 __device__ __forceinline__ T* peer_ptr(const PeerSlots& ps, int s, int i) {
+  if (ps.stage[s] != nullptr) return reinterpret_cast<T*>(ps.stage[s] + ps.stage_off[i]);
   return reinterpret_cast<T*>(ld_volatile_u64(&ps.slot[s]->ptrs[i]));
 }
 

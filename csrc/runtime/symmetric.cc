@@ -1,0 +1,214 @@
+#include "runtime/symmetric.h"
+
+#include <cuda_runtime.h>
+
+
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+#ifdef JAX_EP_WITH_NVSHMEM
+#include "transport/nvshmem_glue.h"
+#endif
+
+namespace jax_ep {
+namespace sym {
+
+#ifndef JAX_EP_WITH_NVSHMEM
+
+bool built() { return false; }
+bool active() { return false; }
+int my_pe() { return -1; }
+int n_pes() { return 0; }
+static void not_built() {
+  throw std::runtime_error(
+      "jax_ep: this build has no per-process (NVSHMEM) transport: rebuild with the "
+      "nvidia-nvshmem-cu12/-cu13 wheel installed (pip install --no-build-isolation "
+      "'.[cuda13]'), or run one process over all GPUs of the node");
+}
+void attach(size_t) { not_built(); }
+std::vector<long long> self_test() { not_built(); return {}; }
+void init_groups(const std::vector<std::vector<int>>&) { not_built(); }
+Workspace* group_workspace(const int64_t*, int, int, std::string* err) {
+  *err = "no per-process transport in this build";
+  return nullptr;
+}
+std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>&, int, size_t) {
+  not_built();
+  return {};
+}
+size_t arena_bytes() { return 0; }
+size_t arena_used() { return 0; }
+
+#else
+
+namespace {
+constexpr size_t kAlign = 4096;
+std::mutex g_mu;
+const nvshmem::HostApi* g_api = nullptr;
+uint8_t* g_arena = nullptr;
+size_t g_arena_bytes = 0;
+size_t g_used = 0;
+int g_pe = -1, g_npes = 0;
+struct SymGroup {
+  Workspace* local = nullptr;
+  std::vector<Workspace*> peer;  // this process's address of each rank's workspace (or null)
+};
+std::map<std::vector<int>, SymGroup> g_sym_groups;
+struct SymSlotBuffer {
+  uint8_t* local = nullptr;
+  size_t bytes = 0;
+};
+SymSlotBuffer g_sym_slot_bufs[kNumSlots];
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("jax_ep: ") + what + ": " + cudaGetErrorString(e));
+  }
+}
+
+// Bump allocation from the arena (caller holds g_mu). The arena was zeroed at attach and
+// nothing is ever freed, so a fresh sub-allocation is zero on every PE without a barrier.
+uint8_t* take(size_t bytes, const char* what) {
+  const size_t need = (bytes + kAlign - 1) / kAlign * kAlign;
+  if (g_used + need > g_arena_bytes) {
+    std::ostringstream os;
+    os << "jax_ep: the symmetric arena is full: " << what << " needs " << bytes << " bytes, "
+       << (g_arena_bytes - g_used) << " of " << g_arena_bytes
+       << " are left. Set JAX_EP_SYMMETRIC_BYTES larger (every process the same) before "
+          "jax_ep.initialize(); NVSHMEM_SYMMETRIC_SIZE must exceed it.";
+    throw std::runtime_error(os.str());
+  }
+  uint8_t* p = g_arena + g_used;
+  g_used += need;
+  return p;
+}
+
+const SymGroup* find_group(const int64_t* members, int n) {
+  std::vector<int> key(members, members + n);
+  auto it = g_sym_groups.find(key);
+  return it == g_sym_groups.end() ? nullptr : &it->second;
+}
+}  // namespace
+
+bool built() { return true; }
+bool active() { return g_api != nullptr; }
+int my_pe() { return g_pe; }
+int n_pes() { return g_npes; }
+
+void attach(size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_api != nullptr) {
+    if (bytes != g_arena_bytes) {
+      std::ostringstream os;
+      os << "jax_ep: already attached with a " << g_arena_bytes << "-byte arena (asked "
+         << bytes << ")";
+      throw std::runtime_error(os.str());
+    }
+    return;
+  }
+  const nvshmem::HostApi& api = nvshmem::open();
+  const size_t arena = (bytes + kAlign - 1) / kAlign * kAlign;
+  void* p = api.align(kAlign, arena);
+  if (p == nullptr) {
+    std::ostringstream os;
+    os << "jax_ep: nvshmem_align of the " << arena
+       << "-byte arena failed: set NVSHMEM_SYMMETRIC_SIZE above JAX_EP_SYMMETRIC_BYTES (before "
+          "NVSHMEM is initialised) and leave that much GPU memory outside JAX's pool "
+          "(XLA_PYTHON_CLIENT_MEM_FRACTION)";
+    throw std::runtime_error(os.str());
+  }
+  check(cudaMemset(p, 0, arena), "cudaMemset(symmetric arena)");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  api.barrier_all();  // nobody writes into a peer's arena before that peer has zeroed it
+  g_arena = static_cast<uint8_t*>(p);
+  g_arena_bytes = arena;
+  g_pe = api.my_pe();
+  g_npes = api.n_pes();
+  g_api = &api;
+}
+
+std::vector<long long> self_test() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_api == nullptr) throw std::runtime_error("jax_ep: self_test before attach");
+  // A dedicated cell from the arena (same offset everywhere: every PE runs the same sequence).
+  int* cell = reinterpret_cast<int*>(take(sizeof(int), "the self-test cell"));
+  int* out = nullptr;
+  check(cudaMalloc(&out, 4 * sizeof(int)), "cudaMalloc");
+  check(cudaMemset(cell, 0, sizeof(int)), "cudaMemset");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  g_api->barrier_all();
+  nvshmem::launch_self_test(cell, out);
+  g_api->barrier_all();  // every PE's put has completed (quiet) before anyone reads its cell
+  int host[4] = {0, 0, 0, 0};
+  check(cudaMemcpy(host, out, 3 * sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  check(cudaMemcpy(&host[3], cell, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  cudaFree(out);
+  const int prev = (g_pe + g_npes - 1) % g_npes;
+  return {host[0], host[1], host[3], 1000 + prev, host[2]};
+}
+
+void init_groups(const std::vector<std::vector<int>>& table) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_api == nullptr) throw std::runtime_error("jax_ep: per-process mode is not attached");
+  for (const std::vector<int>& members : table) {
+    if (g_sym_groups.count(members)) continue;
+    for (int pe : members)
+      if (pe < 0 || pe >= g_npes) {
+        std::ostringstream os;
+        os << "jax_ep: EP group names PE " << pe << " but there are " << g_npes << " PEs";
+        throw std::runtime_error(os.str());
+      }
+    SymGroup g;
+    g.local = reinterpret_cast<Workspace*>(take(sizeof(Workspace), "an EP group's workspace"));
+    for (int pe : members)
+      g.peer.push_back(static_cast<Workspace*>(g_api->ptr(g.local, pe)));
+    g_sym_groups[members] = g;
+  }
+}
+
+Workspace* group_workspace(const int64_t* members, int n, int r, std::string* err) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  const SymGroup* g = find_group(members, n);
+  if (g == nullptr) {
+    *err = "no workspace for this EP group (the lowering initialises it: was it skipped?)";
+    return nullptr;
+  }
+  if (g->peer[r] == nullptr) {
+    std::ostringstream os;
+    os << "PE " << members[r] << " is not reachable by loads and stores from PE " << g_pe
+       << " (no NVLink / P2P path): the NVSHMEM put path for remote peers is not built yet";
+    *err = os.str();
+  }
+  return g->peer[r];
+}
+
+std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& table, int slot,
+                                        size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_api == nullptr) throw std::runtime_error("jax_ep: per-process mode is not attached");
+  if (slot < 0 || slot >= kNumSlots) throw std::runtime_error("jax_ep: slot out of range");
+  SymSlotBuffer& sb = g_sym_slot_bufs[slot];
+  if (sb.bytes < bytes) {
+    sb.local = take(bytes, "a slot's data buffer");
+    sb.bytes = bytes;
+  }
+  std::vector<unsigned long long> out;
+  for (const std::vector<int>& members : table) {
+    bool mine = false;
+    for (int pe : members) mine = mine || pe == g_pe;
+    for (int pe : members)
+      out.push_back(mine ? reinterpret_cast<unsigned long long>(g_api->ptr(sb.local, pe)) : 0ull);
+  }
+  return out;
+}
+
+size_t arena_bytes() { return g_arena_bytes; }
+size_t arena_used() { return g_used; }
+
+#endif  // JAX_EP_WITH_NVSHMEM
+
+}  // namespace sym
+}  // namespace jax_ep

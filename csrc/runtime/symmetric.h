@@ -1,0 +1,51 @@
+// Per-process mode (one JAX process per GPU): workspaces and data buffers live in one NVSHMEM
+// symmetric allocation (the arena) that every PE makes at attach time. Sub-allocations are
+// bump-allocated in the order the lowering asks for them; every process lowers the same programs
+// in the same order (SPMD), so an offset names the same buffer on every PE. Peers reachable by
+// loads and stores (NVLink / P2P) are addressed through nvshmem_ptr; the kernels then use the
+// same code as in the one-process mode. The group table names PEs (process indices), not CUDA
+// ordinals, in this mode.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/workspace.h"
+
+namespace jax_ep {
+namespace sym {
+
+// True when the extension was compiled against NVSHMEM (JAX_EP_WITH_NVSHMEM).
+bool built();
+// True after attach(): the ops of this process run in per-process mode.
+bool active();
+int my_pe();
+int n_pes();
+
+// Attach to the NVSHMEM runtime that the caller (nvshmem4py) initialised in this process:
+// resolve its host library, register this module's NVSHMEM device state with it, allocate and
+// zero the arena (collective: every PE calls it with the same size), then barrier. Throws
+// std::runtime_error with a message saying what to do on failure. Idempotent.
+void attach(size_t arena_bytes);
+// Collective check that our kernels can call NVSHMEM device functions: each PE's kernel reads
+// nvshmem_my_pe / nvshmem_n_pes on the device and nvshmem_int_p's a token into the next PE's
+// cell; returns {device my_pe, device n_pes, token received, token expected, next PE mapped}.
+std::vector<long long> self_test();
+
+// Workspaces of every group of a table (PEs in axis order), in table order, new groups only.
+void init_groups(const std::vector<std::vector<int>>& table);
+// This process's address of rank r's workspace in the group `members[0..n)` (null: unknown
+// group, or rank r's GPU not reachable by loads and stores). err names the reason when null.
+Workspace* group_workspace(const int64_t* members, int n, int r, std::string* err);
+// Symmetric buffer of call-site slot `slot`, at least `bytes`: the same offset on every PE (a
+// larger request allocates a new one; the old one stays, as executables may still name it).
+// Returns, aligned with the flattened table, the addresses this process uses for each member
+// of its own group, and 0 for the members of other groups.
+std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& table, int slot,
+                                        size_t bytes);
+size_t arena_bytes();
+size_t arena_used();
+
+}  // namespace sym
+}  // namespace jax_ep

@@ -1,0 +1,300 @@
+"""Per-process GPU suite: run under `python -m jax_ep.launch -n N tests/mp_worker.py [--kill-rank r]`.
+
+One JAX process per GPU (NVSHMEM transport). Every check runs the CUDA kernels and the reference
+backend inside one shard_map on the same global inputs (made from the same seed in every
+process) and compares this process's shards: high-throughput layouts and copies bit-exact,
+low-latency rows per (expert, source) exact (FP8 against the NumPy oracle), combines within
+float32-accumulation tolerance; random, skewed and masked routing, odd token counts, several
+hidden sizes and dtypes, FP8, capacity drops, the LL send / receive split, and back-to-back
+calls in a scan. Prints "PASS rank r" at the end and exits normally (NVSHMEM finalize and
+jax.distributed shutdown run); any failure exits non-zero at once (no collective exit path that
+a failed peer could hang).
+
+--kill-rank r: rank r exits before the first op; the others must fail within JAX_EP_TIMEOUT_S
+with the kernel's timeout message, not hang (tests/test_multiprocess.py checks it).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+import zlib
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax_ep  # noqa: E402
+from test_gpu import _bits, _ll_rows, _ll_slots, _routing  # noqa: E402
+from numpy_oracle import quantize_fp8 as np_quantize  # noqa: E402
+
+RANK = None
+
+
+def seed(*key):
+    """The same seed in every process (hash() of a str is salted per process)."""
+    return zlib.crc32(repr(key).encode())
+
+
+def put(mesh, arr, spec):
+    """Global array from the same host value on every process (each takes its own shards)."""
+    arr = np.asarray(arr)
+    return jax.make_array_from_callback(arr.shape, NamedSharding(mesh, spec), lambda i: arr[i])
+
+
+def local(tree):
+    """This process's shard of every output (one device per process)."""
+    def one(a):
+        shards = a.addressable_shards
+        assert len(shards) == 1
+        return np.asarray(shards[0].data)
+    return jax.tree.map(one, tree)
+
+
+def ht_check(mesh, x, idx, w, E, capacity=None, atol=2e-2, spec=None):
+    spec = spec or P("ep")
+
+    def body(x, idx, w):
+        outs = []
+        for be in ("cuda", "reference"):
+            r = jax_ep.dispatch(x, idx, w, num_experts=E, capacity=capacity, axis_name="ep",
+                                backend=be)
+            rx = r.recv_x if not isinstance(r.recv_x, tuple) else r.recv_x[0]
+            y = (rx.astype(jnp.float32) * 0.5).astype(jnp.bfloat16) if rx.dtype == \
+                jnp.float8_e4m3fn else rx
+            out = jax_ep.combine(y, r.handle, axis_name="ep", backend=be)
+            scales = r.recv_x[1] if isinstance(r.recv_x, tuple) else jnp.zeros((1,), jnp.float32)
+            outs.append((rx, scales, r.recv_topk_idx, r.recv_topk_weights, r.recv_count[None],
+                         r.recv_tokens_per_expert, r.handle.recv_src, r.handle.send_rows,
+                         r.handle.num_dropped[None], r.handle.num_invalid[None], out))
+        return outs
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    if isinstance(x, tuple):
+        args = (tuple(put(mesh, a, spec) for a in x), put(mesh, idx, spec), put(mesh, w, spec))
+    else:
+        args = (put(mesh, x, spec), put(mesh, idx, spec), put(mesh, w, spec))
+    cu, rf = local(f(*args))
+    names = ["recv_x", "scales", "recv_topk_idx", "recv_topk_weights", "recv_count",
+             "per_expert", "recv_src", "send_rows", "num_dropped", "num_invalid"]
+    for n, a, b in zip(names, cu[:10], rf[:10]):
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=n)
+    a, b = np.asarray(cu[10], np.float32), np.asarray(rf[10], np.float32)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, rtol=atol, atol=atol, err_msg="combine")
+    return cu
+
+
+def ll_check(mesh, x, idx, w, E, M, use_fp8, round_scale, split):
+    R = mesh.devices.size
+    L = E // R
+    T = x.shape[0] // R
+
+    def body(x, idx, w):
+        outs = []
+        for be in ("cuda", "reference"):
+            kw = dict(num_experts=E, max_tokens_per_rank=M, use_fp8=use_fp8,
+                      round_scale=round_scale, backend=be)
+            if split and be == "cuda":
+                r = jax_ep.low_latency_dispatch_recv(jax_ep.low_latency_dispatch_send(x, idx, **kw))
+            else:
+                r = jax_ep.low_latency_dispatch(x, idx, **kw)
+            rx, sc = r.recv_x if use_fp8 else (r.recv_x, jnp.zeros((1,), jnp.float32))
+            src = r.handle.recv_src[:, :, None]
+            col = jnp.arange(rx.shape[-1])[None, None, :]
+            lid = jnp.arange(rx.shape[0])[:, None, None]
+            y = (((src * 31 + lid * 7 + col) % 13 - 6) / 4).astype(jnp.bfloat16)
+            rows = jnp.arange(y.shape[1])[None, :, None]
+            y = jnp.where(rows < r.recv_count[:, None, None], y, jnp.nan)
+            if split and be == "cuda":
+                out = jax_ep.low_latency_combine_recv(
+                    jax_ep.low_latency_combine_send(y, idx, w, r.handle, backend=be))
+            else:
+                out = jax_ep.low_latency_combine(y, idx, w, r.handle, backend=be)
+            outs.append((rx, sc, r.recv_count, r.handle.recv_src, r.handle.recv_slot,
+                         r.handle.num_invalid[None], out))
+        return outs
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                              check_vma=False))
+    cu, rf = local(f(put(mesh, x, P("ep")), put(mesh, idx, P("ep")), put(mesh, w, P("ep"))))
+    np.testing.assert_array_equal(cu[2], rf[2], err_msg="recv_count")
+    np.testing.assert_array_equal(cu[5], rf[5], err_msg="num_invalid")
+    rows_c = _ll_rows(cu[0], cu[1], cu[2], cu[3], 1, L)
+    rows_r = _ll_rows(rf[0], rf[1], rf[2], rf[3], 1, L)
+    assert rows_c.keys() == rows_r.keys()
+    if not use_fp8:
+        assert rows_c == rows_r
+    else:
+        q_all, s_all = np_quantize(np.asarray(x, np.float32), round_scale)
+        q_all = np.asarray(q_all).view(np.uint8)
+        for k, (payload, scales) in rows_c.items():
+            src = (k[2] // M) * T + k[2] % M
+            if payload != q_all[src].tobytes():
+                got = np.frombuffer(payload, np.uint8)
+                bad = np.nonzero(got != q_all[src])[0]
+                # which source row does the payload match, if any?
+                match = [int(j) for j in np.nonzero((q_all == got[None]).all(1))[0][:3]]
+                nbad = sum(p2 != q_all[(k2[2] // M) * T + k2[2] % M].tobytes()
+                           for k2, (p2, _) in rows_c.items())
+                raise AssertionError(f"FP8 payload of row {k} (source row {src}) != oracle: "
+                                     f"{bad.size} bytes differ (first {bad[:6].tolist()}), "
+                                     f"{int((got == 0).sum())} zero bytes; payload equals "
+                                     f"oracle rows {match}; {nbad} of {len(rows_c)} rows bad")
+            assert scales == np.asarray(s_all[src], np.float32).tobytes(), f"scales of {k}"
+    assert _ll_slots(cu[2], cu[3], cu[4], 1, L) == _ll_slots(rf[2], rf[3], rf[4], 1, L)
+    a, b = np.asarray(cu[6], np.float32), np.asarray(rf[6], np.float32)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=5e-2)
+
+
+def scan_check(mesh, kind, steps=200):
+    R = mesh.devices.size
+    rng = np.random.default_rng(5)
+    T, M, H, K, E = 16, 16, 256, 4, 4 * R
+    xs = rng.standard_normal((steps, R * T, H)).astype(np.float32)
+    idx = np.stack([_routing("masked", rng, R, T, K, E) for _ in range(steps)])
+    w = rng.random((steps, R * T, K)).astype(np.float32)
+
+    def run(be):
+        def body(xs, idx, w):
+            def step(c, inp):
+                x, i, wi = inp
+                x = x.astype(jnp.bfloat16)
+                if kind == "ht":
+                    r = jax_ep.dispatch(x, i, num_experts=E, backend=be)
+                    out = jax_ep.combine(r.recv_x, r.handle, backend=be)
+                    return c, (out, r.handle.recv_src)
+                if kind == "ll_split" and be == "cuda":
+                    r = jax_ep.low_latency_dispatch_recv(jax_ep.low_latency_dispatch_send(
+                        x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=False, backend=be))
+                    out = jax_ep.low_latency_combine_recv(jax_ep.low_latency_combine_send(
+                        r.recv_x, i, wi, r.handle, backend=be))
+                else:
+                    r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
+                                                    use_fp8=False, backend=be)
+                    out = jax_ep.low_latency_combine(r.recv_x, i, wi, r.handle, backend=be)
+                return c, (out, r.recv_count)
+            return jax.lax.scan(step, 0, (xs, idx, w))[1]
+        spec = P(None, "ep")
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+        return local(f(put(mesh, xs, spec), put(mesh, idx, spec), put(mesh, w, spec)))
+
+    oc, sc = run("cuda")
+    orf, srf = run("reference")
+    np.testing.assert_array_equal(sc, srf)
+    np.testing.assert_allclose(np.asarray(oc, np.float32), np.asarray(orf, np.float32),
+                               rtol=2e-2, atol=5e-2)
+
+
+def main():
+    global RANK
+    kill = None
+    if "--kill-rank" in sys.argv:
+        kill = int(sys.argv[sys.argv.index("--kill-rank") + 1])
+    jax.distributed.initialize()  # no-op under jax_ep.launch; SLURM etc. otherwise
+    RANK = jax.process_index()
+    R = jax.process_count()
+    devs = jax.devices()
+    assert len(devs) == R and len(jax.local_devices()) == 1, "one GPU per process expected"
+    mesh = Mesh(np.array(devs), ("ep",))
+    jax_ep.initialize()
+    info = jax_ep.runtime_info()
+    print(f"rank {RANK}: {info['process_mode']}; self-test {info.get('nvshmem_self_test')}",
+          flush=True)
+    if kill is not None:
+        if RANK == kill:
+            print(f"rank {RANK}: exiting before the first op (--kill-rank)", flush=True)
+            os._exit(3)
+        rng = np.random.default_rng(0)
+        x = np.asarray(jnp.asarray(rng.standard_normal((R * 8, 256)), jnp.bfloat16))
+        idx = _routing("random", rng, R, 8, 2, 2 * R)
+        # Our kernels only: a reference-backend collective (NCCL) would wait for the dead
+        # process in its own setup, which has no timeout of ours.
+        f = jax.jit(jax.shard_map(
+            lambda x, i: jax_ep.low_latency_dispatch(x, i, num_experts=2 * R,
+                                                     max_tokens_per_rank=8).recv_count,
+            mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+        t0 = time.time()
+        local(f(put(mesh, x, P("ep")), put(mesh, idx, P("ep"))))
+        print(f"rank {RANK}: op finished after {time.time() - t0:.1f} s without the dead rank "
+              "(unexpected)", flush=True)
+        os._exit(4)
+
+    t0 = time.time()
+    checks = 0
+    failures = []
+
+    def attempt(name, fn, *args, **kw):
+        try:
+            out = fn(*args, **kw)
+            print(f"rank {RANK}: ok   {name}", flush=True)
+            return out
+        except AssertionError as e:  # a mismatch: report and go on (same program everywhere)
+            failures.append(name)
+            print(f"rank {RANK}: FAIL {name}: {str(e)[:600]}", flush=True)
+    only = os.environ.get("JAX_EP_MP_ONLY", "ht,ll,scan").split(",")
+    for kind in ("random", "skewed", "masked"):
+        for T, H, dtype in [(64, 2048, np.float32), (33, 4096, np.float32), (1, 7168, None),
+                            (77, 7168, None)]:
+            rng = np.random.default_rng(seed(R, kind, T, H))
+            E, K = 8 * R, 4
+            x = rng.standard_normal((R * T, H)).astype(np.float32)
+            xin = x if dtype is np.float32 else jnp.asarray(x, jnp.bfloat16)
+            if "ht" in only:
+                attempt(f"ht {kind} T={T} H={H}", ht_check, mesh, np.asarray(xin),
+                        _routing(kind, rng, R, T, K, E),
+                        rng.random((R * T, K)).astype(np.float32), E,
+                        atol=1e-5 if dtype is np.float32 else 2e-2)
+            checks += 1
+    rng = np.random.default_rng(R)
+    T, H, K, E = 96, 2048, 8, 16 * R
+    xq, xs = jax_ep.quantize_fp8(jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32))
+    idx = _routing("masked", rng, R, T, K, E)
+    w = rng.random((R * T, K)).astype(np.float32)
+    if "ht" in only:
+        attempt("ht fp8", ht_check, mesh, (np.asarray(xq), np.asarray(xs)), idx, w, E)
+        attempt("ht fp8 capacity", ht_check, mesh, (np.asarray(xq), np.asarray(xs)), idx, w, E,
+                capacity=T // 2)
+    checks += 2
+
+    for kind in ("random", "skewed", "masked"):
+        for T, M, use_fp8, round_scale, split in [(128, 128, True, False, False),
+                                                  (1, 16, True, True, False),
+                                                  (57, 64, False, False, False),
+                                                  (100, 128, True, False, True),
+                                                  (33, 40, False, False, True)]:
+            rng = np.random.default_rng(seed(R, kind, T, M, use_fp8))
+            H, K, E = 2048, 8, 8 * R
+            x = np.asarray(jnp.asarray(rng.standard_normal((R * T, H)) * 3, jnp.bfloat16))
+            if "ll" in only:
+                attempt(f"ll {kind} T={T} M={M} fp8={use_fp8} split={split}", ll_check, mesh,
+                        x, _routing(kind, rng, R, T, K, E),
+                        rng.random((R * T, K)).astype(np.float32), E, M, use_fp8, round_scale,
+                        split)
+            checks += 1
+    for kind in ("ht", "ll", "ll_split"):
+        if "scan" in only:
+            attempt(f"scan of 200 back-to-back {kind}", scan_check, mesh, kind)
+            checks += 1
+    if failures:
+        raise AssertionError(f"{len(failures)} of {checks} checks failed: {failures}")
+    info = jax_ep.runtime_info()
+    print(f"PASS rank {RANK}: {checks} checks in {time.time() - t0:.1f} s; arena used "
+          f"{info.get('symmetric_arena_used')} of {info.get('symmetric_arena_bytes')} bytes",
+          flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:  # noqa: BLE001 - report and leave at once (see the docstring)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    # Success: a normal exit, so NVSHMEM's finalize and jax.distributed's shutdown run (teardown).

@@ -1,0 +1,60 @@
+"""Per-process mode on one host: N JAX processes, one GPU each, NVSHMEM transport.
+
+Marked `gpu`: each test starts its own processes with `python -m jax_ep.launch` running
+tests/mp_worker.py (the per-process GPU suite), and needs as many GPUs as processes.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _num_gpus():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def _launch(n, *args, timeout_s="20", wall=900):
+    if _num_gpus() < n:
+        pytest.skip(f"needs {n} GPUs")
+    try:
+        import nvshmem.core  # noqa: F401
+    except ImportError:
+        pytest.skip("needs nvshmem4py (pip install 'jax_ep[cuda13]')")
+    env = dict(os.environ, JAX_EP_TIMEOUT_S=timeout_s, PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--grace", "60",
+                        os.path.join(HERE, "mp_worker.py"), *args], env=env, cwd=HERE,
+                       capture_output=True, text=True, timeout=wall)
+    return p, time.time() - t0
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_per_process_suite(n):
+    p, _ = _launch(n)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    for r in range(n):
+        assert f"PASS rank {r}:" in out, out[-6000:]
+        assert f"rank {r}: {n} processes, one GPU each (NVSHMEM)" in out, out[-6000:]
+
+
+def test_killed_process_fails_peers_within_timeout():
+    p, dt = _launch(2, "--kill-rank", "1", timeout_s="5", wall=300)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-6000:]
+    assert "exiting before the first op" in out, out[-6000:]
+    assert "timed out" in out, out[-6000:]          # the kernel's message, naming the phase
+    assert "unexpected" not in out, out[-6000:]
+    assert dt < 240, f"took {dt:.0f} s"
