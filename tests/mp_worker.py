@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_ep  # noqa: E402
-from test_gpu import _bits, _ll_rows, _ll_slots, _routing  # noqa: E402
+from test_gpu import (_assert_ht_equal, _ht_body, _ll_body, _ll_rows,  # noqa: E402
+                      _ll_slots, _routing)
 from numpy_oracle import quantize_fp8 as np_quantize  # noqa: E402
 
 RANK = None
@@ -57,35 +58,14 @@ def local(tree):
 
 def ht_check(mesh, x, idx, w, E, capacity=None, atol=2e-2, spec=None):
     spec = spec or P("ep")
-
-    def body(x, idx, w):
-        outs = []
-        for be in ("cuda", "reference"):
-            r = jax_ep.dispatch(x, idx, w, num_experts=E, capacity=capacity, axis_name="ep",
-                                backend=be)
-            rx = r.recv_x if not isinstance(r.recv_x, tuple) else r.recv_x[0]
-            y = (rx.astype(jnp.float32) * 0.5).astype(jnp.bfloat16) if rx.dtype == \
-                jnp.float8_e4m3fn else rx
-            out = jax_ep.combine(y, r.handle, axis_name="ep", backend=be)
-            scales = r.recv_x[1] if isinstance(r.recv_x, tuple) else jnp.zeros((1,), jnp.float32)
-            outs.append((rx, scales, r.recv_topk_idx, r.recv_topk_weights, r.recv_count[None],
-                         r.recv_tokens_per_expert, r.handle.recv_src, r.handle.send_rows,
-                         r.handle.num_dropped[None], r.handle.num_invalid[None], out))
-        return outs
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    f = jax.jit(jax.shard_map(_ht_body(E, capacity), mesh=mesh, in_specs=spec, out_specs=spec,
+                              check_vma=False))
     if isinstance(x, tuple):
         args = (tuple(put(mesh, a, spec) for a in x), put(mesh, idx, spec), put(mesh, w, spec))
     else:
         args = (put(mesh, x, spec), put(mesh, idx, spec), put(mesh, w, spec))
     cu, rf = local(f(*args))
-    names = ["recv_x", "scales", "recv_topk_idx", "recv_topk_weights", "recv_count",
-             "per_expert", "recv_src", "send_rows", "num_dropped", "num_invalid"]
-    for n, a, b in zip(names, cu[:10], rf[:10]):
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=n)
-    a, b = np.asarray(cu[10], np.float32), np.asarray(rf[10], np.float32)
-    assert np.isfinite(a).all()
-    np.testing.assert_allclose(a, b, rtol=atol, atol=atol, err_msg="combine")
+    _assert_ht_equal(cu, rf, atol)
     return cu
 
 
@@ -94,33 +74,8 @@ def ll_check(mesh, x, idx, w, E, M, use_fp8, round_scale, split):
     L = E // R
     T = x.shape[0] // R
 
-    def body(x, idx, w):
-        outs = []
-        for be in ("cuda", "reference"):
-            kw = dict(num_experts=E, max_tokens_per_rank=M, use_fp8=use_fp8,
-                      round_scale=round_scale, backend=be)
-            if split and be == "cuda":
-                r = jax_ep.low_latency_dispatch_recv(jax_ep.low_latency_dispatch_send(x, idx, **kw))
-            else:
-                r = jax_ep.low_latency_dispatch(x, idx, **kw)
-            rx, sc = r.recv_x if use_fp8 else (r.recv_x, jnp.zeros((1,), jnp.float32))
-            src = r.handle.recv_src[:, :, None]
-            col = jnp.arange(rx.shape[-1])[None, None, :]
-            lid = jnp.arange(rx.shape[0])[:, None, None]
-            y = (((src * 31 + lid * 7 + col) % 13 - 6) / 4).astype(jnp.bfloat16)
-            rows = jnp.arange(y.shape[1])[None, :, None]
-            y = jnp.where(rows < r.recv_count[:, None, None], y, jnp.nan)
-            if split and be == "cuda":
-                out = jax_ep.low_latency_combine_recv(
-                    jax_ep.low_latency_combine_send(y, idx, w, r.handle, backend=be))
-            else:
-                out = jax_ep.low_latency_combine(y, idx, w, r.handle, backend=be)
-            outs.append((rx, sc, r.recv_count, r.handle.recv_src, r.handle.recv_slot,
-                         r.handle.num_invalid[None], out))
-        return outs
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(_ll_body(E, M, use_fp8, round_scale, split), mesh=mesh,
+                              in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
     cu, rf = local(f(put(mesh, x, P("ep")), put(mesh, idx, P("ep")), put(mesh, w, P("ep"))))
     np.testing.assert_array_equal(cu[2], rf[2], err_msg="recv_count")
     np.testing.assert_array_equal(cu[5], rf[5], err_msg="num_invalid")

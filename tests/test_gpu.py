@@ -63,9 +63,8 @@ def _routing(kind, rng, R, T, K, E):
     return idx.astype(np.int32)
 
 
-def _ht_run(mesh, x, idx, w, E, capacity=None, axis="ep"):
-    spec = P(mesh.axis_names) if len(mesh.axis_names) > 1 else P("ep")
-
+def _ht_body(E, capacity=None, axis="ep"):
+    """shard_map body running dispatch + combine on both backends (cuda first)."""
     def body(x, idx, w):
         outs = []
         for be in ("cuda", "reference"):
@@ -80,8 +79,13 @@ def _ht_run(mesh, x, idx, w, E, capacity=None, axis="ep"):
                          r.recv_tokens_per_expert, r.handle.recv_src, r.handle.send_rows,
                          r.handle.num_dropped[None], r.handle.num_invalid[None], out))
         return outs
+    return body
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+def _ht_run(mesh, x, idx, w, E, capacity=None, axis="ep"):
+    spec = P(mesh.axis_names) if len(mesh.axis_names) > 1 else P("ep")
+    f = jax.jit(jax.shard_map(_ht_body(E, capacity, axis), mesh=mesh, in_specs=spec,
+                              out_specs=spec, check_vma=False))
     _poison()
     return jax.device_get(f(x, idx, w))
 
@@ -209,7 +213,9 @@ def _ll_combine(y, idx, w, handle, split, **kw):
         jax_ep.low_latency_combine_send(y, idx, w, handle, **kw))
 
 
-def _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale, split=False):
+def _ll_body(E, M, use_fp8, round_scale, split=False):
+    """shard_map body running LL dispatch + combine on both backends (cuda first; the cuda one
+    through the send / receive halves when split)."""
     def body(x, idx, w):
         outs = []
         for be in ("cuda", "reference"):
@@ -230,9 +236,12 @@ def _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale, split=False):
             outs.append((rx, sc, r.recv_count, r.handle.recv_src, r.handle.recv_slot,
                          r.handle.num_invalid[None], out))
         return outs
+    return body
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
-                              check_vma=False))
+
+def _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale, split=False):
+    f = jax.jit(jax.shard_map(_ll_body(E, M, use_fp8, round_scale, split), mesh=mesh,
+                              in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
     _poison()
     return jax.device_get(f(x, idx, w))
 

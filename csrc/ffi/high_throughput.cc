@@ -100,10 +100,6 @@ ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const i
   return jax_ep::cuda_error("staging copy");
 }
 
-size_t nbytes(const ffi::AnyBuffer& b) { return b.size_bytes(); }
-template <ffi::DataType T>
-size_t nbytes(const ffi::Buffer<T>& b) { return b.size_bytes(); }
-
 #define JAX_EP_RETURN_IF_ERROR(expr)       \
   do {                                     \
     ffi::Error _e = (expr);                \
@@ -194,10 +190,10 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
                                 std::to_string(plan.scratch_words) + " scratch words");
 
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, R, &gi,
-                                        {{x.untyped_data(), nbytes(x)},
-                                         {x_scales.untyped_data(), nbytes(x_scales)},
-                                         {topk_idx.untyped_data(), nbytes(topk_idx)},
-                                         {topk_weights.untyped_data(), nbytes(topk_weights)}}));
+      {{x.untyped_data(), x.size_bytes()},
+       {x_scales.untyped_data(), x_scales.size_bytes()},
+       {topk_idx.untyped_data(), topk_idx.size_bytes()},
+       {topk_weights.untyped_data(), topk_weights.size_bytes()}}));
   DispatchArgs a{};
   a.plan = plan;
   a.ps = gi.peers;
@@ -253,7 +249,7 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
-                                        {{x.untyped_data(), nbytes(x)}}));
+                                        {{x.untyped_data(), x.size_bytes()}}));
   GatherArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
@@ -312,7 +308,7 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
-                                        {{y.untyped_data(), nbytes(y)}}));
+                                        {{y.untyped_data(), y.size_bytes()}}));
   CombineArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
