@@ -2,9 +2,11 @@
 same GPUs: one process over all of them, or (under python -m jax_ep.launch -n R) one process
 per GPU, where process 0 reports. benchmarks/bench_modes.py runs both modes in one go.
 
-Each op is timed as a jit-compiled lax.scan of --iters calls (host dispatch excluded): wall time
-of the whole scan / iters, after warm-up, median over --reps runs. Prints a table, writes
-results.json and a plot into --out.
+Each op is timed as a jit-compiled lax.scan of --iters calls (host dispatch excluded; no kernel
+of the harness between calls, benchmarks/harness.py): wall time of the whole scan / iters, after
+warm-up, median over --reps runs. With --kernel-times, one more run of each scan under
+jax.profiler also gives the op's kernel durations per call (benchmarks/kernel_times.py), the
+measure DeepEP reports. Prints a table, writes results.json and a plot into --out.
 
   python benchmarks/bench.py --ranks 2 4 --mode ht ll --out /tmp/bench
 """
@@ -14,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -29,7 +30,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
+import harness  # noqa: E402
 import jax_ep  # noqa: E402
+import kernel_times  # noqa: E402
+
+# The kernels that are the op, by name (kernel_us): ours, the NCCL (or XLA) collectives of the
+# lax baselines, or every kernel of the scan (ops without a collective).
+OURS = r"jax_ep|dispatch_kernel|combine_kernel|copy_rows|layout"
+NCCL = r"nccl|all_to_all|ragged"
+ANY = r"."
+TRACE_DIR = None  # --kernel-times: each op's profiler trace goes under it
+_traces = 0
 
 
 def put(value, dtype, sharding=None):
@@ -52,33 +63,42 @@ def ragged_ok() -> bool:
     return False
 
 
-def timed_scan(mesh, body, args, iters, reps, carry_dep=False):
-    """Median seconds per call of body(*args) repeated `iters` times inside one lax.scan."""
-    def shard(*a):
-        def step(c, _):
-            a2 = a
-            if carry_dep:  # baselines: make the input loop-variant so XLA cannot hoist them
-                a2 = (a[0] + c.astype(a[0].dtype),) + tuple(a[1:])
-            else:  # call i + 1 starts after call i (no kernel: a scheduling constraint only)
-                a2, c = jax.lax.optimization_barrier((a, c))
-            out = body(*a2)
-            leaf = jax.tree_util.tree_leaves(out)[0]
-            return c + leaf.reshape(-1)[0].astype(jnp.float32) * 0, None
-        # Fully unrolled: a rolled XLA while loop costs a device->host predicate copy per
-        # iteration (tens of us), which would swamp the microsecond ops being timed.
-        c, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), None, length=iters, unroll=True)
-        return c[None]
+def timed_scan(mesh, body, args, iters, reps, kernels=OURS):
+    """(median, min, max) seconds per call of body(*args), `iters` calls in one lax.scan
+    (harness.timed_scan), and a dict: kernel_us / kernel_us_all, the kernel durations per call
+    of one more run under the profiler with --kernel-times (kernels whose name matches
+    `kernels` / all kernels), None without it or where profiling fails; "lines" to print."""
+    global _traces
+    f = harness.scan_fn(mesh, body, iters)
+    t = harness.time_fn(f, args, iters, reps)
+    k = dict(kernel_us=None, kernel_us_all=None, lines=[])
+    if TRACE_DIR is None:
+        return t + (k,)
+    _traces += 1
+    log_dir = os.path.join(TRACE_DIR, f"{_traces:03d}_p{jax.process_index()}")
+    ran = []
 
-    f = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
-                              check_vma=False))
-    for _ in range(2):
-        f(*args).block_until_ready()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(*args).block_until_ready()
-        ts.append((time.perf_counter() - t0) / iters)
-    return float(np.median(ts)), float(np.min(ts)), float(np.max(ts))
+    def run():
+        ran.append(True)
+        return f(*args)
+    try:
+        res = kernel_times.trace_kernels(run, log_dir, kernels, iters)
+    except Exception as e:  # noqa: BLE001 - no profiler here: the scan timing stands alone
+        why = (str(e).splitlines() or [""])[0]
+        k["lines"] = [f"    (no kernel times: {type(e).__name__}: {why})"]
+        if not ran:  # the other processes run this program (its collectives) all the same
+            jax.block_until_ready(f(*args))
+        return t + (k,)
+    k.update(kernel_us=res["kernel_us"], kernel_us_all=res["kernel_us_all"],
+             lines=kernel_times.report(res) + [f"    trace: {log_dir}"])
+    return t + (k,)
+
+
+def kernel_fields(k):
+    """Prints timed_scan's kernel report; the row's kernel fields."""
+    for line in k["lines"]:
+        print(line, flush=True)
+    return dict(kernel_us=k["kernel_us"], kernel_us_all=k["kernel_us_all"])
 
 
 def routing(rng, n, K, E):
@@ -107,15 +127,15 @@ def ht_suite(mesh, R, a, sms_list, rows):
     it, reps = a.iters, a.reps
 
     def record(op, impl, sms, t, row_bytes):
-        med, lo, hi = t
+        med, lo, hi, k = t
+        print(f"  R={R} {op:22s} {impl:24s} sms={sms!s:>4} {med * 1e6:10.1f} us "
+              f"(recv {recv_tok * row_bytes / med / 1e9:6.1f} GB/s, egress "
+              f"{sent_remote * row_bytes / med / 1e9:6.1f} GB/s)", flush=True)
         rows.append(dict(mode="ht", ranks=R, op=op, impl=impl, sms=sms, us=med * 1e6,
                          us_min=lo * 1e6, us_max=hi * 1e6,
                          recv_GBps=recv_tok * row_bytes / med / 1e9,
                          egress_GBps=sent_remote * row_bytes / med / 1e9,
-                         tokens=T, hidden=H, topk=K, experts=E))
-        print(f"  R={R} {op:22s} {impl:24s} sms={sms!s:>4} {med * 1e6:10.1f} us "
-              f"(recv {recv_tok * row_bytes / med / 1e9:6.1f} GB/s, egress "
-              f"{sent_remote * row_bytes / med / 1e9:6.1f} GB/s)", flush=True)
+                         tokens=T, hidden=H, topk=K, experts=E, **kernel_fields(k)))
 
     for sms in sms_list:
         jax_ep.set_num_blocks(sms)
@@ -145,19 +165,19 @@ def ht_suite(mesh, R, a, sms_list, rows):
     record("dispatch_bf16_H8 (layout+sync)", "jax_ep", "-", t, 16)
     cap = int(np.ceil(1.25 * in_rank.reshape(R, T, R).sum(axis=1).mean()))
     t = timed_scan(mesh, lambda x, i: baselines.all_to_all_dispatch(
-        x, i, num_experts=E, axis_name="ep", capacity=cap)[0], (x, idx), it, reps, True)
+        x, i, num_experts=E, axis_name="ep", capacity=cap)[0], (x, idx), it, reps, NCCL)
     record("dispatch_bf16", "lax.all_to_all(cap 1.25)", "-", t, row_bf16)
     if ragged_ok():
         t = timed_scan(mesh, lambda x, i: baselines.ragged_dispatch(
             x, i, num_experts=E, axis_name="ep")[0], (x, idx), max(2, it // 5),
-            max(3, reps // 2), True)
+            max(3, reps // 2), NCCL)
         record("dispatch_bf16", "lax.ragged_all_to_all", "-", t, row_bf16)
 
     def a2a_combine(x, i):
         recv, lay = baselines.all_to_all_dispatch(x, i, num_experts=E, axis_name="ep",
                                                   capacity=cap)
         return baselines.all_to_all_combine(recv, lay, axis_name="ep", num_tokens=T)
-    t = timed_scan(mesh, a2a_combine, (x, idx), it, reps, True)
+    t = timed_scan(mesh, a2a_combine, (x, idx), it, reps, NCCL)
     record("dispatch+combine_bf16", "lax.all_to_all(cap 1.25)", "-", t, row_bf16)
 
 
@@ -174,14 +194,14 @@ def ll_suite(mesh, R, a, rows):
     it, reps = a.iters * 4, a.reps
 
     def record(op, impl, t, row_bytes):
-        med, lo, hi = t
+        med, lo, hi, k = t
+        print(f"  R={R} LL {op:19s} {impl:24s} {med * 1e6:10.1f} us", flush=True)
         rows.append(dict(mode="ll", ranks=R, op=op, impl=impl, sms="-", us=med * 1e6,
                          us_min=lo * 1e6, us_max=hi * 1e6,
                          recv_GBps=pairs * row_bytes / med / 1e9, tokens=T, hidden=H, topk=K,
-                         experts=E))
-        print(f"  R={R} LL {op:19s} {impl:24s} {med * 1e6:10.1f} us", flush=True)
+                         experts=E, **kernel_fields(k)))
 
-    t = timed_scan(mesh, lambda x, i: x[:1] * 2, (x, idx), it, reps)
+    t = timed_scan(mesh, lambda x, i: x[:1] * 2, (x, idx), it, reps, ANY)
     record("harness (x[:1]*2)", "-", t, 0)
     t = timed_scan(mesh, lambda x, i: jax_ep.low_latency_dispatch(
         x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=True, backend="cuda").recv_x[0],
@@ -236,22 +256,23 @@ def ll_suite(mesh, R, a, rows):
         r = jax_ep.low_latency_dispatch_recv(pend)
         return prod[:1, :1] + r.recv_count[:1, None].astype(m.dtype)
 
-    record(f"matmul {n_mm}^2 (bf16)", "-", timed_scan(mesh, mm_only, (mm,), it, reps), 0)
-    record(f"dispatch_fp8 + matmul", "fused, then matmul",
+    record(f"matmul {n_mm}^2 (bf16)", "-", timed_scan(mesh, mm_only, (mm,), it, reps, ANY), 0)
+    record("dispatch_fp8 + matmul", "fused, then matmul",
            timed_scan(mesh, fused_then_mm, (x, idx, mm), it, reps), H + 4 * H // 128)
-    record(f"dispatch_fp8 + matmul", "send, matmul, recv",
+    record("dispatch_fp8 + matmul", "send, matmul, recv",
            timed_scan(mesh, send_mm_recv, (x, idx, mm), it, reps), H + 4 * H // 128)
     cap = int(np.ceil(1.25 * T * (1 - (1 - 1 / R) ** K)))
     t = timed_scan(mesh, lambda x, i: baselines.all_to_all_dispatch(
-        x, i, num_experts=E, axis_name="ep", capacity=cap)[0], (x, idx), it, reps, True)
+        x, i, num_experts=E, axis_name="ep", capacity=cap)[0], (x, idx), it, reps, NCCL)
     record("dispatch_bf16", "lax.all_to_all(cap 1.25)", t, 2 * H)
     if ragged_ok():
         t = timed_scan(mesh, lambda x, i: baselines.ragged_dispatch(
-            x, i, num_experts=E, axis_name="ep")[0], (x, idx), it, reps, True)
+            x, i, num_experts=E, axis_name="ep")[0], (x, idx), it, reps, NCCL)
         record("dispatch_bf16", "lax.ragged_all_to_all", t, 2 * H)
 
 
 def main():
+    global TRACE_DIR
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -270,8 +291,13 @@ def main():
     p.add_argument("--cmd-buffers", action="store_true",
                    help="run under XLA command buffers (CUDA graphs), custom calls included")
     p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="also run each scan once under jax.profiler and report its kernel "
+                        "durations per call (traces kept in OUT/traces)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.kernel_times:
+        TRACE_DIR = os.path.join(os.path.abspath(a.out), "traces")
     if jax.process_index() != 0:  # per-process mode: process 0 reports for everyone
         sys.stdout = open(os.devnull, "w")
     gpus = jax.devices()
@@ -304,9 +330,12 @@ def main():
 
 
 def print_table(rows):
+    kern = any(r.get("kernel_us") is not None or r.get("kernel_us_all") is not None
+               for r in rows)
+    us = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     print("\n| mode | GPUs | op | impl | SMs | median us | recv GB/s | speed-up vs all_to_all | "
-          "vs ragged |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "vs ragged |" + (" kernel us | all kernels us |" if kern else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if kern else ""))
     for r in rows:
         base = {b["impl"]: b["us"] for b in rows if b["mode"] == r["mode"] and
                 b["ranks"] == r["ranks"] and b["impl"] != "jax_ep" and
@@ -315,7 +344,8 @@ def print_table(rows):
         rag = base.get("lax.ragged_all_to_all")
         sp = lambda b: f"{b / r['us']:.1f}x" if (b and r["impl"] == "jax_ep") else "-"  # noqa
         print(f"| {r['mode']} | {r['ranks']} | {r['op']} | {r['impl']} | {r['sms']} | "
-              f"{r['us']:.1f} | {r['recv_GBps']:.0f} | {sp(a2a)} | {sp(rag)} |")
+              f"{r['us']:.1f} | {r['recv_GBps']:.0f} | {sp(a2a)} | {sp(rag)} |" +
+              (f" {us(r.get('kernel_us'))} | {us(r.get('kernel_us_all'))} |" if kern else ""))
 
 
 def plot(rows, path):

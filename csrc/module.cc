@@ -96,6 +96,8 @@ NB_MODULE(_C, m) {
   m.def("sym_init_groups", &jax_ep::sym::init_groups, nb::arg("table"));
   m.def("sym_reserve", &jax_ep::sym::reserve, nb::arg("table"), nb::arg("slot"),
         nb::arg("bytes"));
+  m.def("sym_remote_pes", &jax_ep::sym::remote_pes,
+        "PEs reached only through NVSHMEM operations (no load/store mapping)");
   m.def("sym_arena_bytes", &jax_ep::sym::arena_bytes);
   m.def("sym_arena_used", &jax_ep::sym::arena_used);
   m.def("slot_buffer_bytes", &jax_ep::slot_buffer_bytes, nb::arg("device"));

@@ -78,6 +78,14 @@ def _share_unique_id(nvshmem_core, rank: int, timeout_s: float):
     return uid
 
 
+def _debug(msg: str) -> None:
+    """JAX_EP_DEBUG=1: where the set-up is (a failing transport aborts without saying)."""
+    if os.environ.get("JAX_EP_DEBUG"):
+        import sys
+
+        print(f"jax_ep debug: {msg}", file=sys.stderr, flush=True)
+
+
 def _nvshmem_already_initialized() -> bool:
     """True when this process already initialised NVSHMEM (the user's own nvshmem4py code)."""
     try:
@@ -122,12 +130,15 @@ def initialize(ext, timeout_s: float) -> dict:
                 from cuda.core.experimental import Device  # type: ignore
             dev = Device(device)
             dev.set_current()
+            _debug(f"process {rank}: NVSHMEM init")
             nvshmem_core.init(device=dev, uid=uid, rank=rank, nranks=n,
                               initializer_method="uid")
+            _debug(f"process {rank}: NVSHMEM initialised")
             atexit.register(_finalize, nvshmem_core, timeout_s)
         if os.environ.get("JAX_EP_DEBUG"):
             ext.debug_segv_backtrace()
         ext.sym_attach(arena)
+        _debug("arena attached; self-test")
         pe, npes, got, want, mapped = (int(v) for v in ext.sym_self_test())
         result = {"pe": pe, "n_pes": npes, "token": got, "token_expected": want,
                   "next_pe_mapped": bool(mapped)}

@@ -227,6 +227,9 @@ def runtime_info() -> dict:
                 "symmetric_arena_bytes": int(ext.sym_arena_bytes()),
                 "symmetric_arena_used": int(ext.sym_arena_used()),
                 "nvshmem_self_test": pp._state["self_test"],
+                # Peers without load/store access: their data moves by NVSHMEM puts and gets
+                # (JAX_EP_FORCE_REMOTE_PEERS=1 makes every other PE one, for testing).
+                "nvshmem_remote_pes": [int(v) for v in ext.sym_remote_pes()],
             })
     return info
 

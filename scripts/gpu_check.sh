@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
-#   scripts/gpu_check.sh [build] [kernel] [test] [mp] [example] [bench] [bench-quick]
+#   scripts/gpu_check.sh [build] [kernel] [test] [mp] [ucx] [example] [bench] [bench-quick]
 #                        [bench-modes]
 #   (default: build kernel test mp example bench). mp: the per-process (one GPU per process,
-#   NVSHMEM) suite, 2 and 4 processes, and the killed-process test: needs nvshmem4py.
+#   NVSHMEM) suite, 2 and 4 processes, also with every peer forced remote (NVSHMEM puts / gets),
+#   and the killed-process test: needs nvshmem4py. ucx: the per-process low-latency suite with
+#   NVSHMEM's peer-to-peer transport off (NVSHMEM_DISABLE_P2P=1) and its UCX transport over TCP
+#   on the loopback device instead (needs the libucx-cu13 wheel): peers are then remote for
+#   real, not by JAX_EP_FORCE_REMOTE_PEERS.
 # Extra args: PYTEST_K="ll_ or layout" (a -k expression); PYTEST_ARGS="--maxfail=3";
 # BENCH_ARGS="--ranks 4".
 set -uo pipefail
@@ -42,6 +46,14 @@ if has mp; then
   (cd /tmp && timeout 900 $PY -m pytest -q -p no:cacheprovider -m gpu \
      "$OLDPWD/tests/test_multiprocess.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/mp_tests.log" \
      | tail -40) || rc=1
+fi
+if has ucx; then
+  step "per-process suite, peers remote over NVSHMEM's UCX transport (TCP, loopback)"
+  UCX_LIB=$($PY -c "import libucx, os; print(os.path.join(os.path.dirname(libucx.__file__), 'lib'))")
+  (cd /tmp && NVSHMEM_DISABLE_P2P=1 NVSHMEM_REMOTE_TRANSPORT=ucx UCX_TLS=tcp,cuda_copy,self \
+     UCX_NET_DEVICES=lo NVSHMEM_DEBUG=WARN JAX_EP_DEBUG=1 LD_LIBRARY_PATH="$UCX_LIB:$UCX_LIB/ucx:${LD_LIBRARY_PATH:-}" \
+     JAX_EP_MP_ONLY=${UCX_CHECKS:-ll} JAX_EP_TIMEOUT_S=60 timeout 300 $PY -m jax_ep.launch -n 2 \
+     --grace 30 "$OLDPWD/tests/mp_worker.py" 2>&1 | tee "$OUT/ucx.log" | tail -40) || rc=1
 fi
 if has example; then
   step "example on GPUs"

@@ -10,6 +10,9 @@ calls in a scan. Prints "PASS rank r" at the end and exits normally (NVSHMEM fin
 jax.distributed shutdown run); any failure exits non-zero at once (no collective exit path that
 a failed peer could hang).
 
+With JAX_EP_FORCE_REMOTE_PEERS=1 every other process is treated as a remote peer (no load/store
+access): the same checks then run the NVSHMEM put / get kernels of transport/remote.h.
+
 --kill-rank r: rank r exits before the first op; the others must fail within JAX_EP_TIMEOUT_S
 with the kernel's timeout message, not hang (tests/test_multiprocess.py checks it).
 """
@@ -159,8 +162,10 @@ def main():
     mesh = Mesh(np.array(devs), ("ep",))
     jax_ep.initialize()
     info = jax_ep.runtime_info()
-    print(f"rank {RANK}: {info['process_mode']}; self-test {info.get('nvshmem_self_test')}",
-          flush=True)
+    print(f"rank {RANK}: {info['process_mode']}; self-test {info.get('nvshmem_self_test')}; "
+          f"remote PEs {info.get('nvshmem_remote_pes')}", flush=True)
+    if os.environ.get("JAX_EP_FORCE_REMOTE_PEERS") == "1":  # the NVSHMEM put/get path
+        assert info["nvshmem_remote_pes"] == [q for q in range(R) if q != RANK], info
     if kill is not None:
         if RANK == kill:
             print(f"rank {RANK}: exiting before the first op (--kill-rank)", flush=True)
@@ -233,7 +238,7 @@ def main():
                         split)
             checks += 1
     for kind in ("ht", "ll", "ll_split"):
-        if "scan" in only:
+        if "scan" in only or f"scan_{kind}" in only:
             attempt(f"scan of 200 back-to-back {kind}", scan_check, mesh, kind)
             checks += 1
     if failures:

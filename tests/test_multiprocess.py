@@ -25,14 +25,14 @@ def _num_gpus():
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
-def _launch(n, *args, timeout_s="20", wall=900):
+def _launch(n, *args, timeout_s="20", wall=900, env=None):
     if _num_gpus() < n:
         pytest.skip(f"needs {n} GPUs")
     try:
         import nvshmem.core  # noqa: F401
     except ImportError:
         pytest.skip("needs nvshmem4py (pip install 'jax_ep[cuda13]')")
-    env = dict(os.environ, JAX_EP_TIMEOUT_S=timeout_s, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, JAX_EP_TIMEOUT_S=timeout_s, PYTHONUNBUFFERED="1", **(env or {}))
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--grace", "60",
                         os.path.join(HERE, "mp_worker.py"), *args], env=env, cwd=HERE,
@@ -48,6 +48,20 @@ def test_per_process_suite(n):
     for r in range(n):
         assert f"PASS rank {r}:" in out, out[-6000:]
         assert f"rank {r}: {n} processes, one GPU each (NVSHMEM)" in out, out[-6000:]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_per_process_suite_remote_peers(n):
+    """Every other process treated as remote: the NVSHMEM put-with-signal (low-latency) and get
+    (high-throughput) kernels of transport/remote.h run the whole suite, here over NVSHMEM's
+    own NVLink transport. The worker checks that runtime_info lists every other PE as remote."""
+    p, _ = _launch(n, env={"JAX_EP_FORCE_REMOTE_PEERS": "1"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    for r in range(n):
+        assert f"PASS rank {r}:" in out, out[-6000:]
+        others = [q for q in range(n) if q != r]
+        assert f"rank {r}: {n} processes" in out and f"remote PEs {others}" in out, out[-6000:]
 
 
 def test_killed_process_fails_peers_within_timeout():

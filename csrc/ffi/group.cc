@@ -30,9 +30,17 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
     for (int r = 0; r < group_size; ++r) {
       const int d = static_cast<int>(members[r]);
       std::string why;
-      Workspace* ws = per_process
-                          ? sym::group_workspace(members, static_cast<int>(group_size), r, &why)
-                          : group_workspace(members, static_cast<int>(group_size), d);
+      bool remote = false;
+      Workspace* ws =
+          per_process
+              ? sym::group_workspace(members, static_cast<int>(group_size), r, &remote, &why)
+              : group_workspace(members, static_cast<int>(group_size), d);
+      out->peers.pe[r] = d;
+      if (remote) {  // reached through NVSHMEM kernels (transport/remote.h), never directly
+        out->peers.remote |= 1u << r;
+        out->peers.slot[r] = nullptr;
+        continue;
+      }
       if (ws == nullptr) {
         std::ostringstream os;
         if (per_process)

@@ -13,6 +13,7 @@
 #include "ffi/group.h"
 #include "ffi/handlers.h"
 #include "kernels/high_throughput.cuh"
+#include "transport/remote.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -74,19 +75,34 @@ ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks)
 // staging buffers (PeerSlots::stage). Operand i sits at the sum of the 256-byte-aligned sizes
 // of operands 0..i-1 (jax_ep/_ffi.py sizes the buffer the same way). One-process mode passes
 // stage = [0]: nothing to do. Reuse is safe: the previous call on the slot ended with the end
-// barrier, after every peer finished reading.
+// barrier, after every peer finished reading. An entry with bit 0 set names a remote peer
+// (symmetric.h): the kernels read this rank's mirror of its staging buffer instead, which
+// run_pulled fills (transport/remote.h).
+struct Staged {
+  const uint8_t* own = nullptr;  // this rank's staging buffer
+  size_t bytes = 0;              // staged bytes (the same on every rank)
+  uint8_t* mirror[jax_ep::kMaxRanks] = {};
+};
+
 ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const int64_t> stage,
                           ffi::Span<const int64_t> groups, int64_t R, jax_ep::GroupInfo* gi,
-                          std::initializer_list<std::pair<const void*, size_t>> operands) {
+                          std::initializer_list<std::pair<const void*, size_t>> operands,
+                          Staged* staged) {
   if (stage.size() == 1 && stage[0] == 0) return ffi::Error::Success();
   if (stage.size() != groups.size())
     return ffi::Error::InvalidArgument(std::string(op) +
                                        ": stage must name one buffer per entry of groups");
   const int64_t* row = stage.begin() + gi->group * R;
   for (int r = 0; r < R; ++r) {
-    gi->peers.stage[r] = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(row[r]));
+    const uint64_t v = static_cast<uint64_t>(row[r]);
+    const bool remote = (v & 1u) != 0;
+    if (remote != jax_ep::is_remote(gi->peers, r))
+      return ffi::Error::Internal(std::string(op) + ": staging and peer tables disagree on rank " +
+                                  std::to_string(r));
+    gi->peers.stage[r] = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(v & ~uint64_t{1}));
     if (gi->peers.stage[r] == nullptr)
       return ffi::Error::InvalidArgument(std::string(op) + ": missing staging buffer");
+    if (remote) staged->mirror[r] = const_cast<uint8_t*>(gi->peers.stage[r]);
   }
   uint8_t* mine = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(row[gi->peers.rank]));
   size_t off = 0;
@@ -97,7 +113,31 @@ ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const i
       cudaMemcpyAsync(mine + off, operand.first, operand.second, cudaMemcpyDeviceToDevice, stream);
     off += (operand.second + 255) / 256 * 256;
   }
+  staged->own = mine;
+  staged->bytes = off;
   return jax_ep::cuda_error("staging copy");
+}
+
+// Launches the op's kernels (launch()), between the NVSHMEM prologue and epilogue when the group
+// has remote peers (transport/remote.h).
+template <typename Launch>
+ffi::Error run_pulled(const char* op, const jax_ep::GroupInfo& gi, const Staged& staged,
+                      int64_t timeout_ns, cudaStream_t stream, Launch&& launch) {
+  if (gi.peers.remote == 0) {
+    launch();
+    return jax_ep::cuda_error(op);
+  }
+  cudaError_t e = jax_ep::remote::pull_prologue(gi.peers, staged.own, staged.bytes,
+                                                staged.mirror, timeout_ns, stream);
+  if (e == cudaSuccess) {
+    launch();
+    e = cudaGetLastError();
+  }
+  if (e == cudaSuccess) e = jax_ep::remote::pull_epilogue(gi.peers, timeout_ns, stream);
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_ep: ") + op + " (remote peers): " +
+                                cudaGetErrorString(e));
+  return ffi::Error::Success();
 }
 
 #define JAX_EP_RETURN_IF_ERROR(expr)       \
@@ -189,11 +229,12 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
     return ffi::Error::Internal(std::string(op) + ": layout plan needs " +
                                 std::to_string(plan.scratch_words) + " scratch words");
 
+  Staged staged;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, R, &gi,
       {{x.untyped_data(), x.size_bytes()},
        {x_scales.untyped_data(), x_scales.size_bytes()},
        {topk_idx.untyped_data(), topk_idx.size_bytes()},
-       {topk_weights.untyped_data(), topk_weights.size_bytes()}}));
+       {topk_weights.untyped_data(), topk_weights.size_bytes()}}, &staged));
   DispatchArgs a{};
   a.plan = plan;
   a.ps = gi.peers;
@@ -219,8 +260,8 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   a.recv_tokens_per_expert = recv_tokens_per_expert->typed_data();
   a.stats = stats->typed_data();
   a.scratch = scratch->typed_data();
-  jax_ep::ht::launch_dispatch(a, stream);
-  return jax_ep::cuda_error("jax_ep_ht_dispatch launch");
+  return run_pulled(op, gi, staged, timeout_ns, stream,
+                    [&] { jax_ep::ht::launch_dispatch(a, stream); });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -248,8 +289,9 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
   if (group_size * T > kMaxInt || C > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
+  Staged staged;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
-                                        {{x.untyped_data(), x.size_bytes()}}));
+                                        {{x.untyped_data(), x.size_bytes()}}, &staged));
   GatherArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
@@ -261,8 +303,8 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
   a.C = static_cast<int>(C);
   a.Hb = Hb;
   a.recv_x = recv_x->typed_data();
-  jax_ep::ht::launch_gather(a, stream);
-  return jax_ep::cuda_error("jax_ep_ht_gather launch");
+  return run_pulled(op, gi, staged, timeout_ns, stream,
+                    [&] { jax_ep::ht::launch_gather(a, stream); });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -307,8 +349,9 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   if (C > kMaxInt || T * group_size > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
+  Staged staged;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
-                                        {{y.untyped_data(), y.size_bytes()}}));
+                                        {{y.untyped_data(), y.size_bytes()}}, &staged));
   CombineArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
@@ -320,8 +363,8 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   a.C = static_cast<int>(C);
   a.H = H;
   a.out = out->untyped_data();
-  jax_ep::ht::launch_combine(a, stream);
-  return jax_ep::cuda_error("jax_ep_ht_combine launch");
+  return run_pulled(op, gi, staged, timeout_ns, stream,
+                    [&] { jax_ep::ht::launch_combine(a, stream); });
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "ffi/group.h"
 #include "ffi/handlers.h"
 #include "kernels/low_latency.cuh"
+#include "transport/remote.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,9 +38,11 @@ struct LlAttrs {
   bool use_fp8, round_scale;
 };
 
-// The group of `device`, its receive buffers and the common shape checks.
+// The group of `device`, its receive buffers and the common shape checks. bufs[q]: where the
+// kernels write q's rows: q's buffer, or for a remote q (bit 0 of its entry, symmetric.h) this
+// rank's scratch image of it, which transport/remote.h then puts. *own: this rank's buffer.
 ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::GroupInfo* gi,
-                   uint8_t** bufs, int64_t need_bytes) {
+                   uint8_t** bufs, uint8_t** own, int64_t need_bytes) {
   if (ffi::Error err = jax_ep::resolve_group(device, a.groups, a.group_size, a.slot, gi);
       err.failure())
     return err;
@@ -62,8 +65,71 @@ ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::Gro
                "from the same shapes)");
   const int64_t g = gi->group;
   for (int q = 0; q < R; ++q) {
-    bufs[q] = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(a.bufs[g * R + q]));
+    const uint64_t v = static_cast<uint64_t>(a.bufs[g * R + q]);
+    if (((v & 1u) != 0) != jax_ep::is_remote(gi->peers, q))
+      return bad("receive buffer and peer tables disagree on rank " + std::to_string(q));
+    bufs[q] = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(v & ~uint64_t{1}));
     if (bufs[q] == nullptr) return bad("missing receive buffer");
+  }
+  *own = bufs[gi->peers.rank];
+  return ffi::Error::Success();
+}
+
+ffi::Error remote_error(const char* op, cudaError_t e) {
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_ep: ") + op + " (remote peers): " +
+                              cudaGetErrorString(e));
+}
+
+// With remote peers a fused op runs as its send kernel, the NVSHMEM puts, its receive kernel
+// and the NVSHMEM freed flags (a remote peer's rows arrive only after our send kernel ended);
+// a split half runs its kernel and its NVSHMEM step. epoch32: where the receive kernel reads its
+// epoch (the send's ticket).
+ffi::Error dispatch_with_remote(const char* op, const ll::DispatchParams& p, int grid,
+                                uint8_t* own, cudaStream_t stream) {
+  if (p.mode & push::kModeSend) {
+    ll::DispatchParams s = p;
+    s.mode = push::kModeSend;
+    ll::launch_dispatch(s, grid, stream);
+    if (ffi::Error err = remote_error(op, jax_ep::remote::push_dispatch_rows(
+                                              p.ps, own, p.buf, p.T, p.M, p.row_bytes, stream));
+        err.failure())
+      return err;
+  }
+  if (p.mode & push::kModeRecv) {
+    ll::DispatchParams r = p;
+    r.mode = push::kModeRecv;
+    if (p.mode != push::kModeRecv) r.ticket = p.stats;  // fused: the send kernel's stats
+    ll::launch_dispatch(r, grid, stream);
+    if (ffi::Error err = remote_error(op, cudaSuccess); err.failure()) return err;
+    return remote_error(op, jax_ep::remote::free_remote_senders(p.ps, r.ticket + 1, stream));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error combine_with_remote(const char* op, const ll::CombineParams& p, int grid, uint8_t* own,
+                               cudaStream_t stream) {
+  if (p.mode & push::kModeSend) {
+    ll::CombineParams s = p;
+    s.mode = push::kModeSend;
+    ll::launch_combine(s, grid, stream);
+    if (ffi::Error err = remote_error(op, jax_ep::remote::push_combine_rows(
+                                              p.ps, own, p.buf, p.recv_src, p.recv_slot,
+                                              p.recv_count, p.L, p.M, p.K,
+                                              (2LL * p.H + 15) & ~15LL, stream));
+        err.failure())
+      return err;
+  }
+  if (p.mode & push::kModeRecv) {
+    ll::CombineParams r = p;
+    r.mode = push::kModeRecv;
+    // Fused: the send kernel left its epoch in our slot's send_epoch (its low 32 bits).
+    if (p.mode != push::kModeRecv)
+      r.ticket_in = reinterpret_cast<const int32_t*>(&p.ps.slot[p.ps.rank]->send_epoch);
+    ll::launch_combine(r, grid, stream);
+    if (ffi::Error err = remote_error(op, cudaSuccess); err.failure()) return err;
+    return remote_error(op, jax_ep::remote::free_remote_senders(p.ps, r.ticket_in, stream));
   }
   return ffi::Error::Success();
 }
@@ -117,7 +183,8 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
   }
   jax_ep::GroupInfo gi;
   ll::DispatchParams p{};
-  if (ffi::Error err = resolve(op, device, a, &gi, p.buf,
+  uint8_t* own = nullptr;
+  if (ffi::Error err = resolve(op, device, a, &gi, p.buf, &own,
                                ll::dispatch_buffer_bytes(R, M, K, H, a.use_fp8));
       err.failure())
     return err;
@@ -150,6 +217,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
   p.hdr_bytes = ll::dispatch_header_bytes(K);
   p.row_bytes = ll::dispatch_row_bytes(K, H, a.use_fp8);
   p.timeout_ns = a.timeout_ns;
+  if (p.ps.remote != 0) return dispatch_with_remote(op, p, grid, own, stream);
   ll::launch_dispatch(p, grid, stream);
   return jax_ep::cuda_error(op);
 }
@@ -229,7 +297,8 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
     return bad("shapes out of range");
   jax_ep::GroupInfo gi;
   ll::CombineParams p{};
-  if (ffi::Error err = resolve(op, device, a, &gi, p.buf, ll::combine_buffer_bytes(M, K, H));
+  uint8_t* own = nullptr;
+  if (ffi::Error err = resolve(op, device, a, &gi, p.buf, &own, ll::combine_buffer_bytes(M, K, H));
       err.failure())
     return err;
   const int grid = ll::grid_size(device);
@@ -256,6 +325,7 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
   p.L = static_cast<int>(L);
   p.M = static_cast<int>(M);
   p.timeout_ns = a.timeout_ns;
+  if (p.ps.remote != 0) return combine_with_remote(op, p, grid, own, stream);
   ll::launch_combine(p, grid, stream);
   return jax_ep::cuda_error(op);
 }

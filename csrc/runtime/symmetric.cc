@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 
+#include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -30,7 +32,8 @@ static void not_built() {
 void attach(size_t) { not_built(); }
 std::vector<long long> self_test() { not_built(); return {}; }
 void init_groups(const std::vector<std::vector<int>>&) { not_built(); }
-Workspace* group_workspace(const int64_t*, int, int, std::string* err) {
+Workspace* group_workspace(const int64_t*, int, int, bool* remote, std::string* err) {
+  *remote = false;
   *err = "no per-process transport in this build";
   return nullptr;
 }
@@ -38,6 +41,7 @@ std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>&, in
   not_built();
   return {};
 }
+std::vector<int> remote_pes() { return {}; }
 size_t arena_bytes() { return 0; }
 size_t arena_used() { return 0; }
 
@@ -51,6 +55,10 @@ uint8_t* g_arena = nullptr;
 size_t g_arena_bytes = 0;
 size_t g_used = 0;
 int g_pe = -1, g_npes = 0;
+// Some PE is not reachable by loads and stores (another node; or JAX_EP_FORCE_REMOTE_PEERS=1,
+// which treats every other PE so, to exercise the NVSHMEM path on one node). The same on every
+// PE of a job whose nodes are alike, so every PE makes the same allocations (see reserve).
+bool g_force_remote = false, g_any_remote = false;
 struct SymGroup {
   Workspace* local = nullptr;
   std::vector<Workspace*> peer;  // this process's address of each rank's workspace (or null)
@@ -58,7 +66,8 @@ struct SymGroup {
 std::map<std::vector<int>, SymGroup> g_sym_groups;
 struct SymSlotBuffer {
   uint8_t* local = nullptr;
-  size_t bytes = 0;
+  size_t bytes = 0;   // per image
+  int images = 0;     // scratch images after the buffer (one per rank of the group, remote mode)
 };
 SymSlotBuffer g_sym_slot_bufs[kNumSlots];
 
@@ -84,6 +93,13 @@ uint8_t* take(size_t bytes, const char* what) {
   uint8_t* p = g_arena + g_used;
   g_used += need;
   return p;
+}
+
+// This process's load/store address of `local`'s counterpart on `pe`, or null (remote).
+void* peer_address(void* local, int pe) {
+  if (pe == g_pe) return local;
+  if (g_force_remote) return nullptr;
+  return g_api->ptr(local, pe);
 }
 
 const SymGroup* find_group(const int64_t* members, int n) {
@@ -127,6 +143,11 @@ void attach(size_t bytes) {
   g_arena_bytes = arena;
   g_pe = api.my_pe();
   g_npes = api.n_pes();
+  const char* force = std::getenv("JAX_EP_FORCE_REMOTE_PEERS");
+  g_force_remote = force != nullptr && std::string(force) == "1";
+  g_any_remote = false;
+  for (int pe = 0; pe < g_npes; ++pe)
+    if (pe != g_pe && (g_force_remote || api.ptr(p, pe) == nullptr)) g_any_remote = true;
   g_api = &api;
 }
 
@@ -163,25 +184,21 @@ void init_groups(const std::vector<std::vector<int>>& table) {
       }
     SymGroup g;
     g.local = reinterpret_cast<Workspace*>(take(sizeof(Workspace), "an EP group's workspace"));
-    for (int pe : members)
-      g.peer.push_back(static_cast<Workspace*>(g_api->ptr(g.local, pe)));
+    for (int pe : members) g.peer.push_back(static_cast<Workspace*>(peer_address(g.local, pe)));
     g_sym_groups[members] = g;
   }
 }
 
-Workspace* group_workspace(const int64_t* members, int n, int r, std::string* err) {
+Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote,
+                           std::string* err) {
   std::lock_guard<std::mutex> lock(g_mu);
+  *remote = false;
   const SymGroup* g = find_group(members, n);
   if (g == nullptr) {
     *err = "no workspace for this EP group (the lowering initialises it: was it skipped?)";
     return nullptr;
   }
-  if (g->peer[r] == nullptr) {
-    std::ostringstream os;
-    os << "PE " << members[r] << " is not reachable by loads and stores from PE " << g_pe
-       << " (no NVLink / P2P path): the NVSHMEM put path for remote peers is not built yet";
-    *err = os.str();
-  }
+  *remote = g->peer[r] == nullptr;
   return g->peer[r];
 }
 
@@ -191,20 +208,41 @@ std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& tab
   if (g_api == nullptr) throw std::runtime_error("jax_ep: per-process mode is not attached");
   if (slot < 0 || slot >= kNumSlots) throw std::runtime_error("jax_ep: slot out of range");
   SymSlotBuffer& sb = g_sym_slot_bufs[slot];
-  if (sb.bytes < bytes) {
-    sb.local = take(bytes, "a slot's data buffer");
-    sb.bytes = bytes;
+  // With remote peers, the buffer is followed by one scratch image per rank: the send area of
+  // the push ops (rows for remote rank q), the mirror of remote q's staging buffer (pull ops).
+  const int images = g_any_remote && !table.empty() ? static_cast<int>(table[0].size()) : 0;
+  if (sb.bytes < bytes || sb.images < images) {
+    sb.bytes = std::max(sb.bytes, (bytes + kAlign - 1) / kAlign * kAlign);
+    sb.images = std::max(sb.images, images);
+    sb.local = take(sb.bytes * (1 + sb.images), "a slot's data buffer");
   }
   std::vector<unsigned long long> out;
   for (const std::vector<int>& members : table) {
     bool mine = false;
     for (int pe : members) mine = mine || pe == g_pe;
-    for (int pe : members)
-      out.push_back(mine ? reinterpret_cast<unsigned long long>(g_api->ptr(sb.local, pe)) : 0ull);
+    for (size_t r = 0; r < members.size(); ++r) {
+      if (!mine) {
+        out.push_back(0ull);
+        continue;
+      }
+      void* a = peer_address(sb.local, members[r]);
+      // Remote member: its scratch image, tagged by bit 0 (addresses are 4096-aligned).
+      out.push_back(a != nullptr ? reinterpret_cast<unsigned long long>(a)
+                                 : reinterpret_cast<unsigned long long>(
+                                       sb.local + sb.bytes * (1 + r)) | 1ull);
+    }
   }
   return out;
 }
 
+std::vector<int> remote_pes() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::vector<int> out;
+  if (g_api == nullptr) return out;
+  for (int pe = 0; pe < g_npes; ++pe)
+    if (peer_address(g_arena, pe) == nullptr) out.push_back(pe);
+  return out;
+}
 size_t arena_bytes() { return g_arena_bytes; }
 size_t arena_used() { return g_used; }
 

@@ -35,15 +35,21 @@ std::vector<long long> self_test();
 
 // Workspaces of every group of a table (PEs in axis order), in table order, new groups only.
 void init_groups(const std::vector<std::vector<int>>& table);
-// This process's address of rank r's workspace in the group `members[0..n)` (null: unknown
-// group, or rank r's GPU not reachable by loads and stores). err names the reason when null.
-Workspace* group_workspace(const int64_t* members, int n, int r, std::string* err);
+// This process's address of rank r's workspace in the group `members[0..n)`. Null with
+// *remote = true: rank r is not reachable by loads and stores (transport/remote.h); null
+// otherwise: unknown group, err names the reason.
+Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote, std::string* err);
 // Symmetric buffer of call-site slot `slot`, at least `bytes`: the same offset on every PE (a
 // larger request allocates a new one; the old one stays, as executables may still name it).
 // Returns, aligned with the flattened table, the addresses this process uses for each member
-// of its own group, and 0 for the members of other groups.
+// of its own group, and 0 for the members of other groups. A member without load/store access
+// gets instead this process's scratch image for it (the push ops' send area for that member,
+// the pull ops' mirror of its staging buffer), with bit 0 set to say so.
 std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& table, int slot,
                                         size_t bytes);
+// PEs this process reaches only through NVSHMEM operations (no load/store mapping, or all of
+// them with JAX_EP_FORCE_REMOTE_PEERS=1): the ops then run the transport/remote.h kernels.
+std::vector<int> remote_pes();
 size_t arena_bytes();
 size_t arena_used();
 

@@ -26,7 +26,17 @@ struct PeerSlots {
   // s is then at stage[s] + stage_off[i] (see stage_operands in ffi/high_throughput.cc).
   const uint8_t* stage[kMaxRanks];
   unsigned long long stage_off[kMaxPtrs];
+  // Per-process mode: bit q set when rank q is not reachable by loads and stores (another node,
+  // or JAX_EP_FORCE_REMOTE_PEERS=1). Its slot[q] is null; the kernels never touch its memory:
+  // NVSHMEM kernels (transport/remote.h) launched around them move its data and flags. pe[q]:
+  // rank q's NVSHMEM PE.
+  unsigned int remote;
+  int pe[kMaxRanks];
 };
+
+__host__ __device__ __forceinline__ bool is_remote(const PeerSlots& ps, int q) {
+  return (ps.remote >> q) & 1u;
+}
 
 __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
   unsigned long long v;
@@ -111,7 +121,7 @@ __device__ __forceinline__ void publish(const PeerSlots& ps, const void* const* 
 __device__ __forceinline__ void wait_ready(const PeerSlots& ps, unsigned long long e,
                                            int64_t timeout_ns, const char* phase) {
   for (int s = 0; s < ps.num_ranks; ++s)
-    wait_flag_geq(&ps.slot[s]->ready, e, timeout_ns, ps.rank, s, phase);
+    if (!is_remote(ps, s)) wait_flag_geq(&ps.slot[s]->ready, e, timeout_ns, ps.rank, s, phase);
 }
 
 // Address number i that rank s published for this call (valid after wait_ready).
@@ -178,7 +188,7 @@ __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long l
     Slot* me = ps.slot[ps.rank];
     if (threadIdx.x < 32) {
       if (threadIdx.x == 0) me->block_counter = 0;
-      if ((int)threadIdx.x < ps.num_ranks) {
+      if ((int)threadIdx.x < ps.num_ranks && !is_remote(ps, threadIdx.x)) {
         __threadfence_system();
         st_release_sys(&ps.slot[threadIdx.x]->done[ps.rank], e);
       }
@@ -186,7 +196,7 @@ __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long l
     last_fn();
     __syncthreads();
     if (threadIdx.x < 32) {
-      if ((int)threadIdx.x < ps.num_ranks)
+      if ((int)threadIdx.x < ps.num_ranks && !is_remote(ps, threadIdx.x))
         wait_flag_geq(&me->done[threadIdx.x], e, timeout_ns, ps.rank, threadIdx.x, phase);
       __syncwarp();
       if (threadIdx.x == 0) {

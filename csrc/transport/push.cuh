@@ -13,6 +13,9 @@
 // pair always agrees on e even when XLA reorders or software-pipelines the calls of a loop.
 // No barrier at the start or the end: a rank never waits for a peer to finish reading, and
 // nobody reads XLA buffers of another rank, so XLA may reuse them as soon as the kernel ends.
+// Remote peers (PeerSlots::remote, per-process mode): the send phase writes their rows into this
+// rank's scratch image of their buffer (the handler points buf[q] there), and NVSHMEM kernels
+// (transport/remote.h) put them after the send kernel, then (once the puts completed) the flag.
 //
 // Work is split into items taken from per-phase ticket counters by whole warps, so the warps
 // that are resident take every item before any of them waits on a peer: no wait ever depends on
@@ -114,14 +117,18 @@ __device__ __forceinline__ void wait_freed(const PeerSlots& ps, int q, unsigned 
 }
 
 // Lane q (< R) of the closing warp of a send phase: rows are in q's buffer; tell q.
+// A remote q is signalled by remote::push_*_rows after its puts instead.
 __device__ __forceinline__ void signal_data(const PeerSlots& ps, int q, int p,
                                             unsigned long long e, unsigned int rows) {
+  if (is_remote(ps, q)) return;
   __threadfence_system();
   st_release_sys(&ps.slot[q]->data_flag[p][ps.rank], (e << 32) | rows);
 }
 
 // Lane s (< R) of the closing warp of a receive phase: we are done reading s's rows of call e.
+// A remote s is freed by remote::free_remote_senders after this kernel instead.
 __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigned long long e) {
+  if (is_remote(ps, s)) return;
   __threadfence_system();
   st_release_sys(&ps.slot[s]->freed[ps.rank], e);
 }

@@ -1,0 +1,62 @@
+"""The timing harness of bench.py: `iters` calls of one op in one jit-compiled lax.scan.
+
+No jax_ep import here: the harness is tested on CPU (tests/test_bench_harness.py) without the
+compiled extension.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+
+def _smallest(tree):
+    return min(jax.tree_util.tree_leaves(tree), key=lambda leaf: leaf.size)
+
+
+def scan_fn(mesh, body, iters):
+    """jit(shard_map) of body(*args) called `iters` times in one unrolled lax.scan, with no
+    kernel of the harness between calls. Call i + 1 reads its inputs through an optimization
+    barrier that also takes the smallest output leaf of call i: it starts after call i, and
+    its inputs are loop-variant, so XLA can neither hoist nor merge the calls.
+
+    The barrier also takes the leaf of call i - 1: XLA's algebraic simplifier drops a barrier
+    operand whose result is unused unless that operand has another user, and dropping it would
+    cut the chain (the calls then merge). With each leaf in two barriers, none is dropped.
+    Returns the last two leaves, each with a leading axis of 1 per shard."""
+    def shard(*a):
+        out = _smallest(jax.eval_shape(body, *a))
+
+        def step(carry, _):
+            prev, last = carry
+            a2, _, _ = jax.lax.optimization_barrier((a, last, prev))
+            return (last, _smallest(body(*a2))), None
+        zero = jnp.zeros(out.shape, out.dtype)
+        # Fully unrolled: a rolled XLA while loop costs a device->host predicate copy per
+        # iteration (tens of us), which would swamp the microsecond ops being timed.
+        (prev, last), _ = jax.lax.scan(step, (zero, zero), None, length=iters, unroll=True)
+        return prev[None], last[None]
+
+    return jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                                 check_vma=False))
+
+
+def time_fn(f, args, iters, reps):
+    """(median, min, max) seconds of one f(*args) / iters over `reps` runs, after 2 warm-ups."""
+    for _ in range(2):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append((time.perf_counter() - t0) / iters)
+    return float(np.median(ts)), float(np.min(ts)), float(np.max(ts))
+
+
+def timed_scan(mesh, body, args, iters, reps):
+    """(median, min, max) seconds per call of body(*args), `iters` calls in one lax.scan."""
+    return time_fn(scan_fn(mesh, body, iters), args, iters, reps)

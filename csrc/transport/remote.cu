@@ -1,0 +1,244 @@
+// NVSHMEM kernels for peers without load/store access (see remote.h). Built into the NVSHMEM
+// glue library (relocatable device code, linked with NVIDIA's device library), so the op
+// kernels keep whole-program compilation. Slots and data buffers live in the symmetric arena:
+// this rank's address of a slot field or buffer row is also its symmetric address on any PE.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#include "transport/remote.h"
+
+namespace jax_ep {
+namespace remote {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr size_t kGetChunk = size_t{1} << 20;  // bytes per blocking get of the pull prologue
+
+// A flag (a 64-bit word of the slot, read by its owner with acquire loads) set on PE pe with an
+// NVSHMEM put, not an atomic: NVSHMEM's UCX transport refuses 64-bit atomics without GDRCopy,
+// and the flags need none (one writer each). Callers complete their data puts (quiet) first.
+__device__ __forceinline__ void put_flag(unsigned long long* flag, unsigned long long v, int pe) {
+  nvshmem_uint64_p(reinterpret_cast<uint64_t*>(flag), v, pe);
+}
+
+// One thread: spin until *flag >= target; trap after timeout_ns naming rank, peer and phase.
+__device__ void wait_geq(const unsigned long long* flag, unsigned long long target,
+                         int64_t timeout_ns, int rank, int peer, const char* phase) {
+  if (ld_acquire_sys(flag) >= target) return;
+  const uint64_t start = global_timer_ns();
+  while (ld_acquire_sys(flag) < target) {
+    if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
+      printf("jax_ep: rank %d timed out in phase '%s' waiting for remote rank %d (epoch %llu, "
+             "seen %llu). A peer did not arrive: check that every rank runs the same program "
+             "(JAX_EP_TIMEOUT_S sets the limit).\n",
+             rank, phase, peer, target, ld_acquire_sys(flag));
+      __trap();
+    }
+  }
+}
+
+struct Mirrors {
+  uint8_t* at[kMaxRanks];
+};
+
+__global__ void __launch_bounds__(kThreads) pull_prologue_kernel(
+    const __grid_constant__ PeerSlots ps, const uint8_t* stage, size_t bytes,
+    const __grid_constant__ Mirrors mirror, int64_t timeout_ns) {
+  Slot* me = ps.slot[ps.rank];
+  const unsigned long long e = ld_volatile_u64(&me->epoch) + 1;
+  const int q = threadIdx.x;
+  if (q < ps.num_ranks && is_remote(ps, q)) {
+    // Our staging copy (stream-ordered before this kernel) is complete: q may read it.
+    if (blockIdx.x == 0) {
+      put_flag(&me->ready_from[ps.rank], e, ps.pe[q]);
+      nvshmem_quiet();
+    }
+    wait_geq(&me->ready_from[q], e, timeout_ns, ps.rank, q, "pull: remote peer staged");
+  }
+  __syncthreads();
+  const size_t nchunks = (bytes + kGetChunk - 1) / kGetChunk;
+  size_t c = 0;  // chunk c of the k-th remote peer: (k * nchunks + chunk) over the grid
+  for (int s = 0; s < ps.num_ranks; ++s) {
+    if (!is_remote(ps, s)) continue;
+    for (size_t i = 0; i < nchunks; ++i, ++c) {
+      if (c % gridDim.x != blockIdx.x) continue;
+      const size_t off = i * kGetChunk;
+      const size_t len = bytes - off < kGetChunk ? bytes - off : kGetChunk;
+      nvshmemx_getmem_block(mirror.at[s] + off, stage + off, len, ps.pe[s]);
+    }
+  }
+}
+
+__global__ void pull_epilogue_kernel(const __grid_constant__ PeerSlots ps, int64_t timeout_ns) {
+  Slot* me = ps.slot[ps.rank];
+  const unsigned long long e = ld_volatile_u64(&me->epoch);  // closed by the end barrier
+  const int q = threadIdx.x;
+  if (q < ps.num_ranks && is_remote(ps, q)) {
+    // Our mirror of q is read: q may overwrite its staging buffer (its next call).
+    put_flag(&me->done[ps.rank], e, ps.pe[q]);
+    nvshmem_quiet();
+    wait_geq(&me->done[q], e, timeout_ns, ps.rank, q, "pull: remote peer done");
+  }
+}
+
+// Block b: the b-th remote peer q. Its rows are this call's when their header tag is the epoch.
+struct Scratch {
+  uint8_t* at[kMaxRanks];
+};
+
+__device__ __forceinline__ int nth_remote(const PeerSlots& ps, int n) {
+  for (int q = 0; q < ps.num_ranks; ++q)
+    if (is_remote(ps, q) && n-- == 0) return q;
+  return -1;
+}
+
+// Whole warp, after its data puts: complete them (the flag that follows must not overtake them).
+__device__ __forceinline__ void complete_warp_puts(int lane) {
+  __syncwarp();
+  if (lane == 0) nvshmem_quiet();
+  __syncwarp();
+}
+
+__global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
+    const __grid_constant__ PeerSlots ps, uint8_t* own_buf, const __grid_constant__ Scratch scr,
+    int T, int M, int64_t row_bytes, int dbg) {
+  __shared__ unsigned int s_count;
+  Slot* me = ps.slot[ps.rank];
+  const int q = nth_remote(ps, blockIdx.x);
+  if (q < 0) return;
+  const unsigned long long e = ld_volatile_u64(&me->send_epoch);  // the send kernel's
+  const int par = static_cast<int>(e & 1), R = ps.num_ranks, r = ps.rank;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) s_count = 0;
+  __syncthreads();
+  for (int t = warp; t < T; t += kThreads / 32) {
+    const int64_t off = (((int64_t)par * R + r) * M + t) * row_bytes;
+    const uint8_t* src = scr.at[q] + off;
+    if (*reinterpret_cast<const volatile int*>(src) != static_cast<int>(e)) continue;
+    nvshmemx_putmem_nbi_warp(own_buf + off, src, row_bytes, ps.pe[q]);
+    if (lane == 0) atomicAdd(&s_count, 1u);
+  }
+  complete_warp_puts(lane);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (dbg) printf("jax_ep debug: rank %d dispatch push to %d: epoch %llu, %u rows\n", r, q, e,
+                    s_count);
+    // rows = T: the receiver scans our rows 0..T-1 (their tags say which were sent to it).
+    put_flag(&me->data_flag[par][r], (e << 32) | static_cast<unsigned int>(T), ps.pe[q]);
+    nvshmem_quiet();
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) push_combine_kernel(
+    const __grid_constant__ PeerSlots ps, uint8_t* own_buf, const __grid_constant__ Scratch scr,
+    const int32_t* recv_src, const int32_t* recv_slot, const int32_t* recv_count, int L, int M,
+    int K, int64_t row_bytes, int dbg) {
+  __shared__ unsigned int s_count[kMaxRanks];
+  Slot* me = ps.slot[ps.rank];
+  const unsigned long long e = ld_volatile_u64(&me->send_epoch);
+  const int par = static_cast<int>(e & 1), R = ps.num_ranks, r = ps.rank;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t RM = (int64_t)R * M;
+  if (threadIdx.x < kMaxRanks) s_count[threadIdx.x] = 0;
+  __syncthreads();
+  for (int l = 0; l < L; ++l) {
+    const int n = recv_count[l];
+    for (int j = warp; j < n; j += kThreads / 32) {
+      const int src = recv_src[(int64_t)l * RM + j];
+      const int k = recv_slot[(int64_t)l * RM + j];
+      if (src < 0 || src >= RM || k < 0 || k >= K) continue;  // as the send kernel skips it
+      const int s = src / M, t = src - s * M;
+      if (!is_remote(ps, s)) continue;
+      const int64_t off = (((int64_t)par * M + t) * K + k) * row_bytes;
+      nvshmemx_putmem_nbi_warp(own_buf + off, scr.at[s] + off, row_bytes, ps.pe[s]);
+      if (lane == 0) atomicAdd(&s_count[s], 1u);
+    }
+  }
+  complete_warp_puts(lane);
+  __syncthreads();
+  const int s = threadIdx.x;
+  if (s < R && is_remote(ps, s)) {
+    if (dbg) printf("jax_ep debug: rank %d combine push to %d: epoch %llu, %u rows\n", r, s, e,
+                    s_count[s]);
+    put_flag(&me->data_flag[par][r], e << 32, ps.pe[s]);
+    nvshmem_quiet();
+  }
+}
+
+__global__ void free_senders_kernel(const __grid_constant__ PeerSlots ps,
+                                    const int32_t* epoch32, int dbg) {
+  Slot* me = ps.slot[ps.rank];
+  const unsigned long long er =
+      static_cast<unsigned int>(*reinterpret_cast<const volatile int32_t*>(epoch32));
+  const int s = threadIdx.x;
+  if (s < ps.num_ranks && is_remote(ps, s)) {
+    if (dbg) printf("jax_ep debug: rank %d frees %d: epoch %llu\n", ps.rank, s, er);
+    // The receive kernel before us read our buffer's rows of s: s may write that half again.
+    put_flag(&me->freed[ps.rank], er, ps.pe[s]);
+    nvshmem_quiet();
+  }
+}
+
+int count_remote(const PeerSlots& ps) { return __builtin_popcount(ps.remote); }
+
+// JAX_EP_DEBUG_REMOTE=1: the push and free kernels print what they did (diagnostic).
+int debug() {
+  static const int v = [] {
+    const char* e = std::getenv("JAX_EP_DEBUG_REMOTE");
+    return e != nullptr && e[0] == '1' ? 1 : 0;
+  }();
+  return v;
+}
+
+}  // namespace
+
+bool built() { return true; }
+
+cudaError_t pull_prologue(const PeerSlots& ps, const uint8_t* stage, size_t bytes,
+                          uint8_t* const* mirror, int64_t timeout_ns, cudaStream_t stream) {
+  Mirrors m{};
+  for (int q = 0; q < ps.num_ranks; ++q) m.at[q] = mirror[q];
+  const size_t chunks = (bytes + kGetChunk - 1) / kGetChunk * count_remote(ps);
+  const int grid = static_cast<int>(chunks < 32 ? (chunks > 0 ? chunks : 1) : 32);
+  pull_prologue_kernel<<<grid, kThreads, 0, stream>>>(ps, stage, bytes, m, timeout_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t pull_epilogue(const PeerSlots& ps, int64_t timeout_ns, cudaStream_t stream) {
+  pull_epilogue_kernel<<<1, 32, 0, stream>>>(ps, timeout_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t push_dispatch_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
+                               int T, int M, int64_t row_bytes, cudaStream_t stream) {
+  Scratch s{};
+  for (int q = 0; q < ps.num_ranks; ++q) s.at[q] = scratch[q];
+  push_dispatch_kernel<<<count_remote(ps), kThreads, 0, stream>>>(ps, own_buf, s, T, M,
+                                                                  row_bytes, debug());
+  return cudaGetLastError();
+}
+
+cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
+                              const int32_t* recv_src, const int32_t* recv_slot,
+                              const int32_t* recv_count, int L, int M, int K, int64_t row_bytes,
+                              cudaStream_t stream) {
+  Scratch s{};
+  for (int q = 0; q < ps.num_ranks; ++q) s.at[q] = scratch[q];
+  push_combine_kernel<<<1, kThreads, 0, stream>>>(ps, own_buf, s, recv_src, recv_slot,
+                                                  recv_count, L, M, K, row_bytes, debug());
+  return cudaGetLastError();
+}
+
+cudaError_t free_remote_senders(const PeerSlots& ps, const int32_t* epoch32,
+                                cudaStream_t stream) {
+  free_senders_kernel<<<1, 32, 0, stream>>>(ps, epoch32, debug());
+  return cudaGetLastError();
+}
+
+}  // namespace remote
+}  // namespace jax_ep

@@ -1,0 +1,53 @@
+// Peers without load/store access (per-process mode: other nodes, or every peer with
+// JAX_EP_FORCE_REMOTE_PEERS=1): NVSHMEM transfers in kernels of their own, launched by the
+// handlers around the op kernels on the same stream. The op kernels are the same for every peer
+// (one code path per algorithm); for a remote peer they skip its memory and flags:
+//   pull (high-throughput): pull_prologue exchanges "staged" flags with the remote peers and
+//     gets each one's staging buffer into this rank's mirror of it (PeerSlots::stage then points
+//     at the mirror), the op kernels run, pull_epilogue exchanges the end-of-call done flags.
+//   push (low-latency): the send kernel writes a remote peer's rows into this rank's scratch
+//     image of that peer's buffer; push_dispatch_rows / push_combine_rows put them (NVSHMEM
+//     non-blocking puts), complete them (quiet), then put the data flag. After the receive
+//     kernel, free_remote_senders puts the freed flag into each remote sender's slot.
+// Flags travel as plain 64-bit puts, never atomics (one writer per flag), so the receive stays
+// idempotent and transports without GPU atomics (UCX without GDRCopy) can carry them.
+// Implemented in remote.cu (built only with NVSHMEM); without it every entry point returns an
+// error, and remote peers cannot occur (they exist only in the per-process mode).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transport/peer.cuh"
+
+namespace jax_ep {
+namespace remote {
+
+// True when this build has the NVSHMEM kernels.
+bool built();
+
+// Pull, before the op kernels. stage: this rank's staging buffer (symmetric); bytes: its staged
+// size (the same on every rank); mirror[q]: where remote q's staging buffer is copied.
+cudaError_t pull_prologue(const PeerSlots& ps, const uint8_t* stage, size_t bytes,
+                          uint8_t* const* mirror, int64_t timeout_ns, cudaStream_t stream);
+// Pull, after the op kernels (they closed the epoch).
+cudaError_t pull_epilogue(const PeerSlots& ps, int64_t timeout_ns, cudaStream_t stream);
+
+// Push, after the send kernel (its epoch is the slot's send_epoch). own_buf: this rank's
+// receive buffer (symmetric: the same offsets on the remote PE); scratch[q]: the image of q's.
+// Dispatch: rows [parity][r][t < T] of row_bytes whose header tag is the epoch.
+cudaError_t push_dispatch_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
+                               int T, int M, int64_t row_bytes, cudaStream_t stream);
+// Combine: the rows named by recv_src / recv_slot ([L, R*M], counts recv_count [L]), at
+// [parity][t][k] of row_bytes in the source's buffer.
+cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
+                              const int32_t* recv_src, const int32_t* recv_slot,
+                              const int32_t* recv_count, int L, int M, int K, int64_t row_bytes,
+                              cudaStream_t stream);
+// Push, after the receive kernel: epoch32 is where that kernel read its epoch (int32).
+cudaError_t free_remote_senders(const PeerSlots& ps, const int32_t* epoch32,
+                                cudaStream_t stream);
+
+}  // namespace remote
+}  // namespace jax_ep

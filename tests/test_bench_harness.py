@@ -1,0 +1,264 @@
+"""benchmarks/harness.py and benchmarks/kernel_times.py on CPU (no GPU, no compiled extension).
+
+The harness checks read the compiled HLO of a scan of a trivial body and of the lax.all_to_all
+baseline: one instance of the body per iteration, each ordered after the previous one, and
+nothing else per iteration. XLA's CPU pipeline erases optimization barriers before its last
+CSE (cse_barrier_expander), which then merges identical calls; the GPU pipeline keeps them
+until after scheduling, so these tests disable that CPU pass to compile what the GPU keeps.
+"""
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+import baselines  # noqa: E402
+import harness  # noqa: E402
+import kernel_times  # noqa: E402
+
+GPU_LIKE = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+# ENTRY instructions that launch nothing
+FREE = {"parameter", "constant", "tuple", "get-tuple-element", "opt-barrier", "bitcast"}
+OURS = r"jax_ep|dispatch_kernel|combine_kernel|copy_rows|layout"
+
+
+def entry(hlo):
+    """{name: (opcode, operand names)} of the ENTRY computation of compiled HLO text."""
+    body = hlo[hlo.index("\nENTRY"):]
+    body = body[body.index("{\n") + 2:body.index("\n}")]
+    out = {}
+    for line in body.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)", line)
+        assert m, line
+        out[m.group(1)] = (m.group(2), re.findall(r"%([\w.\-]+)", m.group(3)))
+    return out
+
+
+def ancestors(ins, name):
+    seen, todo = set(), list(ins[name][1])
+    while todo:
+        n = todo.pop()
+        if n in ins and n not in seen:
+            seen.add(n)
+            todo.extend(ins[n][1])
+    return seen
+
+
+def compiled(mesh, body, args, iters):
+    return harness.scan_fn(mesh, body, iters).lower(*args).compile(
+        compiler_options=GPU_LIKE).as_text()
+
+
+def calls_in_order(ins, calls):
+    """Each of `calls` (ENTRY names) depends on the one before it, in some order."""
+    order = sorted(calls, key=lambda n: len(ancestors(ins, n)))
+    return all(a in ancestors(ins, b) for a, b in zip(order, order[1:]))
+
+
+@pytest.fixture
+def inputs(mesh4):
+    shard = NamedSharding(mesh4, P("ep"))
+    rng = np.random.default_rng(0)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((4 * 16, 8)), jnp.bfloat16), shard)
+    idx = jax.device_put(jnp.asarray(rng.integers(0, 8, (4 * 16, 2)), jnp.int32), shard)
+    return x, idx
+
+
+@pytest.mark.parametrize("iters", [3, 8])
+def test_scan_of_trivial_body_adds_nothing_per_call(mesh4, inputs, iters):
+    hlo = compiled(mesh4, lambda x, i: x[:1] * 2, inputs, iters)
+    ins = entry(hlo)
+    barriers = [n for n, (op, _) in ins.items() if op == "opt-barrier"]
+    kernels = [n for n, (op, _) in ins.items() if op not in FREE]
+    calls = [n for n in kernels if set(barriers) & ancestors(ins, n)]
+    assert len(barriers) == iters
+    assert len(calls) == iters, hlo               # not hoisted out of the scan nor merged
+    assert calls_in_order(ins, calls), hlo        # call i + 1 after call i
+    # the body's one fusion per call; outside them only the carry's zeros, once
+    assert len(kernels) - len(calls) <= 1, hlo
+    assert hlo.count(" multiply(") == iters, hlo
+    assert " add(" not in hlo, hlo                # no carry arithmetic
+
+
+def test_scan_kernel_count_grows_by_the_body_only(mesh4, inputs):
+    def count(iters):
+        ins = entry(compiled(mesh4, lambda x, i: x[:1] * 2, inputs, iters))
+        return sum(op not in FREE for op, _ in ins.values())
+    assert count(9) - count(4) == 5
+
+
+@pytest.mark.parametrize("iters", [2, 5])
+def test_scan_of_all_to_all_baseline(mesh4, inputs, iters):
+    body = lambda x, i: baselines.all_to_all_dispatch(  # noqa: E731
+        x, i, num_experts=8, axis_name="ep", capacity=4)[0]
+    hlo = compiled(mesh4, body, inputs, iters)
+    ins = entry(hlo)
+    a2a = [n for n, (op, _) in ins.items() if op == "all-to-all"]
+    assert len(a2a) == iters, hlo
+    assert calls_in_order(ins, a2a), hlo
+    # the inputs reach each call unchanged, through the barriers (no carry added to x)
+    params = {n for n, (op, _) in ins.items() if op == "parameter"}
+    assert {op for op, operands in ins.values() if params & set(operands)} == {"tuple"}, hlo
+
+
+def test_timed_scan_runs(mesh4, inputs):
+    med, lo, hi = harness.timed_scan(mesh4, lambda x, i: x[:1] * 2, inputs, 4, 3)
+    assert 0 < lo <= med <= hi
+
+
+# --- kernel_times ----------------------------------------------------------------------------
+
+def _meta(pid, name, tid=None):
+    e = {"ph": "M", "pid": pid, "name": "thread_name" if tid is not None else "process_name",
+         "args": {"name": name}}
+    if tid is not None:
+        e["tid"] = tid
+    return e
+
+
+def _x(pid, tid, ts, dur, name):
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+
+def synthetic_trace(extra_gpu0=()):
+    """2 GPUs, 3 calls each of layout + dispatch (ours) + an XLA fusion, on stream lines; an
+    "XLA Ops" line and a host process whose events must not count."""
+    ev = [_meta(1, "/host:CPU"), _meta(1, "python", tid=5),
+          _meta(7, "/device:GPU:0"), _meta(7, "Stream #13(Kernel)", tid=13),
+          _meta(7, "XLA Ops", tid=2),
+          _meta(8, "/device:GPU:1"), _meta(8, "Stream #14(Kernel)", tid=14),
+          _meta(8, "XLA Ops", tid=2)]
+    ev.append(_x(1, 5, 0, 500, "jax_ep dispatch_kernel host wrapper"))
+    for j in range(3):
+        t = 100 * j
+        ev += [_x(7, 13, t, 2, "void jax_ep::layout_kernel<8>(int const*)"),
+               _x(7, 13, t + 5, 10 + j, "void jax_ep::ll::dispatch_kernel<128>(Args)"),
+               _x(7, 13, t + 20, 1, "loop_multiply_fusion"),
+               _x(7, 2, t, 30, "custom-call.1"),
+               _x(8, 14, t, 3, "void jax_ep::layout_kernel<8>(int const*)"),
+               _x(8, 14, t + 5, 20, "void jax_ep::ll::dispatch_kernel<128>(Args)"),
+               _x(8, 14, t + 30, 1, "loop_multiply_fusion"),
+               _x(8, 2, t, 40, "custom-call.1")]
+    ev += [_x(7, 13, *e) for e in extra_gpu0]
+    return {"displayTimeUnit": "ns", "traceEvents": ev}
+
+
+def test_kernel_durations_two_gpus():
+    res = kernel_times.kernel_durations(synthetic_trace(), OURS, 3)
+    assert set(res["devices"]) == {"/device:GPU:0", "/device:GPU:1"}
+    g0 = res["devices"]["/device:GPU:0"]
+    assert g0["op_us"] == [12, 13, 14]
+    assert g0["all_us"] == [13, 14, 15]
+    assert res["devices"]["/device:GPU:1"]["op_us"] == [23, 23, 23]
+    k = g0["kernels"]
+    assert len(k) == 3 and "custom-call.1" not in k       # the XLA Ops line is not a stream
+    assert k["void jax_ep::ll::dispatch_kernel<128>(Args)"] == {"count": 3, "us_per_call": 11}
+    assert res["kernel_us"] == pytest.approx((14 + 23) / 2)      # median of all 6 calls
+    assert res["kernel_us_all"] == pytest.approx((15 + 24) / 2)
+    assert any("dispatch_kernel" in line for line in kernel_times.report(res))
+
+
+def test_kernel_durations_regex_and_uneven_counts():
+    # a one-off kernel (e.g. the carry's zeros): 10 kernels on GPU 0 do not split into 3 calls
+    res = kernel_times.kernel_durations(synthetic_trace([(400, 6, "wrapped_broadcast")]),
+                                        r"nccl", 3)
+    assert res["kernel_us"] is None                      # nothing matches: None, not 0
+    g0 = res["devices"]["/device:GPU:0"]
+    assert g0["op_us"] == []
+    assert g0["all_us"] == [pytest.approx((13 + 14 + 15 + 6) / 3)]   # the mean
+    assert res["kernel_us_all"] is not None
+    assert kernel_times.report(res)[-1].endswith("op - us, all "
+                                                 f"{res['kernel_us_all']:.1f} us")
+
+
+def test_kernel_durations_no_gpu():
+    trace = {"traceEvents": [_meta(1, "/host:CPU"), _meta(1, "python", tid=5),
+                             _x(1, 5, 0, 50, "dispatch_kernel")]}
+    res = kernel_times.kernel_durations(trace, OURS, 4)
+    assert res == {"devices": {}, "kernel_us": None, "kernel_us_all": None}
+    assert kernel_times.report(res) == ["    kernels: no GPU process in the trace"]
+    assert kernel_times.kernel_durations({}, OURS, 4)["devices"] == {}
+
+
+def test_kernel_durations_gpu_without_thread_names():
+    trace = {"traceEvents": [_meta(3, "/device:GPU:0"),
+                             _x(3, 1, 0, 4, "ncclDevKernel_SendRecv(ncclDevComm*)"),
+                             _x(3, 1, 10, 4, "ncclDevKernel_SendRecv(ncclDevComm*)")]}
+    res = kernel_times.kernel_durations(trace, r"nccl", 2)
+    assert res["kernel_us"] == 4 and res["kernel_us_all"] == 4
+
+
+def test_real_cpu_trace(mesh4, inputs, tmp_path):
+    if not hasattr(jax, "profiler") or not hasattr(jax.profiler, "trace"):
+        pytest.skip("jax.profiler unavailable")
+    f = harness.scan_fn(mesh4, lambda x, i: x[:1] * 2, 3)
+    jax.block_until_ready(f(*inputs))
+    try:
+        res = kernel_times.trace_kernels(lambda: f(*inputs), str(tmp_path), OURS, 3)
+    except Exception as e:  # noqa: BLE001 - a profiler that cannot start here
+        pytest.skip(f"jax.profiler.trace failed on CPU: {e}")
+    assert res == {"devices": {}, "kernel_us": None, "kernel_us_all": None}
+    trace = kernel_times.load_trace(str(tmp_path))
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+
+
+def test_load_trace_missing(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        kernel_times.load_trace(str(tmp_path))
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.trace.json.gz", "wt") as f:
+        json.dump(synthetic_trace(), f)
+    assert kernel_times.load_trace(str(tmp_path)) == synthetic_trace()
+
+
+# --- bench.py (imports jax_ep: skipped where it does not import) -----------------------------
+
+@pytest.fixture
+def bench():
+    pytest.importorskip("jax_ep")
+    import bench
+    return bench
+
+
+def test_bench_kernel_times_never_fail(bench, mesh4, inputs, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench, "TRACE_DIR", str(tmp_path))
+    *t, k = bench.timed_scan(mesh4, lambda x, i: x[:1] * 2, inputs, 3, 2)
+    assert len(t) == 3 and k["kernel_us"] is None and k["kernel_us_all"] is None
+    assert "no GPU process" in "\n".join(k["lines"])
+
+    def boom(*a, **kw):
+        raise RuntimeError("no profiler")
+    monkeypatch.setattr(bench.kernel_times, "trace_kernels", boom)
+    *t, k = bench.timed_scan(mesh4, lambda x, i: x[:1] * 2, inputs, 3, 2)
+    assert k["kernel_us"] is None and k["lines"] == [
+        "    (no kernel times: RuntimeError: no profiler)"]
+    assert bench.kernel_fields(k) == {"kernel_us": None, "kernel_us_all": None}
+    assert "no kernel times" in capsys.readouterr().out
+
+
+def test_bench_table_kernel_columns(bench, capsys):
+    row = dict(mode="ll", ranks=2, op="dispatch_bf16", impl="jax_ep", sms="-", us=40.0,
+               recv_GBps=100.0)
+    bench.print_table([dict(row, kernel_us=None, kernel_us_all=None)])
+    out = capsys.readouterr().out
+    assert "kernel us" not in out
+    bench.print_table([dict(row, kernel_us=31.25, kernel_us_all=33.0)])
+    out = capsys.readouterr().out
+    assert "| kernel us | all kernels us |" in out and "| 31.2 | 33.0 |" in out
+
+
+def test_bench_help(bench):
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "bench.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--kernel-times" in r.stdout
