@@ -2,9 +2,11 @@
 same GPUs: one process over all of them, or (under python -m jax_ep.launch -n R) one process
 per GPU, where process 0 reports. benchmarks/bench_modes.py runs both modes in one go.
 
-Each op is timed as a jit-compiled lax.scan of --iters calls (host dispatch excluded; no kernel
-of the harness between calls, benchmarks/harness.py): wall time of the whole scan / iters, after
-warm-up, median over --reps runs. With --kernel-times, one more run of each scan under
+Each op is timed as jit-compiled lax.scans of its calls back to back (no kernel of the harness
+between calls, benchmarks/harness.py): per call = (time of a scan of --iters calls - time of one
+of --iters/4) / the difference in calls, so the fixed cost of launching one program (host
+dispatch) cancels; median over --reps interleaved pairs, after warm-up. The plain figure, the
+long scan's wall time / --iters, is kept as "wall us". With --kernel-times, one more run of each scan under
 jax.profiler also gives the op's kernel durations per call (benchmarks/kernel_times.py), the
 measure DeepEP reports. Prints a table, writes results.json and a plot into --out.
 
@@ -64,14 +66,17 @@ def ragged_ok() -> bool:
 
 
 def timed_scan(mesh, body, args, iters, reps, kernels=OURS):
-    """(median, min, max) seconds per call of body(*args), `iters` calls in one lax.scan
-    (harness.timed_scan), and a dict: kernel_us / kernel_us_all, the kernel durations per call
+    """(median, min, max) seconds per call of body(*args): the slope between a lax.scan of
+    iters // 4 calls and one of `iters` calls (harness.time_slope), and a dict: wall_us, the long
+    scan's total / iters (launch overhead included); kernel_us / kernel_us_all, the kernel durations per call
     of one more run under the profiler with --kernel-times (kernels whose name matches
     `kernels` / all kernels), None without it or where profiling fails; "lines" to print."""
     global _traces
     f = harness.scan_fn(mesh, body, iters)
-    t = harness.time_fn(f, args, iters, reps)
-    k = dict(kernel_us=None, kernel_us_all=None, lines=[])
+    short = max(1, iters // 4)
+    *t, wall = harness.time_slope(harness.scan_fn(mesh, body, short), f, short, iters, args, reps)
+    t = tuple(t)
+    k = dict(kernel_us=None, kernel_us_all=None, wall_us=wall * 1e6, lines=[])
     if TRACE_DIR is None:
         return t + (k,)
     _traces += 1
@@ -98,7 +103,8 @@ def kernel_fields(k):
     """Prints timed_scan's kernel report; the row's kernel fields."""
     for line in k["lines"]:
         print(line, flush=True)
-    return dict(kernel_us=k["kernel_us"], kernel_us_all=k["kernel_us_all"])
+    return dict(kernel_us=k["kernel_us"], kernel_us_all=k["kernel_us_all"],
+                wall_us=k.get("wall_us"))
 
 
 def routing(rng, n, K, E):
@@ -333,9 +339,10 @@ def print_table(rows):
     kern = any(r.get("kernel_us") is not None or r.get("kernel_us_all") is not None
                for r in rows)
     us = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-    print("\n| mode | GPUs | op | impl | SMs | median us | recv GB/s | speed-up vs all_to_all | "
-          "vs ragged |" + (" kernel us | all kernels us |" if kern else ""))
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if kern else ""))
+    print("\n| mode | GPUs | op | impl | SMs | median us | wall us | recv GB/s | "
+          "speed-up vs all_to_all | vs ragged |" +
+          (" kernel us | all kernels us |" if kern else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if kern else ""))
     for r in rows:
         base = {b["impl"]: b["us"] for b in rows if b["mode"] == r["mode"] and
                 b["ranks"] == r["ranks"] and b["impl"] != "jax_ep" and
@@ -344,7 +351,8 @@ def print_table(rows):
         rag = base.get("lax.ragged_all_to_all")
         sp = lambda b: f"{b / r['us']:.1f}x" if (b and r["impl"] == "jax_ep") else "-"  # noqa
         print(f"| {r['mode']} | {r['ranks']} | {r['op']} | {r['impl']} | {r['sms']} | "
-              f"{r['us']:.1f} | {r['recv_GBps']:.0f} | {sp(a2a)} | {sp(rag)} |" +
+              f"{r['us']:.1f} | {us(r.get('wall_us'))} | {r['recv_GBps']:.0f} | {sp(a2a)} | "
+              f"{sp(rag)} |" +
               (f" {us(r.get('kernel_us'))} | {us(r.get('kernel_us_all'))} |" if kern else ""))
 
 

@@ -242,7 +242,9 @@ def test_bench_kernel_times_never_fail(bench, mesh4, inputs, monkeypatch, tmp_pa
     *t, k = bench.timed_scan(mesh4, lambda x, i: x[:1] * 2, inputs, 3, 2)
     assert k["kernel_us"] is None and k["lines"] == [
         "    (no kernel times: RuntimeError: no profiler)"]
-    assert bench.kernel_fields(k) == {"kernel_us": None, "kernel_us_all": None}
+    fields = bench.kernel_fields(k)
+    assert fields["kernel_us"] is None and fields["kernel_us_all"] is None
+    assert fields["wall_us"] > 0
     assert "no kernel times" in capsys.readouterr().out
 
 
@@ -262,3 +264,18 @@ def test_bench_help(bench):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "--kernel-times" in r.stdout
+
+
+def test_time_slope_cancels_fixed_cost():
+    """The slope between a short and a long run removes a fixed per-run cost exactly."""
+    import time as _time
+    per_call, fixed = 0.002, 0.02
+
+    def runner(n):
+        def f():
+            _time.sleep(fixed + n * per_call)
+            return jnp.zeros(())
+        return f
+    med, lo, hi, wall = harness.time_slope(runner(2), runner(8), 2, 8, (), 3)
+    assert abs(med - per_call) < 0.6 * per_call, med
+    assert wall > per_call + fixed / 8 * 0.8  # the plain figure keeps the fixed cost
