@@ -41,7 +41,8 @@ def _align16(n):
 def _dispatch_buffer_bytes(R, M, K, H, use_fp8):
     """Receive buffer of a dispatch slot (csrc/kernels/low_latency.cu: dispatch_buffer_bytes)."""
     payload = H + 4 * (H // ref.FP8_GROUP) if use_fp8 else 2 * H
-    return 2 * R * M * (_align16(4 * (1 + K)) + _align16(payload))
+    jtab = _align16(2 * R * M * (K + 1) * 4)  # receive-side j table (dispatch_jtab_bytes)
+    return 2 * R * M * (_align16(4 * (1 + K)) + _align16(payload)) + jtab
 
 
 def _combine_buffer_bytes(M, K, H):

@@ -204,6 +204,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
     p.recv_count = static_cast<int32_t*>((*recv_count)->untyped_data());
     p.recv_src = static_cast<int32_t*>((*recv_src)->untyped_data());
     p.recv_slot = static_cast<int32_t*>((*recv_slot)->untyped_data());
+    p.jtab = reinterpret_cast<int32_t*>(own + 2 * R * M * ll::dispatch_row_bytes(K, H, a.use_fp8));
   }
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);

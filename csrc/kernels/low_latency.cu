@@ -19,7 +19,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kSendParts = 2;        // warps per (token, destination) send item
 constexpr int kQuantUnits = 7;       // 128-column groups in flight per half-warp (quantisation)
 constexpr int kCopyRegs = 8;         // vectors in flight per lane while copying a row
-constexpr int kRecvRegs = 14;        // payload vectors per lane loaded with the header (receive)
+constexpr int kRecvParts = 4;        // copy items per received row (column parts)
 constexpr int kPrefillInts = 512;    // recv_src / recv_slot entries set to -1 per prefill item
 constexpr int kCombineVpt = 2;       // column vectors per lane per combine item
 constexpr int kCombineKb = 8;        // top-k rows loaded together in combine
@@ -170,37 +170,24 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
   }
 }
 
-// Receive item: row t of sender s in our buffer. The payload's first kRecvRegs vectors per lane
-// (and the scales) are loaded together with the header; a row whose tag is not this call's
-// epoch was not sent to us and is skipped. The warp de-duplicates the token's ids (first slot
-// naming each local expert leads), takes a row j per lead expert, records the source, and
-// stores the payload to every lead's row.
-template <typename VV>
-__device__ __noinline__ void recv_row(const DispatchParams& p, const uint8_t* row, int s,
-                                         int t, int64_t pay_bytes, unsigned long long er,
-                                         int lane) {
+// The receive phase has two sub-phases, each a set of warp items taken by tickets:
+//   index (one item per row (s, t) of our buffer): a row whose tag is not this call's epoch was
+//     not sent to us and is skipped; else the warp de-duplicates the token's ids (the first slot
+//     naming each local expert leads), takes a row j per lead expert (atomic counter), records
+//     the source, and notes j per top-k slot in the row's entry of the j table (-1: no lead).
+//     The entry's last word then gets this kernel's receive generation: the row is indexed.
+//   copy (kRecvParts items per row): waits until its row is indexed (resident warps index every
+//     row without waiting on anything, and take those tickets first), then copies a column part
+//     of the payload, loaded once and stored to every lead's output row; part 0 also copies the
+//     scales.
+// Splitting them keeps the atomics out of the copy, and the copy spreads over all warps.
+__device__ __noinline__ void index_row(const DispatchParams& p, const uint8_t* row, int32_t* jt,
+                                       int s, int t, unsigned long long er, int gen, int lane) {
   const PeerSlots& ps = p.ps;
   const int r = ps.rank;
   const int64_t RM = (int64_t)ps.num_ranks * p.M;
   const int* hdr = reinterpret_cast<const int*>(row);
-  const uint8_t* pay = row + p.hdr_bytes;
-  const VV* src = reinterpret_cast<const VV*>(pay);
-  const int nvec = static_cast<int>(pay_bytes / (int64_t)sizeof(VV));
-  VV buf[kRecvRegs];
-#pragma unroll
-  for (int u = 0; u < kRecvRegs; ++u) {
-    const int v = u * 32 + lane;
-    if (v < nvec) buf[u] = __ldcg(src + v);
-  }
-  const float* sc = reinterpret_cast<const float*>(pay + p.H);
-  float sc0 = 0.f, sc1 = 0.f;
-  if (p.use_fp8) {
-    if (lane < p.G) sc0 = __ldcg(sc + lane);
-    if (lane + 32 < p.G) sc1 = __ldcg(sc + lane + 32);
-  }
-  const int tag = __ldcg(hdr);
-  if (tag != static_cast<int>(er)) return;  // not sent to us in this call
-  uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
+  if (__ldcg(hdr) != static_cast<int>(er)) return;  // not sent to us in this call
   for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32
     const int k = kb + lane;
     const int le = k < p.K ? local_expert(__ldcg(hdr + 1 + k), p.E, p.L, r) : -1;
@@ -213,43 +200,96 @@ __device__ __noinline__ void recv_row(const DispatchParams& p, const uint8_t* ro
           break;
         }
     }
-    const unsigned mask = __ballot_sync(kFull, lead);
-    if (mask == 0) continue;
-    int j = 0;
+    int j = -1;
     if (lead) {
       j = atomicAdd(ps.slot[r]->counters + le, 1);
       p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
       p.recv_slot[(int64_t)le * RM + j] = k;
     }
-    for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
-      const int sl = __ffs(m) - 1;
-      const int l = __shfl_sync(kFull, le, sl);
-      const int jj = __shfl_sync(kFull, j, sl);
-      const int64_t orow = (int64_t)l * RM + jj;
-      VV* d = reinterpret_cast<VV*>(recv_x + orow * pay_bytes);
-#pragma unroll
-      for (int u = 0; u < kRecvRegs; ++u) {
-        const int v = u * 32 + lane;
-        if (v < nvec) d[v] = buf[u];
+    if (k < p.K) jt[k] = j;
+  }
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence();  // release: the j entries, recv_src / recv_slot before the mark
+    *reinterpret_cast<volatile int*>(jt + p.K) = gen;
+  }
+}
+
+template <typename VV>
+__device__ __noinline__ void copy_row_part(const DispatchParams& p, const uint8_t* row,
+                                           const int32_t* jt, int part, int64_t pay_bytes,
+                                           unsigned long long er, int gen, int lane) {
+  const int r = p.ps.rank;
+  const int64_t RM = (int64_t)p.ps.num_ranks * p.M;
+  const int* hdr = reinterpret_cast<const int*>(row);
+  if (__ldcg(hdr) != static_cast<int>(er)) return;
+  if (lane == 0) {  // the row's index item (another warp, already running) marks it
+    const volatile int* mark = jt + p.K;
+    if (*mark != gen) {
+      const uint64_t start = global_timer_ns();
+      while (*mark != gen) {
+        if ((int64_t)(global_timer_ns() - start) > p.timeout_ns) {
+          printf("jax_ep: rank %d timed out in 'll_dispatch: wait for a row's index'\n", r);
+          __trap();
+        }
       }
-      for (int v = kRecvRegs * 32 + lane; v < nvec; v += 32) d[v] = __ldcg(src + v);  // long rows
-      if (p.use_fp8) {
+    }
+    __threadfence();  // acquire
+  }
+  __syncwarp();
+  const uint8_t* pay = row + p.hdr_bytes;
+  const VV* src = reinterpret_cast<const VV*>(pay);
+  const int nvec = static_cast<int>(pay_bytes / (int64_t)sizeof(VV));
+  const int per = (nvec + kRecvParts - 1) / kRecvParts;
+  const int v0 = min(nvec, part * per), v1 = min(nvec, v0 + per);
+  uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
+  for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32
+    const int k = kb + lane;
+    const int j = k < p.K ? __ldcg(jt + k) : -1;
+    const int le = j >= 0 ? local_expert(__ldcg(hdr + 1 + k), p.E, p.L, r) : -1;
+    const unsigned mask = __ballot_sync(kFull, j >= 0);
+    if (mask == 0) continue;
+    for (int base = v0; base < v1; base += kCopyRegs * 32) {  // warp-uniform
+      VV buf[kCopyRegs];
+#pragma unroll
+      for (int u = 0; u < kCopyRegs; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v < v1) buf[u] = __ldcg(src + v);
+      }
+      for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
+        const int sl = __ffs(m) - 1;
+        const int64_t orow = (int64_t)__shfl_sync(kFull, le, sl) * RM + __shfl_sync(kFull, j, sl);
+        VV* d = reinterpret_cast<VV*>(recv_x + orow * pay_bytes);
+#pragma unroll
+        for (int u = 0; u < kCopyRegs; ++u) {
+          const int v = base + u * 32 + lane;
+          if (v < v1) d[v] = buf[u];
+        }
+      }
+    }
+    if (p.use_fp8 && part == 0) {
+      const float* sc = reinterpret_cast<const float*>(pay + p.H);
+      for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
+        const int sl = __ffs(m) - 1;
+        const int64_t orow = (int64_t)__shfl_sync(kFull, le, sl) * RM + __shfl_sync(kFull, j, sl);
         float* ds = p.recv_scales + orow * p.G;
-        if (lane < p.G) ds[lane] = sc0;
-        if (lane + 32 < p.G) ds[lane + 32] = sc1;
-        for (int g = lane + 64; g < p.G; g += 32) ds[g] = __ldcg(sc + g);
+        for (int g = lane; g < p.G; g += 32) ds[g] = __ldcg(sc + g);
       }
     }
   }
 }
 
-template <typename V>
-__device__ __forceinline__ void dispatch_recv_item(const DispatchParams& p, int s, int t, int par,
-                                                   unsigned long long er, int lane) {
+// Row `it` of the receive phase (rows of sender s are [s_pref[s], s_pref[s + 1])).
+__device__ __forceinline__ void recv_row_at(const DispatchParams& p, const int* s_pref, int it,
+                                            int par, const uint8_t** row, int32_t** jt, int* s,
+                                            int* t) {
   const PeerSlots& ps = p.ps;
-  const uint8_t* row = p.buf[ps.rank] + (((int64_t)par * ps.num_ranks + s) * p.M + t) * p.row_bytes;
-  if (p.use_fp8) recv_row<uint4>(p, row, s, t, p.H, er, lane);
-  else recv_row<V>(p, row, s, t, 2LL * p.H, er, lane);
+  int q = 0;
+  while (it >= s_pref[q + 1]) ++q;
+  *s = q;
+  *t = it - s_pref[q];
+  *row = p.buf[ps.rank] + (((int64_t)par * ps.num_ranks + q) * p.M + *t) * p.row_bytes;
+  *jt = p.jtab + (((int64_t)par * ps.num_ranks + q) * p.M + *t) * (p.K + 1);
 }
 
 // Closing step of the send phase (whole warp): flags (with row counts) to every receiver, then
@@ -361,16 +401,30 @@ __global__ void __launch_bounds__(kThreads, 1)
                        "ll_dispatch: prefill");
     __syncwarp();
     const int n = s_pref[R];
-    for (;;) {  // warp-uniform
+    const int gen = push::recv_generation(ps);
+    for (;;) {  // index sub-phase, warp-uniform
       const int it = push::take_ticket(me, push::kRecv, lane);
-      if (it >= n) {
-        if (n == 0 && it == 0) dispatch_close_recv(p, er, lane);
+      if (it >= n) break;
+      const uint8_t* row;
+      int32_t* jt;
+      int s, t;
+      recv_row_at(p, s_pref, it, par, &row, &jt, &s, &t);
+      index_row(p, row, jt, s, t, er, gen, lane);
+    }
+    const int nc = n * kRecvParts;
+    for (;;) {  // copy sub-phase, warp-uniform
+      const int it = push::take_ticket(me, push::kRecvCopy, lane);
+      if (it >= nc) {
+        if (nc == 0 && it == 0) dispatch_close_recv(p, er, lane);
         break;
       }
-      int s = 0;
-      while (it >= s_pref[s + 1]) ++s;
-      dispatch_recv_item<V>(p, s, it - s_pref[s], par, er, lane);
-      if (push::finish_item(me, push::kRecv, n, false, lane)) dispatch_close_recv(p, er, lane);
+      const uint8_t* row;
+      int32_t* jt;
+      int s, t;
+      recv_row_at(p, s_pref, it / kRecvParts, par, &row, &jt, &s, &t);
+      if (p.use_fp8) copy_row_part<uint4>(p, row, jt, it % kRecvParts, p.H, er, gen, lane);
+      else copy_row_part<V>(p, row, jt, it % kRecvParts, 2LL * p.H, er, gen, lane);
+      if (push::finish_item(me, push::kRecvCopy, nc, false, lane)) dispatch_close_recv(p, er, lane);
     }
   }
   push::leave_kernel(ps, p.mode, es);
@@ -587,7 +641,10 @@ int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8) {
   return dispatch_header_bytes(K) + align16(use_fp8 ? H + 4 * (H / 128) : 2 * H);
 }
 int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8) {
-  return 2 * R * M * dispatch_row_bytes(K, H, use_fp8);
+  return 2 * R * M * dispatch_row_bytes(K, H, use_fp8) + dispatch_jtab_bytes(R, M, K);
+}
+int64_t dispatch_jtab_bytes(int64_t R, int64_t M, int64_t K) {
+  return align16(2 * R * M * (K + 1) * 4);
 }
 int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H) {
   return 2 * M * K * align16(2 * H);

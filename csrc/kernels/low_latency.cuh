@@ -21,6 +21,10 @@ constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on half the
 int64_t dispatch_header_bytes(int64_t K);
 int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8);
 int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8);
+// The j table after the dispatch rows: int32 [parity][src rank s][token t][K + 1]: per slot k
+// the row of (slot k's) local expert that the receiver gave row (s, t), or -1; then the receive
+// generation (Slot::recv_gen) of the kernel that indexed the row (receive-side scratch).
+int64_t dispatch_jtab_bytes(int64_t R, int64_t M, int64_t K);
 int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H);
 
 struct DispatchParams {
@@ -38,6 +42,7 @@ struct DispatchParams {
   int32_t* recv_count;        // [L]
   int32_t* recv_src;          // [L, R*M]: s * M + t, -1 past the count
   int32_t* recv_slot;         // [L, R*M]: first top-k slot of (s, t) naming the expert, -1 past
+  int32_t* jtab;              // this rank's j table (after its rows, dispatch_jtab_bytes)
   int T, H, K, E, L, M, G;
   int use_fp8, round_scale;
   int64_t hdr_bytes, row_bytes;

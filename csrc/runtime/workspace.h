@@ -43,6 +43,8 @@ struct alignas(128) Slot {
   unsigned int ticket[4];
   unsigned int items_done[4];
   unsigned int exit_counter;
+  unsigned int recv_gen;  // owner: receive kernels finished on this slot (marks rows of the LL
+                          // dispatch's j table per launch, so a repeated receive re-indexes)
   // Diagnostic phase tracer (peer.cuh trace_mark, index table there): %globaltimer ns of each
   // phase boundary of the last call on this slot, written by block 0 / the end barrier's last
   // block. Never reset: a mark not reached by the last call keeps an older value.

@@ -31,7 +31,7 @@
 namespace jax_ep {
 namespace push {
 
-enum Phase { kSend = 0, kPrefill = 1, kRecv = 2 };
+enum Phase { kSend = 0, kPrefill = 1, kRecv = 2, kRecvCopy = 3 };
 enum Mode { kModeSend = 1, kModeRecv = 2, kModeBoth = 3 };
 
 // Epoch of this call's send phase (owner counter, advanced by leave_kernel).
@@ -44,6 +44,12 @@ __device__ __forceinline__ unsigned long long recv_epoch(const PeerSlots& ps,
                                                          const int32_t* ticket_epoch) {
   if (ticket_epoch == nullptr) return send_epoch(ps);
   return static_cast<unsigned int>(*reinterpret_cast<const volatile int32_t*>(ticket_epoch));
+}
+
+// This receive kernel's generation (stable during the kernel; see Slot::recv_gen).
+__device__ __forceinline__ int recv_generation(const PeerSlots& ps) {
+  return static_cast<int>(*reinterpret_cast<const volatile unsigned int*>(
+      &ps.slot[ps.rank]->recv_gen)) + 1;
 }
 
 // Whole warp: the next item of `phase` (same value in every lane).
@@ -134,7 +140,8 @@ __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigne
 }
 
 // Whole block, at the very end of the kernel: the last block out resets the tickets and item
-// counts and, when the kernel ran a send phase, advances the send epoch.
+// counts and, when the kernel ran a send phase, advances the send epoch (a receive phase: the
+// receive generation).
 __device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode,
                                              unsigned long long es) {
   __syncthreads();
@@ -150,6 +157,7 @@ __device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode,
       }
       me->exit_counter = 0;
       if (mode & kModeSend) me->send_epoch = es;
+      if (mode & kModeRecv) me->recv_gen = me->recv_gen + 1;
       __threadfence();
     }
   }
