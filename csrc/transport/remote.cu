@@ -26,22 +26,6 @@ __device__ __forceinline__ void put_flag(unsigned long long* flag, unsigned long
   nvshmem_uint64_p(reinterpret_cast<uint64_t*>(flag), v, pe);
 }
 
-// One thread: spin until *flag >= target; trap after timeout_ns naming rank, peer and phase.
-__device__ void wait_geq(const unsigned long long* flag, unsigned long long target,
-                         int64_t timeout_ns, int rank, int peer, const char* phase) {
-  if (ld_acquire_sys(flag) >= target) return;
-  const uint64_t start = global_timer_ns();
-  while (ld_acquire_sys(flag) < target) {
-    if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
-      printf("jax_ep: rank %d timed out in phase '%s' waiting for remote rank %d (epoch %llu, "
-             "seen %llu). A peer did not arrive: check that every rank runs the same program "
-             "(JAX_EP_TIMEOUT_S sets the limit).\n",
-             rank, phase, peer, target, ld_acquire_sys(flag));
-      __trap();
-    }
-  }
-}
-
 struct Mirrors {
   uint8_t* at[kMaxRanks];
 };
@@ -58,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) pull_prologue_kernel(
       put_flag(&me->ready_from[ps.rank], e, ps.pe[q]);
       nvshmem_quiet();
     }
-    wait_geq(&me->ready_from[q], e, timeout_ns, ps.rank, q, "pull: remote peer staged");
+    wait_flag_geq(&me->ready_from[q], e, timeout_ns, ps.rank, q, "pull: remote peer staged");
   }
   __syncthreads();
   const size_t nchunks = (bytes + kGetChunk - 1) / kGetChunk;
@@ -82,11 +66,10 @@ __global__ void pull_epilogue_kernel(const __grid_constant__ PeerSlots ps, int64
     // Our mirror of q is read: q may overwrite its staging buffer (its next call).
     put_flag(&me->done[ps.rank], e, ps.pe[q]);
     nvshmem_quiet();
-    wait_geq(&me->done[q], e, timeout_ns, ps.rank, q, "pull: remote peer done");
+    wait_flag_geq(&me->done[q], e, timeout_ns, ps.rank, q, "pull: remote peer done");
   }
 }
 
-// Block b: the b-th remote peer q. Its rows are this call's when their header tag is the epoch.
 struct Scratch {
   uint8_t* at[kMaxRanks];
 };
@@ -104,6 +87,7 @@ __device__ __forceinline__ void complete_warp_puts(int lane) {
   __syncwarp();
 }
 
+// Block b: the b-th remote peer q. Its rows are this call's when their header tag is the epoch.
 __global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
     const __grid_constant__ PeerSlots ps, uint8_t* own_buf, const __grid_constant__ Scratch scr,
     int T, int M, int64_t row_bytes, int dbg) {
