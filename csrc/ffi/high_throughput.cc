@@ -76,18 +76,12 @@ ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks)
 // of operands 0..i-1 (jax_ep/_ffi.py sizes the buffer the same way). One-process mode passes
 // stage = [0]: nothing to do. Reuse is safe: the previous call on the slot ended with the end
 // barrier, after every peer finished reading. An entry with bit 0 set names a remote peer
-// (symmetric.h): the kernels read this rank's mirror of its staging buffer instead, which
-// run_pulled fills (transport/remote.h).
-struct Staged {
-  const uint8_t* own = nullptr;  // this rank's staging buffer
-  size_t bytes = 0;              // staged bytes (the same on every rank)
-  uint8_t* mirror[jax_ep::kMaxRanks] = {};
-};
-
+// (symmetric.h): its stage[] is this rank's mirror of that peer's staging buffer, which
+// run_pulled fills (transport/remote.h). *staged: the staged bytes (the same on every rank).
 ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const int64_t> stage,
                           ffi::Span<const int64_t> groups, int64_t R, jax_ep::GroupInfo* gi,
                           std::initializer_list<std::pair<const void*, size_t>> operands,
-                          Staged* staged) {
+                          size_t* staged) {
   if (stage.size() == 1 && stage[0] == 0) return ffi::Error::Success();
   if (stage.size() != groups.size())
     return ffi::Error::InvalidArgument(std::string(op) +
@@ -102,7 +96,6 @@ ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const i
     gi->peers.stage[r] = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(v & ~uint64_t{1}));
     if (gi->peers.stage[r] == nullptr)
       return ffi::Error::InvalidArgument(std::string(op) + ": missing staging buffer");
-    if (remote) staged->mirror[r] = const_cast<uint8_t*>(gi->peers.stage[r]);
   }
   uint8_t* mine = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(row[gi->peers.rank]));
   size_t off = 0;
@@ -113,22 +106,20 @@ ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const i
       cudaMemcpyAsync(mine + off, operand.first, operand.second, cudaMemcpyDeviceToDevice, stream);
     off += (operand.second + 255) / 256 * 256;
   }
-  staged->own = mine;
-  staged->bytes = off;
+  *staged = off;
   return jax_ep::cuda_error("staging copy");
 }
 
 // Launches the op's kernels (launch()), between the NVSHMEM prologue and epilogue when the group
 // has remote peers (transport/remote.h).
 template <typename Launch>
-ffi::Error run_pulled(const char* op, const jax_ep::GroupInfo& gi, const Staged& staged,
+ffi::Error run_pulled(const char* op, const jax_ep::GroupInfo& gi, size_t staged,
                       int64_t timeout_ns, cudaStream_t stream, Launch&& launch) {
   if (gi.peers.remote == 0) {
     launch();
     return jax_ep::cuda_error(op);
   }
-  cudaError_t e = jax_ep::remote::pull_prologue(gi.peers, staged.own, staged.bytes,
-                                                staged.mirror, timeout_ns, stream);
+  cudaError_t e = jax_ep::remote::pull_prologue(gi.peers, staged, timeout_ns, stream);
   if (e == cudaSuccess) {
     launch();
     e = cudaGetLastError();
@@ -229,7 +220,7 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
     return ffi::Error::Internal(std::string(op) + ": layout plan needs " +
                                 std::to_string(plan.scratch_words) + " scratch words");
 
-  Staged staged;
+  size_t staged = 0;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, R, &gi,
       {{x.untyped_data(), x.size_bytes()},
        {x_scales.untyped_data(), x_scales.size_bytes()},
@@ -289,7 +280,7 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
   if (group_size * T > kMaxInt || C > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
-  Staged staged;
+  size_t staged = 0;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
                                         {{x.untyped_data(), x.size_bytes()}}, &staged));
   GatherArgs a{};
@@ -349,7 +340,7 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   if (C > kMaxInt || T * group_size > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
-  Staged staged;
+  size_t staged = 0;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
                                         {{y.untyped_data(), y.size_bytes()}}, &staged));
   CombineArgs a{};

@@ -117,7 +117,7 @@ ffi::Error combine_with_remote(const char* op, const ll::CombineParams& p, int g
     if (ffi::Error err = remote_error(op, jax_ep::remote::push_combine_rows(
                                               p.ps, own, p.buf, p.recv_src, p.recv_slot,
                                               p.recv_count, p.L, p.M, p.K,
-                                              (2LL * p.H + 15) & ~15LL, stream));
+                                              ll::combine_row_bytes(p.H), stream));
         err.failure())
       return err;
   }
@@ -204,7 +204,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
     p.recv_count = static_cast<int32_t*>((*recv_count)->untyped_data());
     p.recv_src = static_cast<int32_t*>((*recv_src)->untyped_data());
     p.recv_slot = static_cast<int32_t*>((*recv_slot)->untyped_data());
-    p.jtab = reinterpret_cast<int32_t*>(own + 2 * R * M * ll::dispatch_row_bytes(K, H, a.use_fp8));
+    p.jtab = reinterpret_cast<int32_t*>(own + ll::dispatch_rows_bytes(R, M, K, H, a.use_fp8));
   }
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);

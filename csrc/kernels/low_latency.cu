@@ -640,14 +640,18 @@ int64_t dispatch_header_bytes(int64_t K) { return align16(4 * (1 + K)); }
 int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8) {
   return dispatch_header_bytes(K) + align16(use_fp8 ? H + 4 * (H / 128) : 2 * H);
 }
+int64_t dispatch_rows_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8) {
+  return 2 * R * M * dispatch_row_bytes(K, H, use_fp8);
+}
 int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8) {
-  return 2 * R * M * dispatch_row_bytes(K, H, use_fp8) + dispatch_jtab_bytes(R, M, K);
+  return dispatch_rows_bytes(R, M, K, H, use_fp8) + dispatch_jtab_bytes(R, M, K);
 }
 int64_t dispatch_jtab_bytes(int64_t R, int64_t M, int64_t K) {
   return align16(2 * R * M * (K + 1) * 4);
 }
+int64_t combine_row_bytes(int64_t H) { return align16(2 * H); }
 int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H) {
-  return 2 * M * K * align16(2 * H);
+  return 2 * M * K * combine_row_bytes(H);
 }
 
 int grid_size(int device) {

@@ -20,11 +20,14 @@ constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on half the
 // rows of 2H bytes (bf16 expert output of the expert named first by slot k).
 int64_t dispatch_header_bytes(int64_t K);
 int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8);
+// The rows of both parities (the j table starts there), and the whole dispatch buffer.
+int64_t dispatch_rows_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8);
 int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8);
 // The j table after the dispatch rows: int32 [parity][src rank s][token t][K + 1]: per slot k
 // the row of (slot k's) local expert that the receiver gave row (s, t), or -1; then the receive
 // generation (Slot::recv_gen) of the kernel that indexed the row (receive-side scratch).
 int64_t dispatch_jtab_bytes(int64_t R, int64_t M, int64_t K);
+int64_t combine_row_bytes(int64_t H);
 int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H);
 
 struct DispatchParams {

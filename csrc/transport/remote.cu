@@ -26,13 +26,8 @@ __device__ __forceinline__ void put_flag(unsigned long long* flag, unsigned long
   nvshmem_uint64_p(reinterpret_cast<uint64_t*>(flag), v, pe);
 }
 
-struct Mirrors {
-  uint8_t* at[kMaxRanks];
-};
-
 __global__ void __launch_bounds__(kThreads) pull_prologue_kernel(
-    const __grid_constant__ PeerSlots ps, const uint8_t* stage, size_t bytes,
-    const __grid_constant__ Mirrors mirror, int64_t timeout_ns) {
+    const __grid_constant__ PeerSlots ps, size_t bytes, int64_t timeout_ns) {
   Slot* me = ps.slot[ps.rank];
   const unsigned long long e = ld_volatile_u64(&me->epoch) + 1;
   const int q = threadIdx.x;
@@ -45,6 +40,7 @@ __global__ void __launch_bounds__(kThreads) pull_prologue_kernel(
     wait_flag_geq(&me->ready_from[q], e, timeout_ns, ps.rank, q, "pull: remote peer staged");
   }
   __syncthreads();
+  const uint8_t* stage = ps.stage[ps.rank];  // symmetric: the same offset on every PE
   const size_t nchunks = (bytes + kGetChunk - 1) / kGetChunk;
   size_t c = 0;  // chunk c of the k-th remote peer: (k * nchunks + chunk) over the grid
   for (int s = 0; s < ps.num_ranks; ++s) {
@@ -53,7 +49,8 @@ __global__ void __launch_bounds__(kThreads) pull_prologue_kernel(
       if (c % gridDim.x != blockIdx.x) continue;
       const size_t off = i * kGetChunk;
       const size_t len = bytes - off < kGetChunk ? bytes - off : kGetChunk;
-      nvshmemx_getmem_block(mirror.at[s] + off, stage + off, len, ps.pe[s]);
+      uint8_t* mirror = const_cast<uint8_t*>(ps.stage[s]);  // ours (symmetric.h: bit 0)
+      nvshmemx_getmem_block(mirror + off, stage + off, len, ps.pe[s]);
     }
   }
 }
@@ -183,13 +180,11 @@ int debug() {
 
 bool built() { return true; }
 
-cudaError_t pull_prologue(const PeerSlots& ps, const uint8_t* stage, size_t bytes,
-                          uint8_t* const* mirror, int64_t timeout_ns, cudaStream_t stream) {
-  Mirrors m{};
-  for (int q = 0; q < ps.num_ranks; ++q) m.at[q] = mirror[q];
+cudaError_t pull_prologue(const PeerSlots& ps, size_t bytes, int64_t timeout_ns,
+                          cudaStream_t stream) {
   const size_t chunks = (bytes + kGetChunk - 1) / kGetChunk * count_remote(ps);
   const int grid = static_cast<int>(chunks < 32 ? (chunks > 0 ? chunks : 1) : 32);
-  pull_prologue_kernel<<<grid, kThreads, 0, stream>>>(ps, stage, bytes, m, timeout_ns);
+  pull_prologue_kernel<<<grid, kThreads, 0, stream>>>(ps, bytes, timeout_ns);
   return cudaGetLastError();
 }
 

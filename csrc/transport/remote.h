@@ -27,10 +27,11 @@ namespace remote {
 // True when this build has the NVSHMEM kernels.
 bool built();
 
-// Pull, before the op kernels. stage: this rank's staging buffer (symmetric); bytes: its staged
-// size (the same on every rank); mirror[q]: where remote q's staging buffer is copied.
-cudaError_t pull_prologue(const PeerSlots& ps, const uint8_t* stage, size_t bytes,
-                          uint8_t* const* mirror, int64_t timeout_ns, cudaStream_t stream);
+// Pull, before the op kernels. ps.stage[rank]: this rank's staging buffer (symmetric);
+// ps.stage[q] of a remote q: this rank's mirror of q's, which the prologue fills; bytes: the
+// staged size (the same on every rank).
+cudaError_t pull_prologue(const PeerSlots& ps, size_t bytes, int64_t timeout_ns,
+                          cudaStream_t stream);
 // Pull, after the op kernels (they closed the epoch).
 cudaError_t pull_epilogue(const PeerSlots& ps, int64_t timeout_ns, cudaStream_t stream);
 

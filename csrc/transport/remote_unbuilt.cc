@@ -5,8 +5,7 @@ namespace jax_ep {
 namespace remote {
 
 bool built() { return false; }
-cudaError_t pull_prologue(const PeerSlots&, const uint8_t*, size_t, uint8_t* const*, int64_t,
-                          cudaStream_t) {
+cudaError_t pull_prologue(const PeerSlots&, size_t, int64_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 cudaError_t pull_epilogue(const PeerSlots&, int64_t, cudaStream_t) { return cudaErrorNotSupported; }
