@@ -34,7 +34,7 @@ MARKS = {
     10: "start", 11: "peers ready", 12: "loop done", 13: "all blocks arrived", 14: "peers done",
     16: "start", 17: "send done (flags out)", 18: "peers' rows arrived (block 0)",
     19: "receive done",
-    24: "start", 25: "send done (flags out)", 26: "peers' rows arrived (block 0)",
+    24: "start", 25: "send done (rows and tags out)", 26: "receive starts (block 0)",
     27: "receive done",
 }
 

@@ -38,16 +38,16 @@ def _align16(n):
     return (n + 15) // 16 * 16
 
 
-def _dispatch_buffer_bytes(R, M, K, H, use_fp8):
+def _dispatch_buffer_bytes(R, M, K, H, L, use_fp8):
     """Receive buffer of a dispatch slot (csrc/kernels/low_latency.cu: dispatch_buffer_bytes)."""
     payload = H + 4 * (H // ref.FP8_GROUP) if use_fp8 else 2 * H
-    jtab = _align16(2 * R * M * (K + 1) * 4)  # receive-side j table (dispatch_jtab_bytes)
-    return 2 * R * M * (_align16(4 * (1 + K)) + _align16(payload)) + jtab
+    row = _align16(4 * (1 + 2 * K)) + _align16(payload)  # header: tag, ids[K], pos[K]
+    return 2 * R * (M * row + _align16(4 * L))  # [parity][source]: M rows, then L counts
 
 
 def _combine_buffer_bytes(M, K, H):
     """Receive buffer of a combine slot (csrc/kernels/low_latency.cu: combine_buffer_bytes)."""
-    return 2 * M * K * _align16(2 * H)
+    return 2 * M * K * _align16(2 * H) + _align16(2 * M * K * 4)  # rows, then their tags
 
 
 def _ll_attrs(*, num_experts, M, K, H, use_fp8, round_scale, buffer_bytes):
@@ -75,7 +75,7 @@ def _dispatch_cuda_args(cfg, K, H):
                   ((L, R * M), jnp.int32)]
     attrs = _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=use_fp8,
                       round_scale=round_scale,
-                      buffer_bytes=_dispatch_buffer_bytes(R, M, K, H, use_fp8))
+                      buffer_bytes=_dispatch_buffer_bytes(R, M, K, H, L, use_fp8))
     return recv_types, attrs
 
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
 #   scripts/gpu_check.sh [build] [kernel] [test] [mp] [ucx] [example] [bench] [bench-quick]
-#                        [bench-modes]
+#                        [bench-modes] [probe]
 #   (default: build kernel test mp example bench). mp: the per-process (one GPU per process,
 #   NVSHMEM) suite, 2 and 4 processes, also with every peer forced remote (NVSHMEM puts / gets),
 #   and the killed-process test: needs nvshmem4py. ucx: the per-process low-latency suite with
 #   NVSHMEM's peer-to-peer transport off (NVSHMEM_DISABLE_P2P=1) and its UCX transport over TCP
 #   on the loopback device instead (needs the libucx-cu13 wheel): peers are then remote for
 #   real, not by JAX_EP_FORCE_REMOTE_PEERS.
+#   probe: NVLink all-to-all bandwidth per method (benchmarks/nvlink_probe.cu; PROBE_ARGS).
 # Extra args: PYTEST_K="ll_ or layout" (a -k expression); PYTEST_ARGS="--maxfail=3";
 # BENCH_ARGS="--ranks 4".
 set -uo pipefail
@@ -76,5 +77,11 @@ if has bench-modes; then
   step "benchmark: one process vs one process per GPU"
   (cd /tmp && timeout 580 $PY "$OLDPWD/benchmarks/bench_modes.py" --ranks ${MODES_RANKS:-4} \
      --out "$OUT" -- ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_modes.log" | tail -40) || rc=1
+fi
+if has probe; then
+  step "NVLink all-to-all bandwidth per method"
+  nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/nvlink_probe benchmarks/nvlink_probe.cu \
+    && timeout 300 /tmp/nvlink_probe --json "$OUT/nvlink_probe.json" ${PROBE_ARGS:-} 2>&1 \
+    | tee "$OUT/nvlink_probe.log" | tail -40 || rc=1
 fi
 exit $rc

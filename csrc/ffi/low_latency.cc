@@ -93,7 +93,9 @@ ffi::Error dispatch_with_remote(const char* op, const ll::DispatchParams& p, int
     s.mode = push::kModeSend;
     ll::launch_dispatch(s, grid, stream);
     if (ffi::Error err = remote_error(op, jax_ep::remote::push_dispatch_rows(
-                                              p.ps, own, p.buf, p.T, p.M, p.row_bytes, stream));
+                                              p.ps, own, p.buf, p.T, p.M, p.row_bytes,
+                                              p.area_bytes, ll::dispatch_count_bytes(p.L),
+                                              stream));
         err.failure())
       return err;
   }
@@ -185,7 +187,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
   ll::DispatchParams p{};
   uint8_t* own = nullptr;
   if (ffi::Error err = resolve(op, device, a, &gi, p.buf, &own,
-                               ll::dispatch_buffer_bytes(R, M, K, H, a.use_fp8));
+                               ll::dispatch_buffer_bytes(R, M, K, H, L, a.use_fp8));
       err.failure())
     return err;
   const int grid = ll::grid_size(device);
@@ -204,7 +206,6 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
     p.recv_count = static_cast<int32_t*>((*recv_count)->untyped_data());
     p.recv_src = static_cast<int32_t*>((*recv_src)->untyped_data());
     p.recv_slot = static_cast<int32_t*>((*recv_slot)->untyped_data());
-    p.jtab = reinterpret_cast<int32_t*>(own + ll::dispatch_rows_bytes(R, M, K, H, a.use_fp8));
   }
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
@@ -217,6 +218,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
   p.round_scale = a.round_scale ? 1 : 0;
   p.hdr_bytes = ll::dispatch_header_bytes(K);
   p.row_bytes = ll::dispatch_row_bytes(K, H, a.use_fp8);
+  p.area_bytes = ll::dispatch_area_bytes(M, K, H, L, a.use_fp8);
   p.timeout_ns = a.timeout_ns;
   if (p.ps.remote != 0) return dispatch_with_remote(op, p, grid, own, stream);
   ll::launch_dispatch(p, grid, stream);

@@ -16,15 +16,23 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarps = kThreads / 32;
-constexpr int kSendParts = 2;        // warps per (token, destination) send item
+constexpr int kMaxParts = 4;         // most warps per (token, destination) send row / received row
 constexpr int kQuantUnits = 7;       // 128-column groups in flight per half-warp (quantisation)
 constexpr int kCopyRegs = 8;         // vectors in flight per lane while copying a row
-constexpr int kRecvParts = 4;        // copy items per received row (column parts)
-constexpr int kPrefillInts = 512;    // recv_src / recv_slot entries set to -1 per prefill item
+constexpr int kFillInts = 512;       // recv_src / recv_slot entries per fill item
 constexpr int kCombineVpt = 2;       // column vectors per lane per combine item
 constexpr int kCombineKb = 8;        // top-k rows loaded together in combine
+constexpr int kPollSleepNs = 128;    // pause between polls of a combine row tag
 
 __host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
+
+// Warps per row (column parts) so that `fixed` + rows * parts items fit the grid's warps: the
+// phases are chains of latencies, and a second wave of items on a warp doubles the phase.
+__device__ __forceinline__ int send_parts(int fixed, int rows) {
+  const int nw = static_cast<int>(gridDim.x) * kWarps;
+  if (rows <= 0) return 1;
+  return max(1, min(kMaxParts, (nw - fixed) / rows));
+}
 
 template <int Bytes> struct VecOf;
 template <> struct VecOf<16> { using type = uint4; };
@@ -107,17 +115,57 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64
 // Dispatch
 // ---------------------------------------------------------------------------------------------
 
+// Row t of sender s's area in a dispatch buffer (parity par), and the area's count block.
+__device__ __forceinline__ uint8_t* dispatch_row(uint8_t* buf, const DispatchParams& p, int par,
+                                                 int s, int t) {
+  return buf + ((int64_t)par * p.ps.num_ranks + s) * p.area_bytes + (int64_t)t * p.row_bytes;
+}
+__device__ __forceinline__ int32_t* dispatch_counts(uint8_t* buf, const DispatchParams& p,
+                                                    int par, int s) {
+  return reinterpret_cast<int32_t*>(buf + ((int64_t)par * p.ps.num_ranks + s) * p.area_bytes +
+                                    (int64_t)p.M * p.row_bytes);
+}
+
+// The send phase has two item sets, taken by tickets, neither waiting on the other:
+//   position (one per expert e, on rank q = e / L): ranks our tokens naming e (at their first
+//     slot naming it) in token order, and writes each token's place into the pos word of that
+//     slot in t's row header in q's buffer, and the number of such tokens into our count block
+//     there. The receiver then knows every output row without atomics (so a repeated receive is
+//     idempotent by construction) and without waiting for other rows.
+//   send (token t, destination q, part): the tag, the ids and the payload.
+__device__ __noinline__ void dispatch_position_item(const DispatchParams& p, int e, int par,
+                                                    int lane) {
+  const int r = p.ps.rank, q = e / p.L;
+  int base = 0;
+  for (int tb = 0; tb < p.T; tb += 32) {  // warp-uniform; lane = token
+    const int t = tb + lane;
+    int kf = -1;
+    if (t < p.T) {
+      const int32_t* ids = p.topk_idx + (int64_t)t * p.K;
+#pragma unroll 8
+      for (int k = p.K - 1; k >= 0; --k)  // independent loads; the first slot naming e wins
+        if (__ldg(ids + k) == e) kf = k;
+    }
+    const unsigned b = __ballot_sync(kFull, kf >= 0);
+    if (kf >= 0) {
+      int* hdr = reinterpret_cast<int*>(dispatch_row(p.buf[q], p, par, r, t));
+      hdr[1 + p.K + kf] = base + __popc(b & lanemask_lt());
+    }
+    base += __popc(b);
+  }
+  if (lane == 0) dispatch_counts(p.buf[q], p, par, r)[e - q * p.L] = base;
+}
+
 // Send item it = (token t, destination q, part): q starts after our own rank so the ranks spread
-// their first writes; kSendParts warps share a row (part 0 also writes the header). Skipped
-// when no expert of t lives on q; else row t of our part of q's buffer gets the header (epoch
-// tag, sanitised ids) and the payload (FP8: quantised here, per 128-column group by a
-// half-warp; BF16: copied).
+// their first writes; `parts` warps share a row (part 0 also writes the tag and the ids).
+// Skipped when no expert of t lives on q; else row t of our area in q's buffer gets the header
+// and the payload (FP8: quantised here, per 128-column group by a half-warp; BF16: copied).
 template <typename V>
-__device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it, int par,
-                                                   unsigned long long es, int lane) {
+__device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it, int parts,
+                                                int par, unsigned long long es, int lane) {
   const PeerSlots& ps = p.ps;
   const int R = ps.num_ranks, r = ps.rank;
-  const int part = it % kSendParts, tq = it / kSendParts;
+  const int part = it % parts, tq = it / parts;
   const int t = tq / R, q = (tq % R + r + 1) % R;
   const int32_t* ids = p.topk_idx + (int64_t)t * p.K;
   bool any = false;
@@ -127,7 +175,7 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
     any |= __ballot_sync(kFull, v >= 0 && v < p.E && v / p.L == q) != 0;
   }
   if (!any) return;
-  uint8_t* row = p.buf[q] + (((int64_t)par * R + r) * p.M + t) * p.row_bytes;
+  uint8_t* row = dispatch_row(p.buf[q], p, par, r, t);
   if (part == 0) {
     int* hdr = reinterpret_cast<int*>(row);
     if (lane == 0) hdr[0] = static_cast<int>(es);
@@ -140,7 +188,7 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
   const uint8_t* xr = static_cast<const uint8_t*>(p.x) + (int64_t)t * p.H * 2;
   if (p.use_fp8) {
     const int half = lane >> 4, sub = lane & 15;
-    const int per = (p.G + kSendParts - 1) / kSendParts;
+    const int per = (p.G + parts - 1) / parts;
     const int g_begin = part * per, g_end = min(p.G, g_begin + per);
     float* sc = reinterpret_cast<float*>(pay + p.H);
     const bool round_scale = p.round_scale != 0;
@@ -164,89 +212,72 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
     }
   } else {
     const int64_t nvec = 2LL * p.H / (int64_t)sizeof(V);
-    const int64_t per = (nvec + kSendParts - 1) / kSendParts;
+    const int64_t per = (nvec + parts - 1) / parts;
     const int64_t v0 = min(nvec, part * per), v1 = min(nvec, v0 + per);
     copy_row<V, false>(xr + v0 * sizeof(V), pay + v0 * sizeof(V), (v1 - v0) * sizeof(V), lane);
   }
 }
 
-// The receive phase has two sub-phases, each a set of warp items taken by tickets:
-//   index (one item per row (s, t) of our buffer): a row whose tag is not this call's epoch was
-//     not sent to us and is skipped; else the warp de-duplicates the token's ids (the first slot
-//     naming each local expert leads), takes a row j per lead expert (atomic counter), records
-//     the source, and notes j per top-k slot in the row's entry of the j table (-1: no lead).
-//     The entry's last word then gets this kernel's receive generation: the row is indexed.
-//   copy (kRecvParts items per row): waits until its row is indexed (resident warps index every
-//     row without waiting on anything, and take those tickets first), then copies a column part
-//     of the payload, loaded once and stored to every lead's output row; part 0 also copies the
-//     scales.
-// Splitting them keeps the atomics out of the copy, and the copy spreads over all warps.
-__device__ __noinline__ void index_row(const DispatchParams& p, const uint8_t* row, int32_t* jt,
-                                       int s, int t, unsigned long long er, int gen, int lane) {
-  const PeerSlots& ps = p.ps;
-  const int r = ps.rank;
-  const int64_t RM = (int64_t)ps.num_ranks * p.M;
+// The receive phase is one set of items, taken by tickets after every sender's flag, none
+// waiting on another:
+//   fill (local expert l, chunk c of its R*M entries): recv_count[l] (the senders' counts
+//     summed) and -1 in recv_src / recv_slot past it.
+//   copy (row (s, t), column part): a row whose tag is not this call's epoch was not sent to us.
+//     Else each slot naming a local expert first (the lead) gives the output row: the counts of
+//     the senders before s plus the row's pos word. The payload part is loaded once and stored
+//     to every lead's output row; part 0 also writes recv_src / recv_slot and the FP8 scales.
+__device__ __noinline__ void dispatch_fill_item(const DispatchParams& p, int l, int c, int par,
+                                                int lane) {
+  const int R = p.ps.num_ranks;
+  const int64_t RM = (int64_t)R * p.M;
+  uint8_t* own = p.buf[p.ps.rank];
+  int n = lane < R ? __ldcg(dispatch_counts(own, p, par, lane) + l) : 0;
+  n = __reduce_add_sync(kFull, n);
+  if (c == 0 && lane == 0) p.recv_count[l] = n;
+  const int64_t b = (int64_t)c * kFillInts, e = min(RM, b + kFillInts);
+  for (int64_t i = max(b, (int64_t)n) + lane; i < e; i += 32) {
+    p.recv_src[l * RM + i] = -1;
+    p.recv_slot[l * RM + i] = -1;
+  }
+}
+
+template <typename VV>
+__device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t, int part,
+                                           int parts, int64_t pay_bytes, unsigned long long er,
+                                           int par, int lane) {
+  const int r = p.ps.rank;
+  const int64_t RM = (int64_t)p.ps.num_ranks * p.M;
+  uint8_t* own = p.buf[r];
+  const uint8_t* row = dispatch_row(own, p, par, s, t);
   const int* hdr = reinterpret_cast<const int*>(row);
   if (__ldcg(hdr) != static_cast<int>(er)) return;  // not sent to us in this call
+  const uint8_t* pay = row + p.hdr_bytes;
+  const VV* src = reinterpret_cast<const VV*>(pay);
+  const int nvec = static_cast<int>(pay_bytes / (int64_t)sizeof(VV));
+  const int per = (nvec + parts - 1) / parts;
+  const int v0 = min(nvec, part * per), v1 = min(nvec, v0 + per);
+  uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
   for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32
     const int k = kb + lane;
     const int le = k < p.K ? local_expert(__ldcg(hdr + 1 + k), p.E, p.L, r) : -1;
     const unsigned same = __match_any_sync(kFull, le);
     bool lead = le >= 0 && (same & lanemask_lt()) == 0;
-    if (lead) {
+    if (lead)
       for (int k2 = 0; k2 < kb; ++k2)  // earlier passes (K > 32 only)
         if (local_expert(__ldcg(hdr + 1 + k2), p.E, p.L, r) == le) {
           lead = false;
           break;
         }
-    }
     int j = -1;
     if (lead) {
-      j = atomicAdd(ps.slot[r]->counters + le, 1);
-      p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
-      p.recv_slot[(int64_t)le * RM + j] = k;
-    }
-    if (k < p.K) jt[k] = j;
-  }
-  __syncwarp();
-  if (lane == 0) {
-    __threadfence();  // release: the j entries, recv_src / recv_slot before the mark
-    *reinterpret_cast<volatile int*>(jt + p.K) = gen;
-  }
-}
-
-template <typename VV>
-__device__ __noinline__ void copy_row_part(const DispatchParams& p, const uint8_t* row,
-                                           const int32_t* jt, int part, int64_t pay_bytes,
-                                           unsigned long long er, int gen, int lane) {
-  const int r = p.ps.rank;
-  const int64_t RM = (int64_t)p.ps.num_ranks * p.M;
-  const int* hdr = reinterpret_cast<const int*>(row);
-  if (__ldcg(hdr) != static_cast<int>(er)) return;
-  if (lane == 0) {  // the row's index item (another warp, already running) marks it
-    const volatile int* mark = jt + p.K;
-    if (*mark != gen) {
-      const uint64_t start = global_timer_ns();
-      while (*mark != gen) {
-        if ((int64_t)(global_timer_ns() - start) > p.timeout_ns) {
-          printf("jax_ep: rank %d timed out in 'll_dispatch: wait for a row's index'\n", r);
-          __trap();
-        }
+      j = __ldcg(hdr + 1 + p.K + k);
+      for (int s2 = 0; s2 < s; ++s2) j += __ldcg(dispatch_counts(own, p, par, s2) + le);
+      if (j < 0 || j >= RM) j = -1;  // only a corrupt header gets here: drop, never overrun
+      else if (part == 0) {
+        p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
+        p.recv_slot[(int64_t)le * RM + j] = k;
       }
     }
-    __threadfence();  // acquire
-  }
-  __syncwarp();
-  const uint8_t* pay = row + p.hdr_bytes;
-  const VV* src = reinterpret_cast<const VV*>(pay);
-  const int nvec = static_cast<int>(pay_bytes / (int64_t)sizeof(VV));
-  const int per = (nvec + kRecvParts - 1) / kRecvParts;
-  const int v0 = min(nvec, part * per), v1 = min(nvec, v0 + per);
-  uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
-  for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32
-    const int k = kb + lane;
-    const int j = k < p.K ? __ldcg(jt + k) : -1;
-    const int le = j >= 0 ? local_expert(__ldcg(hdr + 1 + k), p.E, p.L, r) : -1;
     const unsigned mask = __ballot_sync(kFull, j >= 0);
     if (mask == 0) continue;
     for (int base = v0; base < v1; base += kCopyRegs * 32) {  // warp-uniform
@@ -279,19 +310,6 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, const uint8_
   }
 }
 
-// Row `it` of the receive phase (rows of sender s are [s_pref[s], s_pref[s + 1])).
-__device__ __forceinline__ void recv_row_at(const DispatchParams& p, const int* s_pref, int it,
-                                            int par, const uint8_t** row, int32_t** jt, int* s,
-                                            int* t) {
-  const PeerSlots& ps = p.ps;
-  int q = 0;
-  while (it >= s_pref[q + 1]) ++q;
-  *s = q;
-  *t = it - s_pref[q];
-  *row = p.buf[ps.rank] + (((int64_t)par * ps.num_ranks + q) * p.M + *t) * p.row_bytes;
-  *jt = p.jtab + (((int64_t)par * ps.num_ranks + q) * p.M + *t) * (p.K + 1);
-}
-
 // Closing step of the send phase (whole warp): flags (with row counts) to every receiver, then
 // num_invalid over our own ids.
 __device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
@@ -313,39 +331,6 @@ __device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
   }
 }
 
-// Closing step of the receive phase (whole warp): final counts, counters back to 0, and our
-// half of every sender's buffer freed.
-__device__ __forceinline__ void dispatch_close_recv(const DispatchParams& p,
-                                                    unsigned long long er, int lane) {
-  const PeerSlots& ps = p.ps;
-  int* counters = ps.slot[ps.rank]->counters;
-  for (int l = lane; l < p.L; l += 32) p.recv_count[l] = atomicExch(counters + l, 0);
-  if (lane < ps.num_ranks) push::signal_freed(ps, lane, er);
-  if (lane == 0) trace_mark_last(ps, 19);
-}
-
-// recv_src / recv_slot = -1 on entries [c * kPrefillInts, (c + 1) * kPrefillInts) (whole warp).
-__device__ __forceinline__ void prefill_chunk(const DispatchParams& p, int c, int64_t total,
-                                              int lane) {
-  const int64_t b = (int64_t)c * kPrefillInts;
-  const bool vec = ((reinterpret_cast<uintptr_t>(p.recv_src) |
-                     reinterpret_cast<uintptr_t>(p.recv_slot)) & 15) == 0;
-  const int4 m1 = make_int4(-1, -1, -1, -1);
-#pragma unroll
-  for (int u = 0; u < kPrefillInts / 128; ++u) {
-    const int64_t i = b + (int64_t)(u * 32 + lane) * 4;
-    if (vec && i + 3 < total) {
-      *reinterpret_cast<int4*>(p.recv_src + i) = m1;
-      *reinterpret_cast<int4*>(p.recv_slot + i) = m1;
-    } else {
-      for (int64_t e = i; e < i + 4 && e < total; ++e) {
-        p.recv_src[e] = -1;
-        p.recv_slot[e] = -1;
-      }
-    }
-  }
-}
-
 template <typename V>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(const __grid_constant__ DispatchParams p) {
@@ -364,28 +349,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     if ((int)threadIdx.x < R)
       push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_dispatch: receivers free the buffer");
     __syncthreads();
-    const int n = p.T * R * kSendParts;
+    const int rows = p.T * R;
+    const int parts = send_parts(p.E, rows);
+    const int n = p.E + rows * parts;  // >= 1: the close always runs
+    int done = 0;
     for (;;) {  // warp-uniform
       const int it = push::take_ticket(me, push::kSend, lane);
-      if (it >= n) {
-        if (n == 0 && it == 0) dispatch_close_send(p, es, lane);
-        break;
-      }
-      dispatch_send_item<V>(p, it, par, es, lane);
-      if (push::finish_item(me, push::kSend, n, true, lane)) dispatch_close_send(p, es, lane);
+      if (it >= n) break;
+      if (it < p.E)  // experts of the next rank first, as the send items
+        dispatch_position_item(p, (it + (ps.rank + 1) * p.L) % p.E, par, lane);
+      else
+        dispatch_send_item<V>(p, it - p.E, parts, par, es, lane);
+      ++done;
     }
+    if (push::finish_items(me, push::kSend, n, done, true, lane)) dispatch_close_send(p, es, lane);
   }
 
   if (p.mode & push::kModeRecv) {
     const int par = static_cast<int>(er & 1);
-    const int64_t total = (int64_t)p.L * R * p.M;
-    const int nchunks = static_cast<int>((total + kPrefillInts - 1) / kPrefillInts);
-    for (;;) {  // own outputs first: no dependence on the peers
-      const int c = push::take_ticket(me, push::kPrefill, lane);
-      if (c >= nchunks) break;
-      prefill_chunk(p, c, total, lane);
-      push::finish_item(me, push::kPrefill, nchunks, false, lane);
-    }
     if ((int)threadIdx.x < R)
       s_pref[threadIdx.x + 1] = (int)push::wait_data(ps, threadIdx.x, par, er, p.timeout_ns,
                                                      "ll_dispatch: wait for the peers' rows");
@@ -396,35 +377,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     trace_mark(ps, 18);
-    if (lane == 0)
-      push::wait_items(me, push::kPrefill, nchunks, p.timeout_ns, ps.rank,
-                       "ll_dispatch: prefill");
-    __syncwarp();
-    const int n = s_pref[R];
-    const int gen = push::recv_generation(ps);
-    for (;;) {  // index sub-phase, warp-uniform
+    const int64_t RM = (int64_t)R * p.M;
+    const int cpe = static_cast<int>((RM + kFillInts - 1) / kFillInts);
+    const int nf = p.L * cpe;  // fill items
+    const int rows = s_pref[R];
+    const int parts = send_parts(nf, rows);
+    const int n = nf + rows * parts;  // >= 1: the close always runs
+    int done = 0;
+    for (;;) {  // warp-uniform
       const int it = push::take_ticket(me, push::kRecv, lane);
       if (it >= n) break;
-      const uint8_t* row;
-      int32_t* jt;
-      int s, t;
-      recv_row_at(p, s_pref, it, par, &row, &jt, &s, &t);
-      index_row(p, row, jt, s, t, er, gen, lane);
-    }
-    const int nc = n * kRecvParts;
-    for (;;) {  // copy sub-phase, warp-uniform
-      const int it = push::take_ticket(me, push::kRecvCopy, lane);
-      if (it >= nc) {
-        if (nc == 0 && it == 0) dispatch_close_recv(p, er, lane);
-        break;
+      if (it < nf) {
+        dispatch_fill_item(p, it / cpe, it % cpe, par, lane);
+      } else {
+        const int row = (it - nf) / parts, part = (it - nf) % parts;
+        int s = 0;
+        while (row >= s_pref[s + 1]) ++s;
+        const int t = row - s_pref[s];
+        if (p.use_fp8) copy_row_part<uint4>(p, s, t, part, parts, p.H, er, par, lane);
+        else copy_row_part<V>(p, s, t, part, parts, 2LL * p.H, er, par, lane);
       }
-      const uint8_t* row;
-      int32_t* jt;
-      int s, t;
-      recv_row_at(p, s_pref, it / kRecvParts, par, &row, &jt, &s, &t);
-      if (p.use_fp8) copy_row_part<uint4>(p, row, jt, it % kRecvParts, p.H, er, gen, lane);
-      else copy_row_part<V>(p, row, jt, it % kRecvParts, 2LL * p.H, er, gen, lane);
-      if (push::finish_item(me, push::kRecvCopy, nc, false, lane)) dispatch_close_recv(p, er, lane);
+      ++done;
+    }
+    if (push::finish_items(me, push::kRecv, n, done, false, lane)) {
+      // every row and count of this half is read: the senders may write it again
+      if (lane < R) push::signal_freed(ps, lane, er);
+      if (lane == 0) trace_mark_last(ps, 19);
     }
   }
   push::leave_kernel(ps, p.mode, es);
@@ -466,10 +444,18 @@ __device__ __forceinline__ SlotInfo slot_info(const CombineParams& p, int t, int
   return s;
 }
 
-// Send item: row j of local expert l goes back to its source (s, t), at slot k of t.
+// Tag of row (t, k) of parity par in a combine buffer: the epoch (low 32 bits) of the call whose
+// row it holds, written by the expert rank after the row (release): the source reduces a token
+// as soon as its own rows are in, while other rows are still on their way.
+__device__ __forceinline__ int* combine_tag(uint8_t* buf, const CombineParams& p, int par, int t,
+                                            int k, int64_t crs) {
+  return reinterpret_cast<int*>(buf + 2LL * p.M * p.K * crs) + ((int64_t)par * p.M + t) * p.K + k;
+}
+
+// Send item: row j of local expert l goes back to its source (s, t), at slot k of t, then its tag.
 template <typename V>
 __device__ __forceinline__ void combine_send_item(const CombineParams& p, int l, int j, int par,
-                                                  int64_t crs, int lane) {
+                                                  int64_t crs, unsigned long long es, int lane) {
   const int64_t RM = (int64_t)p.ps.num_ranks * p.M;
   const int src = __ldg(p.recv_src + (int64_t)l * RM + j);
   const int k = __ldg(p.recv_slot + (int64_t)l * RM + j);
@@ -478,13 +464,60 @@ __device__ __forceinline__ void combine_send_item(const CombineParams& p, int l,
   uint8_t* dst = p.buf[s] + (((int64_t)par * p.M + t) * p.K + k) * crs;
   const uint8_t* y = static_cast<const uint8_t*>(p.y) + ((int64_t)l * RM + j) * 2LL * p.H;
   copy_row<V, false>(y, dst, 2LL * p.H, lane);
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence_system();  // every lane's row stores (ordered by the warp barrier) first
+    st_release_sys_s32(combine_tag(p.buf[s], p, par, t, k, crs), static_cast<int>(es));
+  }
+}
+
+// Whole warp: wait until the rows of token t's lead slots (the first slot naming each valid
+// expert) carry the tag of epoch er or a newer one; lanes poll one slot each.
+__device__ __forceinline__ void combine_wait_rows(const CombineParams& p, int t, int par,
+                                                  int64_t crs, unsigned long long er, bool reg_lead,
+                                                  int lane) {
+  uint8_t* own = p.buf[p.ps.rank];
+  const unsigned er32 = static_cast<unsigned>(er);
+  for (int kb = 0; kb < p.K; kb += 32) {
+    const int k = kb + lane;
+    bool lead = reg_lead;
+    if (p.K > 32) {
+      lead = false;
+      if (k < p.K) {
+        const int32_t* ids = p.topk_idx + (int64_t)t * p.K;
+        const int v = __ldg(ids + k);
+        lead = v >= 0 && v < p.E;
+        for (int k2 = 0; k2 < k && lead; ++k2) lead = __ldg(ids + k2) != v;
+      }
+    }
+    if (!lead) continue;
+    const int* tag = combine_tag(own, p, par, t, k, crs);
+    // Wait while the tag is older than er (32-bit epochs, wrap-safe). A newer tag passes: XLA
+    // may run a split receive twice, after the row was written again for call er + 2.
+    auto older = [&](int v) { return static_cast<int>(static_cast<unsigned>(v) - er32) < 0; };
+    if (!older(ld_acquire_sys_s32(tag))) continue;
+    const uint64_t start = global_timer_ns();
+    while (older(ld_acquire_sys_s32(tag))) {
+      __nanosleep(kPollSleepNs);  // leave the issue slots and memory pipes to the senders
+      if ((int64_t)(global_timer_ns() - start) > p.timeout_ns) {
+        printf("jax_ep: rank %d timed out after %lld s in phase 'll_combine: wait for the expert "
+               "outputs' (token %d, slot %d, epoch %llu, tag %d). A peer did not send the row: "
+               "check that every rank runs the same program and that combine gets the "
+               "dispatch's topk_idx and handle (JAX_EP_TIMEOUT_S sets the limit).\n",
+               p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), t, k, er,
+               ld_acquire_sys_s32(tag));
+        __trap();
+      }
+    }
+  }
+  __syncwarp();  // the polling lanes' acquires come before every lane's row loads
 }
 
 // Receive item (token t, column chunk c): out[t] = sum_k w[t][k] * row(t, first slot of e_k),
 // accumulated in float32 in k order.
 template <typename V>
 __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t, int c, int par,
-                                                  int64_t crs, int lane) {
+                                                  int64_t crs, unsigned long long er, int lane) {
   constexpr int EPV = sizeof(V) / 2;
   const int nvec = p.H / EPV;
   bool reg_valid = false;
@@ -497,6 +530,7 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
     reg_kf = __ffs(same) - 1;
     reg_w = reg_valid ? __ldg(p.topk_weights + (int64_t)t * p.K + lane) : 0.f;
   }
+  combine_wait_rows(p, t, par, crs, er, reg_valid && reg_kf == lane, lane);
   const uint8_t* base = p.buf[p.ps.rank] + ((int64_t)par * p.M + t) * p.K * crs;
   const int v0 = c * 32 * kCombineVpt;
   float acc[kCombineVpt][EPV];
@@ -538,10 +572,14 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
   }
 }
 
+// Send items in rounds: round rho sends row sigma * B_l + rho of every expert l, for every sigma
+// < R (B_l = ceil(count_l / R)). Rows of an expert are ordered by source then token (the
+// dispatch's order), so every source gets its tokens in token order at about the same pace, and
+// its receive items (taken in token order) find their rows early. Any other order is only slower.
 template <typename V>
 __global__ void __launch_bounds__(kThreads, 1)
     combine_kernel(const __grid_constant__ CombineParams p) {
-  __shared__ int s_pref[kMaxLocalExperts + 1];
+  __shared__ int s_rounds;
   const PeerSlots& ps = p.ps;
   const int R = ps.num_ranks;
   Slot* me = ps.slot[ps.rank];
@@ -550,6 +588,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned long long er =
       push::recv_epoch(ps, p.mode == push::kModeRecv ? p.ticket_in : nullptr);
   const int64_t crs = align16(2LL * p.H);
+  const int RM = R * p.M;
   trace_mark(ps, 24);
 
   if (p.mode & push::kModeSend) {
@@ -558,66 +597,48 @@ __global__ void __launch_bounds__(kThreads, 1)
       push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_combine: sources free the buffer");
     if (p.ticket != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
       p.ticket[0] = static_cast<int>(es);  // the split receive takes the epoch from here
-    // Row prefix over the local experts: item n -> (l, j).
     if (threadIdx.x < 32) {
-      int carry = 0;
-      for (int l0 = 0; l0 < p.L; l0 += 32) {
-        const int l = l0 + lane;
-        const int c = l < p.L ? __ldg(p.recv_count + l) : 0;
-        int incl = c;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int y = __shfl_up_sync(kFull, incl, o);
-          if (lane >= o) incl += y;
-        }
-        if (l < p.L) s_pref[l] = carry + incl - c;
-        carry += __shfl_sync(kFull, incl, 31);
-      }
-      if (lane == 0) s_pref[p.L] = carry;
+      int b = 0;
+      for (int l = lane; l < p.L; l += 32)
+        b = max(b, (min(max(__ldg(p.recv_count + l), 0), RM) + R - 1) / R);
+      b = __reduce_max_sync(kFull, b);
+      if (lane == 0) s_rounds = b;
     }
     __syncthreads();
-    const int n = s_pref[p.L];
+    const int n = s_rounds * p.L * R;
+    int done = 0;
     for (;;) {  // warp-uniform
       const int it = push::take_ticket(me, push::kSend, lane);
-      if (it >= n) {
-        if (n == 0 && it == 0 && lane < R) push::signal_data(ps, lane, par, es, 0u);
-        break;
-      }
-      int lo = 0, hi = p.L - 1;  // last l with s_pref[l] <= it
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (s_pref[mid] <= it) lo = mid; else hi = mid - 1;
-      }
-      combine_send_item<V>(p, lo, it - s_pref[lo], par, crs, lane);
-      if (push::finish_item(me, push::kSend, n, true, lane)) {
-        if (lane < R) push::signal_data(ps, lane, par, es, 0u);
-        if (lane == 0) trace_mark_last(ps, 25);
-      }
+      if (it >= n) break;
+      const int sigma = it % R, l = (it / R) % p.L, rho = it / (R * p.L);
+      const int c = min(max(__ldg(p.recv_count + l), 0), RM), b = (c + R - 1) / R;
+      const int j = sigma * b + rho;
+      if (rho < b && j < c) combine_send_item<V>(p, l, j, par, crs, es, lane);
+      ++done;
     }
+    if (push::finish_items(me, push::kSend, n, done, false, lane) && lane == 0)
+      trace_mark_last(ps, 25);
   }
 
   if (p.mode & push::kModeRecv) {
     const int par = static_cast<int>(er & 1);
-    if ((int)threadIdx.x < R)
-      push::wait_data(ps, threadIdx.x, par, er, p.timeout_ns,
-                      "ll_combine: wait for the expert outputs");
-    __syncthreads();
     trace_mark(ps, 26);
     constexpr int EPV = sizeof(V) / 2;
     const int nvec = p.H / EPV;
     const int nchunk = (nvec + 32 * kCombineVpt - 1) / (32 * kCombineVpt);
     const int n = p.T * nchunk;
-    for (;;) {  // warp-uniform
+    int done = 0;
+    for (;;) {  // warp-uniform; tokens in order (the order the rows arrive in)
       const int it = push::take_ticket(me, push::kRecv, lane);
-      if (it >= n) {
-        if (n == 0 && it == 0 && lane < R) push::signal_freed(ps, lane, er);
-        break;
-      }
-      combine_recv_item<V>(p, it / nchunk, it % nchunk, par, crs, lane);
-      if (push::finish_item(me, push::kRecv, n, false, lane)) {
-        if (lane < R) push::signal_freed(ps, lane, er);
-        if (lane == 0) trace_mark_last(ps, 27);
-      }
+      if (it >= n) break;
+      combine_recv_item<V>(p, it / nchunk, it % nchunk, par, crs, er, lane);
+      ++done;
+    }
+    const bool closer = n == 0 ? blockIdx.x == 0 && threadIdx.x < 32
+                               : push::finish_items(me, push::kRecv, n, done, false, lane);
+    if (closer) {  // every row of this half is read: the senders may write it again
+      if (lane < R) push::signal_freed(ps, lane, er);
+      if (lane == 0) trace_mark_last(ps, 27);
     }
   }
   push::leave_kernel(ps, p.mode, es);
@@ -636,22 +657,21 @@ int vec_bytes(std::initializer_list<uintptr_t> vals) {
 
 }  // namespace
 
-int64_t dispatch_header_bytes(int64_t K) { return align16(4 * (1 + K)); }
+int64_t dispatch_header_bytes(int64_t K) { return align16(4 * (1 + 2 * K)); }
 int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8) {
   return dispatch_header_bytes(K) + align16(use_fp8 ? H + 4 * (H / 128) : 2 * H);
 }
-int64_t dispatch_rows_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8) {
-  return 2 * R * M * dispatch_row_bytes(K, H, use_fp8);
+int64_t dispatch_count_bytes(int64_t L) { return align16(4 * L); }
+int64_t dispatch_area_bytes(int64_t M, int64_t K, int64_t H, int64_t L, bool use_fp8) {
+  return M * dispatch_row_bytes(K, H, use_fp8) + dispatch_count_bytes(L);
 }
-int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8) {
-  return dispatch_rows_bytes(R, M, K, H, use_fp8) + dispatch_jtab_bytes(R, M, K);
-}
-int64_t dispatch_jtab_bytes(int64_t R, int64_t M, int64_t K) {
-  return align16(2 * R * M * (K + 1) * 4);
+int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_t L,
+                              bool use_fp8) {
+  return 2 * R * dispatch_area_bytes(M, K, H, L, use_fp8);
 }
 int64_t combine_row_bytes(int64_t H) { return align16(2 * H); }
 int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H) {
-  return 2 * M * K * combine_row_bytes(H);
+  return 2 * M * K * combine_row_bytes(H) + align16(2 * M * K * 4);  // rows, then their tags
 }
 
 int grid_size(int device) {

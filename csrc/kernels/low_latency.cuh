@@ -13,20 +13,22 @@ namespace ll {
 
 constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on half the SMs
 
-// Receive-buffer layout. Dispatch: [parity][src rank s][token t < M] rows of dispatch_row_bytes:
-// a header (int epoch tag, int topk_ids[K], padded to 16 bytes) then the payload (FP8: H e4m3
-// bytes, then G float32 scales; BF16: 2H bytes), padded to 16 bytes. Row t of sender s holds
-// token t when its tag is this call's epoch (a token not sent to us keeps an older tag). Combine: [parity][token t][slot k]
-// rows of 2H bytes (bf16 expert output of the expert named first by slot k).
+// Receive-buffer layout. Dispatch: [parity][src rank s] areas (dispatch_area_bytes), each M rows
+// of dispatch_row_bytes then a count block. A row: a header (int epoch tag, int topk_ids[K], int
+// pos[K], padded to 16 bytes) then the payload (FP8: H e4m3 bytes, then G float32 scales; BF16:
+// 2H bytes), padded to 16 bytes. Row t of sender s holds token t when its tag is this call's
+// epoch (a token not sent to us keeps an older tag); pos[k] of a slot k that names a local expert
+// first is the token's place among s's tokens for that expert (other pos words are stale). The
+// count block: int32 [L], s's number of tokens per local expert. Combine: [parity][token t][slot
+// k] rows of 2H bytes (bf16 expert output of the expert named first by slot k), then int32 tags
+// [parity][t][k]: the epoch of the call whose row (t, k) is in place.
 int64_t dispatch_header_bytes(int64_t K);
 int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8);
-// The rows of both parities (the j table starts there), and the whole dispatch buffer.
-int64_t dispatch_rows_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8);
-int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, bool use_fp8);
-// The j table after the dispatch rows: int32 [parity][src rank s][token t][K + 1]: per slot k
-// the row of (slot k's) local expert that the receiver gave row (s, t), or -1; then the receive
-// generation (Slot::recv_gen) of the kernel that indexed the row (receive-side scratch).
-int64_t dispatch_jtab_bytes(int64_t R, int64_t M, int64_t K);
+int64_t dispatch_count_bytes(int64_t L);
+// One (parity, source) area: M rows, then the count block.
+int64_t dispatch_area_bytes(int64_t M, int64_t K, int64_t H, int64_t L, bool use_fp8);
+int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_t L,
+                              bool use_fp8);
 int64_t combine_row_bytes(int64_t H);
 int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H);
 
@@ -45,10 +47,9 @@ struct DispatchParams {
   int32_t* recv_count;        // [L]
   int32_t* recv_src;          // [L, R*M]: s * M + t, -1 past the count
   int32_t* recv_slot;         // [L, R*M]: first top-k slot of (s, t) naming the expert, -1 past
-  int32_t* jtab;              // this rank's j table (after its rows, dispatch_jtab_bytes)
   int T, H, K, E, L, M, G;
   int use_fp8, round_scale;
-  int64_t hdr_bytes, row_bytes;
+  int64_t hdr_bytes, row_bytes, area_bytes;
   int64_t timeout_ns;
 };
 

@@ -25,7 +25,6 @@ struct alignas(128) Slot {
   unsigned long long epoch;            // pull ops: epoch of the last finished call (owner only)
   unsigned int block_counter;          // last-block-done counter (owner only), returns to 0
   unsigned int grid_counter;           // in-kernel grid barrier counter (owner only)
-  int counters[kMaxLocalExperts];      // per-op scratch counters, left at 0 by every op
   // Push protocol (transport/push.cuh; the LL kernels). Peers WRITE these flags into our slot
   // and we poll our own memory. Data lands in the slot's receive buffer, double-buffered by the
   // parity of the epoch, so back-to-back calls need no barrier.
@@ -37,14 +36,12 @@ struct alignas(128) Slot {
   // ready_from[s] = e when its staged operands of call e can be read (its done[] flags serve
   // the end of the call).
   unsigned long long ready_from[kMaxRanks];
-  // Work tickets and finished-item counts per phase (send, prefill, receive). Whichever warps are
+  // Work tickets and finished-item counts per phase (send, receive). Whichever warps are
   // resident take every ticket before any of them waits on a peer, so no wait ever depends on a
   // block that XLA could not schedule (another kernel holding SMs). Reset by the last block out.
-  unsigned int ticket[4];
-  unsigned int items_done[4];
+  unsigned int ticket[2];
+  unsigned int items_done[2];
   unsigned int exit_counter;
-  unsigned int recv_gen;  // owner: receive kernels finished on this slot (marks rows of the LL
-                          // dispatch's j table per launch, so a repeated receive re-indexes)
   // Diagnostic phase tracer (peer.cuh trace_mark, index table there): %globaltimer ns of each
   // phase boundary of the last call on this slot, written by block 0 / the end barrier's last
   // block. Never reset: a mark not reached by the last call keeps an older value.

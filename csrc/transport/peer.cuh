@@ -46,6 +46,14 @@ __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long
 __device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ __forceinline__ int ld_acquire_sys_s32(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys_s32(int* p, int v) {
+  asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ unsigned long long ld_volatile_u64(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -163,9 +171,9 @@ __device__ __forceinline__ void grid_barrier_reset(const PeerSlots& ps) {
 // Step 4, whole block calls it at the very end of the op's last kernel. The last block to
 // arrive signals done to all peers FIRST (lane s -> peer s, in parallel), then runs last_fn()
 // (which must not read peer memory: it overlaps the peers' done flags in flight; it is the place
-// to copy and zero per-op slot counters and to call grid_barrier_reset), then waits for the
-// peers' done flags (lane s polls done[s], in parallel), then closes the epoch. last_fn runs with all threads of the last block, block-uniformly; every
-// other block of the grid has finished its work when it runs.
+// to call grid_barrier_reset), then waits for the peers' done flags (lane s polls done[s], in
+// parallel), then closes the epoch. last_fn runs with all threads of the last block,
+// block-uniformly; every other block of the grid has finished its work when it runs.
 // trace >= 0: marks trace (all blocks arrived) and trace + 1 (peers' done seen), last block.
 template <typename LastFn>
 __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,

@@ -20,7 +20,7 @@
 // Work is split into items taken from per-phase ticket counters by whole warps, so the warps
 // that are resident take every item before any of them waits on a peer: no wait ever depends on
 // a block that cannot be scheduled (XLA may run another kernel, e.g. NCCL, beside ours). The warp
-// that finishes the last item of a phase runs the phase's closing step (flags out, counts).
+// whose items complete a phase runs the phase's closing step (flags out, counts).
 // The last block to leave the kernel resets the tickets and counters and advances the epochs.
 // Every wait traps after timeout_ns with the rank, the peer and the phase.
 #pragma once
@@ -31,7 +31,7 @@
 namespace jax_ep {
 namespace push {
 
-enum Phase { kSend = 0, kPrefill = 1, kRecv = 2, kRecvCopy = 3 };
+enum Phase { kSend = 0, kRecv = 1, kNumPhases = 2 };
 enum Mode { kModeSend = 1, kModeRecv = 2, kModeBoth = 3 };
 
 // Epoch of this call's send phase (owner counter, advanced by leave_kernel).
@@ -46,12 +46,6 @@ __device__ __forceinline__ unsigned long long recv_epoch(const PeerSlots& ps,
   return static_cast<unsigned int>(*reinterpret_cast<const volatile int32_t*>(ticket_epoch));
 }
 
-// This receive kernel's generation (stable during the kernel; see Slot::recv_gen).
-__device__ __forceinline__ int recv_generation(const PeerSlots& ps) {
-  return static_cast<int>(*reinterpret_cast<const volatile unsigned int*>(
-      &ps.slot[ps.rank]->recv_gen)) + 1;
-}
-
 // Whole warp: the next item of `phase` (same value in every lane).
 __device__ __forceinline__ int take_ticket(Slot* me, int phase, int lane) {
   unsigned int t = 0;
@@ -59,33 +53,21 @@ __device__ __forceinline__ int take_ticket(Slot* me, int phase, int lane) {
   return static_cast<int>(__shfl_sync(0xffffffffu, t, 0));
 }
 
-// Whole warp, after its item's stores: true in every lane for the warp that finished the last of
-// n items. system: the item wrote peer memory (fence at system scope, before the count).
-__device__ __forceinline__ bool finish_item(Slot* me, int phase, int n, bool system, int lane) {
+// Whole warp, once after its last item of the phase (done: how many it finished): true in every
+// lane for the warp whose items completed the phase's n. One fence and one atomic per warp, not
+// per item. system: the items wrote peer memory (fence at system scope, before the count).
+__device__ __forceinline__ bool finish_items(Slot* me, int phase, int n, int done, bool system,
+                                             int lane) {
+  if (done == 0) return false;
   __syncwarp();
   unsigned int d = 0;
   if (lane == 0) {
     if (system) __threadfence_system(); else __threadfence();
-    d = atomicAdd(&me->items_done[phase], 1u);
-    if (static_cast<int>(d) == n - 1) __threadfence();  // acquire: the other items' writes
+    d = atomicAdd(&me->items_done[phase], static_cast<unsigned int>(done));
+    if (static_cast<int>(d) + done == n) __threadfence();  // acquire: the other items' writes
   }
   d = __shfl_sync(0xffffffffu, d, 0);
-  return static_cast<int>(d) == n - 1;
-}
-
-// One thread: spin until items_done[phase] >= n (a phase that resident warps finish by tickets).
-__device__ __forceinline__ void wait_items(Slot* me, int phase, int n, int64_t timeout_ns,
-                                           int rank, const char* what) {
-  volatile unsigned int* c = &me->items_done[phase];
-  if (static_cast<int>(*c) >= n) return;
-  const uint64_t start = global_timer_ns();
-  while (static_cast<int>(*c) < n) {
-    if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
-      printf("jax_ep: rank %d timed out in '%s' (%d of %d items done)\n", rank, what, (int)*c, n);
-      __trap();
-    }
-  }
-  __threadfence();
+  return static_cast<int>(d) + done == n;
 }
 
 // One thread per sender s: wait for s's data flag of epoch e (our own slot); returns its rows.
@@ -101,13 +83,12 @@ __device__ __forceinline__ unsigned int wait_data(const PeerSlots& ps, int s, in
         const Slot* me = ps.slot[ps.rank];
         if (blockIdx.x == 0)  // one report per waiting rank
           printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
-                 "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; tickets %u %u %u, "
-                 "done %u %u %u, exit %u). A peer did not arrive: check that every rank runs the "
+                 "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; tickets %u %u, "
+                 "done %u %u, exit %u). A peer did not arrive: check that every rank runs the "
                  "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
                  ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
                  ld_volatile_u64(&me->send_epoch), me->ticket[0],
-                 me->ticket[1], me->ticket[2], me->items_done[0], me->items_done[1],
-                 me->items_done[2], me->exit_counter);
+                 me->ticket[1], me->items_done[0], me->items_done[1], me->exit_counter);
         __trap();
       }
     }
@@ -140,8 +121,7 @@ __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigne
 }
 
 // Whole block, at the very end of the kernel: the last block out resets the tickets and item
-// counts and, when the kernel ran a send phase, advances the send epoch (a receive phase: the
-// receive generation).
+// counts and, when the kernel ran a send phase, advances the send epoch.
 __device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode,
                                              unsigned long long es) {
   __syncthreads();
@@ -151,13 +131,12 @@ __device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode,
     const unsigned int prev = atomicAdd(&me->exit_counter, 1u);
     if (prev == gridDim.x * gridDim.y * gridDim.z - 1) {
       __threadfence();
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kNumPhases; ++i) {
         me->ticket[i] = 0;
         me->items_done[i] = 0;
       }
       me->exit_counter = 0;
       if (mode & kModeSend) me->send_epoch = es;
-      if (mode & kModeRecv) me->recv_gen = me->recv_gen + 1;
       __threadfence();
     }
   }

@@ -84,10 +84,11 @@ __device__ __forceinline__ void complete_warp_puts(int lane) {
   __syncwarp();
 }
 
-// Block b: the b-th remote peer q. Its rows are this call's when their header tag is the epoch.
+// Block b: the b-th remote peer q. Our area of q's buffer: the rows whose header tag is the
+// epoch, then the count block.
 __global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
     const __grid_constant__ PeerSlots ps, uint8_t* own_buf, const __grid_constant__ Scratch scr,
-    int T, int M, int64_t row_bytes, int dbg) {
+    int T, int M, int64_t row_bytes, int64_t area_bytes, int64_t count_bytes, int dbg) {
   __shared__ unsigned int s_count;
   Slot* me = ps.slot[ps.rank];
   const int q = nth_remote(ps, blockIdx.x);
@@ -95,14 +96,19 @@ __global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
   const unsigned long long e = ld_volatile_u64(&me->send_epoch);  // the send kernel's
   const int par = static_cast<int>(e & 1), R = ps.num_ranks, r = ps.rank;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t area = ((int64_t)par * R + r) * area_bytes;
   if (threadIdx.x == 0) s_count = 0;
   __syncthreads();
   for (int t = warp; t < T; t += kThreads / 32) {
-    const int64_t off = (((int64_t)par * R + r) * M + t) * row_bytes;
+    const int64_t off = area + (int64_t)t * row_bytes;
     const uint8_t* src = scr.at[q] + off;
     if (*reinterpret_cast<const volatile int*>(src) != static_cast<int>(e)) continue;
     nvshmemx_putmem_nbi_warp(own_buf + off, src, row_bytes, ps.pe[q]);
     if (lane == 0) atomicAdd(&s_count, 1u);
+  }
+  if (warp == 0) {
+    const int64_t off = area + (int64_t)M * row_bytes;
+    nvshmemx_putmem_nbi_warp(own_buf + off, scr.at[q] + off, count_bytes, ps.pe[q]);
   }
   complete_warp_puts(lane);
   __syncthreads();
@@ -115,6 +121,9 @@ __global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
   }
 }
 
+// One block: the rows named by recv_src / recv_slot whose source is remote, then (after they
+// completed) their tags (combine_tag in kernels/low_latency.cu: int32 [parity][t][k] after the
+// rows).
 __global__ void __launch_bounds__(kThreads) push_combine_kernel(
     const __grid_constant__ PeerSlots ps, uint8_t* own_buf, const __grid_constant__ Scratch scr,
     const int32_t* recv_src, const int32_t* recv_slot, const int32_t* recv_count, int L, int M,
@@ -125,30 +134,35 @@ __global__ void __launch_bounds__(kThreads) push_combine_kernel(
   const int par = static_cast<int>(e & 1), R = ps.num_ranks, r = ps.rank;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t RM = (int64_t)R * M;
+  int* tags = reinterpret_cast<int*>(own_buf + 2LL * M * K * row_bytes);
   if (threadIdx.x < kMaxRanks) s_count[threadIdx.x] = 0;
   __syncthreads();
-  for (int l = 0; l < L; ++l) {
-    const int n = recv_count[l];
-    for (int j = warp; j < n; j += kThreads / 32) {
-      const int src = recv_src[(int64_t)l * RM + j];
-      const int k = recv_slot[(int64_t)l * RM + j];
-      if (src < 0 || src >= RM || k < 0 || k >= K) continue;  // as the send kernel skips it
-      const int s = src / M, t = src - s * M;
-      if (!is_remote(ps, s)) continue;
-      const int64_t off = (((int64_t)par * M + t) * K + k) * row_bytes;
-      nvshmemx_putmem_nbi_warp(own_buf + off, scr.at[s] + off, row_bytes, ps.pe[s]);
-      if (lane == 0) atomicAdd(&s_count[s], 1u);
+  for (int pass = 0; pass < 2; ++pass) {  // rows, then tags
+    for (int l = 0; l < L; ++l) {
+      const int n = recv_count[l];
+      for (int j = warp; j < n; j += kThreads / 32) {
+        const int src = recv_src[(int64_t)l * RM + j];
+        const int k = recv_slot[(int64_t)l * RM + j];
+        if (src < 0 || src >= RM || k < 0 || k >= K) continue;  // as the send kernel skips it
+        const int s = src / M, t = src - s * M;
+        if (!is_remote(ps, s)) continue;
+        const int64_t i = ((int64_t)par * M + t) * K + k;
+        if (pass == 0) {
+          nvshmemx_putmem_nbi_warp(own_buf + i * row_bytes, scr.at[s] + i * row_bytes, row_bytes,
+                                   ps.pe[s]);
+          if (lane == 0) atomicAdd(&s_count[s], 1u);
+        } else if (lane == 0) {
+          nvshmem_int_p(tags + i, static_cast<int>(e), ps.pe[s]);
+        }
+      }
     }
+    complete_warp_puts(lane);  // pass 0: the rows are in place before any tag
+    __syncthreads();
   }
-  complete_warp_puts(lane);
-  __syncthreads();
   const int s = threadIdx.x;
-  if (s < R && is_remote(ps, s)) {
-    if (dbg) printf("jax_ep debug: rank %d combine push to %d: epoch %llu, %u rows\n", r, s, e,
-                    s_count[s]);
-    put_flag(&me->data_flag[par][r], e << 32, ps.pe[s]);
-    nvshmem_quiet();
-  }
+  if (dbg && s < R && is_remote(ps, s))
+    printf("jax_ep debug: rank %d combine push to %d: epoch %llu, %u rows\n", r, s, e,
+           s_count[s]);
 }
 
 __global__ void free_senders_kernel(const __grid_constant__ PeerSlots ps,
@@ -194,11 +208,12 @@ cudaError_t pull_epilogue(const PeerSlots& ps, int64_t timeout_ns, cudaStream_t 
 }
 
 cudaError_t push_dispatch_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
-                               int T, int M, int64_t row_bytes, cudaStream_t stream) {
+                               int T, int M, int64_t row_bytes, int64_t area_bytes,
+                               int64_t count_bytes, cudaStream_t stream) {
   Scratch s{};
   for (int q = 0; q < ps.num_ranks; ++q) s.at[q] = scratch[q];
-  push_dispatch_kernel<<<count_remote(ps), kThreads, 0, stream>>>(ps, own_buf, s, T, M,
-                                                                  row_bytes, debug());
+  push_dispatch_kernel<<<count_remote(ps), kThreads, 0, stream>>>(
+      ps, own_buf, s, T, M, row_bytes, area_bytes, count_bytes, debug());
   return cudaGetLastError();
 }
 

@@ -37,11 +37,13 @@ cudaError_t pull_epilogue(const PeerSlots& ps, int64_t timeout_ns, cudaStream_t 
 
 // Push, after the send kernel (its epoch is the slot's send_epoch). own_buf: this rank's
 // receive buffer (symmetric: the same offsets on the remote PE); scratch[q]: the image of q's.
-// Dispatch: rows [parity][r][t < T] of row_bytes whose header tag is the epoch.
+// Dispatch: in our area ([parity][r], area_bytes), the rows t < T of row_bytes whose header tag
+// is the epoch, and the count block (count_bytes, after the M rows).
 cudaError_t push_dispatch_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
-                               int T, int M, int64_t row_bytes, cudaStream_t stream);
+                               int T, int M, int64_t row_bytes, int64_t area_bytes,
+                               int64_t count_bytes, cudaStream_t stream);
 // Combine: the rows named by recv_src / recv_slot ([L, R*M], counts recv_count [L]), at
-// [parity][t][k] of row_bytes in the source's buffer.
+// [parity][t][k] of row_bytes in the source's buffer, then (once they completed) their tags.
 cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
                               const int32_t* recv_src, const int32_t* recv_slot,
                               const int32_t* recv_count, int L, int M, int K, int64_t row_bytes,

@@ -10,7 +10,7 @@ cudaError_t pull_prologue(const PeerSlots&, size_t, int64_t, cudaStream_t) {
 }
 cudaError_t pull_epilogue(const PeerSlots&, int64_t, cudaStream_t) { return cudaErrorNotSupported; }
 cudaError_t push_dispatch_rows(const PeerSlots&, uint8_t*, uint8_t* const*, int, int, int64_t,
-                               cudaStream_t) {
+                               int64_t, int64_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 cudaError_t push_combine_rows(const PeerSlots&, uint8_t*, uint8_t* const*, const int32_t*,
