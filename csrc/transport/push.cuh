@@ -5,9 +5,11 @@
 // run by one kernel (fused op) or by two (the send / receive split):
 //   send    wait until every receiver q has freed our half p from call e - 2 (freed[q] >= e - 2,
 //           written by q into OUR slot: normally long true), write rows into q's buffer, then
-//           data_flag[p][r] = (e << 32) | rows in q's slot (release, after a system fence).
-//   receive wait until data_flag[p][s] >> 32 >= e for every sender s (local polls), read the rows
-//           from our own buffer into the XLA outputs, then freed[r] = e in every sender's slot.
+//           data_flag[p][r] = (e << 32) | rows in q's slot (release, after a system fence). The
+//           LL combine tags every row with e instead (kernels/low_latency.cu, combine_tag).
+//   receive wait until data_flag[p][s] >> 32 >= e for every sender s (local polls; combine: the
+//           tags of each token's rows), read the rows from our own buffer into the XLA outputs,
+//           then freed[r] = e in every sender's slot.
 // The send phase takes e = send_epoch + 1. A receive in the same kernel uses the same e; a
 // separate receive kernel (the split API) reads e from its send's result (the "ticket"), so the
 // pair always agrees on e even when XLA reorders or software-pipelines the calls of a loop.
@@ -15,7 +17,8 @@
 // nobody reads XLA buffers of another rank, so XLA may reuse them as soon as the kernel ends.
 // Remote peers (PeerSlots::remote, per-process mode): the send phase writes their rows into this
 // rank's scratch image of their buffer (the handler points buf[q] there), and NVSHMEM kernels
-// (transport/remote.h) put them after the send kernel, then (once the puts completed) the flag.
+// (transport/remote.h) put them after the send kernel, then (once the puts completed) the flag
+// or the row tags.
 //
 // Work is split into items taken from per-phase ticket counters by whole warps, so the warps
 // that are resident take every item before any of them waits on a peer: no wait ever depends on
