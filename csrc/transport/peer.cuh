@@ -83,7 +83,8 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 //   LL dispatch (push protocol, transport/push.cuh): 16 start (block 0), 17 send phase done
 //      (flags out: the last warp of the send phase), 18 every peer's flag seen (block 0),
 //      19 receive phase done (the last warp of the receive phase)
-//   LL combine: 24 start, 25 send phase done, 26 peers' flags seen, 27 receive phase done
+//   LL combine: 24 start, 25 send phase done (rows and tags out), 26 receive phase starts
+//      (block 0; it waits per token for the row tags), 27 receive phase done
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void trace_mark_last(const PeerSlots& ps, int i) {
   ps.slot[ps.rank]->trace[i] = global_timer_ns();
