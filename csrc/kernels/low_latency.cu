@@ -299,12 +299,33 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
       }
     }
     if (p.use_fp8 && part == 0) {
-      const float* sc = reinterpret_cast<const float*>(pay + p.H);
-      for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
-        const int sl = __ffs(m) - 1;
-        const int64_t orow = (int64_t)__shfl_sync(kFull, le, sl) * RM + __shfl_sync(kFull, j, sl);
-        float* ds = p.recv_scales + orow * p.G;
-        for (int g = lane; g < p.G; g += 32) ds[g] = __ldcg(sc + g);
+      // The scales are loaded once, then stored to every lead's row (reloading them per lead
+      // cost ~5 us of the receive at R = 4: a load round trip per lead, in series).
+      const float* sc = reinterpret_cast<const float*>(pay + p.H);  // 16 B aligned (H % 128 == 0)
+      if (p.G % 4 == 0 && (reinterpret_cast<uintptr_t>(p.recv_scales) & 15) == 0) {
+        const int nv = p.G / 4;
+        for (int g0 = 0; g0 < nv; g0 += 32) {  // warp-uniform
+          const int g = g0 + lane;
+          uint4 v = make_uint4(0u, 0u, 0u, 0u);
+          if (g < nv) v = __ldcg(reinterpret_cast<const uint4*>(sc) + g);
+          for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
+            const int sl = __ffs(m) - 1;
+            const int64_t orow =
+                (int64_t)__shfl_sync(kFull, le, sl) * RM + __shfl_sync(kFull, j, sl);
+            if (g < nv) reinterpret_cast<uint4*>(p.recv_scales + orow * p.G)[g] = v;
+          }
+        }
+      } else {
+        for (int g0 = 0; g0 < p.G; g0 += 32) {  // warp-uniform
+          const int g = g0 + lane;
+          const float v = g < p.G ? __ldcg(sc + g) : 0.f;
+          for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
+            const int sl = __ffs(m) - 1;
+            const int64_t orow =
+                (int64_t)__shfl_sync(kFull, le, sl) * RM + __shfl_sync(kFull, j, sl);
+            if (g < p.G) p.recv_scales[orow * p.G + g] = v;
+          }
+        }
       }
     }
   }
