@@ -119,7 +119,8 @@ ffi::Error combine_with_remote(const char* op, const ll::CombineParams& p, int g
     if (ffi::Error err = remote_error(op, jax_ep::remote::push_combine_rows(
                                               p.ps, own, p.buf, p.recv_src, p.recv_slot,
                                               p.recv_count, p.L, p.M, p.K,
-                                              ll::combine_row_bytes(p.H), stream));
+                                              ll::combine_row_bytes(p.H),
+                                              ll::combine_tags_offset(p.M, p.K, p.H), stream));
         err.failure())
       return err;
   }

@@ -28,7 +28,7 @@ __host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64
 
 // Warps per row (column parts) so that `fixed` + rows * parts items fit the grid's warps: the
 // phases are chains of latencies, and a second wave of items on a warp doubles the phase.
-__device__ __forceinline__ int send_parts(int fixed, int rows) {
+__device__ __forceinline__ int row_parts(int fixed, int rows) {
   const int nw = static_cast<int>(gridDim.x) * kWarps;
   if (rows <= 0) return 1;
   return max(1, min(kMaxParts, (nw - fixed) / rows));
@@ -115,6 +115,33 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64
 // Dispatch
 // ---------------------------------------------------------------------------------------------
 
+// Dispatch row header (ints): the epoch tag, ids[K], pos[K] (see low_latency.cuh).
+__device__ __forceinline__ int* hdr_ids(int* hdr) { return hdr + 1; }
+__device__ __forceinline__ const int* hdr_ids(const int* hdr) { return hdr + 1; }
+__device__ __forceinline__ int* hdr_pos(int* hdr, int K) { return hdr + 1 + K; }
+__device__ __forceinline__ const int* hdr_pos(const int* hdr, int K) { return hdr + 1 + K; }
+
+// Whole warp: the output row (l * R*M + j) of the lead in lane sl (le, j: each lane's own).
+__device__ __forceinline__ int64_t lead_row(int le, int j, int sl, int64_t RM) {
+  return (int64_t)__shfl_sync(kFull, le, sl) * RM + __shfl_sync(kFull, j, sl);
+}
+
+// Whole warp: the n words of W at src, loaded once, to row lead_row(.., sl, ..) of dst (rows of
+// n words) for every lead sl in mask.
+template <typename W>
+__device__ __forceinline__ void store_to_leads(const W* src, W* dst, int n, unsigned mask, int le,
+                                               int j, int64_t RM, int lane) {
+  for (int g0 = 0; g0 < n; g0 += 32) {  // warp-uniform
+    const int g = g0 + lane;
+    W v{};
+    if (g < n) v = __ldcg(src + g);
+    for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
+      const int64_t orow = lead_row(le, j, __ffs(m) - 1, RM);
+      if (g < n) dst[orow * n + g] = v;
+    }
+  }
+}
+
 // Row t of sender s's area in a dispatch buffer (parity par), and the area's count block.
 __device__ __forceinline__ uint8_t* dispatch_row(uint8_t* buf, const DispatchParams& p, int par,
                                                  int s, int t) {
@@ -149,7 +176,7 @@ __device__ __noinline__ void dispatch_position_item(const DispatchParams& p, int
     const unsigned b = __ballot_sync(kFull, kf >= 0);
     if (kf >= 0) {
       int* hdr = reinterpret_cast<int*>(dispatch_row(p.buf[q], p, par, r, t));
-      hdr[1 + p.K + kf] = base + __popc(b & lanemask_lt());
+      hdr_pos(hdr, p.K)[kf] = base + __popc(b & lanemask_lt());
     }
     base += __popc(b);
   }
@@ -181,7 +208,7 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
     if (lane == 0) hdr[0] = static_cast<int>(es);
     for (int k = lane; k < p.K; k += 32) {
       const int v = __ldg(ids + k);
-      hdr[1 + k] = (v >= 0 && v < p.E) ? v : -1;
+      hdr_ids(hdr)[k] = (v >= 0 && v < p.E) ? v : -1;
     }
   }
   uint8_t* pay = row + p.hdr_bytes;
@@ -259,18 +286,18 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
   uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
   for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32
     const int k = kb + lane;
-    const int le = k < p.K ? local_expert(__ldcg(hdr + 1 + k), p.E, p.L, r) : -1;
+    const int le = k < p.K ? local_expert(__ldcg(hdr_ids(hdr) + k), p.E, p.L, r) : -1;
     const unsigned same = __match_any_sync(kFull, le);
     bool lead = le >= 0 && (same & lanemask_lt()) == 0;
     if (lead)
       for (int k2 = 0; k2 < kb; ++k2)  // earlier passes (K > 32 only)
-        if (local_expert(__ldcg(hdr + 1 + k2), p.E, p.L, r) == le) {
+        if (local_expert(__ldcg(hdr_ids(hdr) + k2), p.E, p.L, r) == le) {
           lead = false;
           break;
         }
     int j = -1;
     if (lead) {
-      j = __ldcg(hdr + 1 + p.K + k);
+      j = __ldcg(hdr_pos(hdr, p.K) + k);
       for (int s2 = 0; s2 < s; ++s2) j += __ldcg(dispatch_counts(own, p, par, s2) + le);
       if (j < 0 || j >= RM) j = -1;  // only a corrupt header gets here: drop, never overrun
       else if (part == 0) {
@@ -288,9 +315,7 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
         if (v < v1) buf[u] = __ldcg(src + v);
       }
       for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
-        const int sl = __ffs(m) - 1;
-        const int64_t orow = (int64_t)__shfl_sync(kFull, le, sl) * RM + __shfl_sync(kFull, j, sl);
-        VV* d = reinterpret_cast<VV*>(recv_x + orow * pay_bytes);
+        VV* d = reinterpret_cast<VV*>(recv_x + lead_row(le, j, __ffs(m) - 1, RM) * pay_bytes);
 #pragma unroll
         for (int u = 0; u < kCopyRegs; ++u) {
           const int v = base + u * 32 + lane;
@@ -302,31 +327,11 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
       // The scales are loaded once, then stored to every lead's row (reloading them per lead
       // cost ~5 us of the receive at R = 4: a load round trip per lead, in series).
       const float* sc = reinterpret_cast<const float*>(pay + p.H);  // 16 B aligned (H % 128 == 0)
-      if (p.G % 4 == 0 && (reinterpret_cast<uintptr_t>(p.recv_scales) & 15) == 0) {
-        const int nv = p.G / 4;
-        for (int g0 = 0; g0 < nv; g0 += 32) {  // warp-uniform
-          const int g = g0 + lane;
-          uint4 v = make_uint4(0u, 0u, 0u, 0u);
-          if (g < nv) v = __ldcg(reinterpret_cast<const uint4*>(sc) + g);
-          for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
-            const int sl = __ffs(m) - 1;
-            const int64_t orow =
-                (int64_t)__shfl_sync(kFull, le, sl) * RM + __shfl_sync(kFull, j, sl);
-            if (g < nv) reinterpret_cast<uint4*>(p.recv_scales + orow * p.G)[g] = v;
-          }
-        }
-      } else {
-        for (int g0 = 0; g0 < p.G; g0 += 32) {  // warp-uniform
-          const int g = g0 + lane;
-          const float v = g < p.G ? __ldcg(sc + g) : 0.f;
-          for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
-            const int sl = __ffs(m) - 1;
-            const int64_t orow =
-                (int64_t)__shfl_sync(kFull, le, sl) * RM + __shfl_sync(kFull, j, sl);
-            if (g < p.G) p.recv_scales[orow * p.G + g] = v;
-          }
-        }
-      }
+      if (p.G % 4 == 0 && (reinterpret_cast<uintptr_t>(p.recv_scales) & 15) == 0)
+        store_to_leads(reinterpret_cast<const uint4*>(sc),
+                       reinterpret_cast<uint4*>(p.recv_scales), p.G / 4, mask, le, j, RM, lane);
+      else
+        store_to_leads(sc, p.recv_scales, p.G, mask, le, j, RM, lane);
     }
   }
 }
@@ -371,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_dispatch: receivers free the buffer");
     __syncthreads();
     const int rows = p.T * R;
-    const int parts = send_parts(p.E, rows);
+    const int parts = row_parts(p.E, rows);
     const int n = p.E + rows * parts;  // >= 1: the close always runs
     int done = 0;
     for (;;) {  // warp-uniform
@@ -402,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int cpe = static_cast<int>((RM + kFillInts - 1) / kFillInts);
     const int nf = p.L * cpe;  // fill items
     const int rows = s_pref[R];
-    const int parts = send_parts(nf, rows);
+    const int parts = row_parts(nf, rows);
     const int n = nf + rows * parts;  // >= 1: the close always runs
     int done = 0;
     for (;;) {  // warp-uniform
@@ -469,8 +474,9 @@ __device__ __forceinline__ SlotInfo slot_info(const CombineParams& p, int t, int
 // row it holds, written by the expert rank after the row (release): the source reduces a token
 // as soon as its own rows are in, while other rows are still on their way.
 __device__ __forceinline__ int* combine_tag(uint8_t* buf, const CombineParams& p, int par, int t,
-                                            int k, int64_t crs) {
-  return reinterpret_cast<int*>(buf + 2LL * p.M * p.K * crs) + ((int64_t)par * p.M + t) * p.K + k;
+                                            int k) {
+  return reinterpret_cast<int*>(buf + combine_tags_offset(p.M, p.K, p.H)) +
+         ((int64_t)par * p.M + t) * p.K + k;
 }
 
 // Send item: row j of local expert l goes back to its source (s, t), at slot k of t, then its tag.
@@ -488,31 +494,25 @@ __device__ __forceinline__ void combine_send_item(const CombineParams& p, int l,
   __syncwarp();
   if (lane == 0) {
     __threadfence_system();  // every lane's row stores (ordered by the warp barrier) first
-    st_release_sys_s32(combine_tag(p.buf[s], p, par, t, k, crs), static_cast<int>(es));
+    st_release_sys_s32(combine_tag(p.buf[s], p, par, t, k), static_cast<int>(es));
   }
 }
 
 // Whole warp: wait until the rows of token t's lead slots (the first slot naming each valid
 // expert) carry the tag of epoch er or a newer one; lanes poll one slot each.
 __device__ __forceinline__ void combine_wait_rows(const CombineParams& p, int t, int par,
-                                                  int64_t crs, unsigned long long er, bool reg_lead,
-                                                  int lane) {
+                                                  unsigned long long er, bool reg_lead, int lane) {
   uint8_t* own = p.buf[p.ps.rank];
   const unsigned er32 = static_cast<unsigned>(er);
   for (int kb = 0; kb < p.K; kb += 32) {
     const int k = kb + lane;
     bool lead = reg_lead;
-    if (p.K > 32) {
-      lead = false;
-      if (k < p.K) {
-        const int32_t* ids = p.topk_idx + (int64_t)t * p.K;
-        const int v = __ldg(ids + k);
-        lead = v >= 0 && v < p.E;
-        for (int k2 = 0; k2 < k && lead; ++k2) lead = __ldg(ids + k2) != v;
-      }
+    if (p.K > 32) {  // slot_info reads the ids from memory then (no shuffles)
+      const SlotInfo si = k < p.K ? slot_info(p, t, k, false, 0, 0.f) : SlotInfo{false, 0, 0.f};
+      lead = si.valid && si.kf == k;
     }
     if (!lead) continue;
-    const int* tag = combine_tag(own, p, par, t, k, crs);
+    const int* tag = combine_tag(own, p, par, t, k);
     // Wait while the tag is older than er (32-bit epochs, wrap-safe). A newer tag passes: XLA
     // may run a split receive twice, after the row was written again for call er + 2.
     auto older = [&](int v) { return static_cast<int>(static_cast<unsigned>(v) - er32) < 0; };
@@ -551,7 +551,7 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
     reg_kf = __ffs(same) - 1;
     reg_w = reg_valid ? __ldg(p.topk_weights + (int64_t)t * p.K + lane) : 0.f;
   }
-  combine_wait_rows(p, t, par, crs, er, reg_valid && reg_kf == lane, lane);
+  combine_wait_rows(p, t, par, er, reg_valid && reg_kf == lane, lane);
   const uint8_t* base = p.buf[p.ps.rank] + ((int64_t)par * p.M + t) * p.K * crs;
   const int v0 = c * 32 * kCombineVpt;
   float acc[kCombineVpt][EPV];
@@ -692,7 +692,7 @@ int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_
 }
 int64_t combine_row_bytes(int64_t H) { return align16(2 * H); }
 int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H) {
-  return 2 * M * K * combine_row_bytes(H) + align16(2 * M * K * 4);  // rows, then their tags
+  return combine_tags_offset(M, K, H) + align16(2 * M * K * 4);  // rows, then their tags
 }
 
 int grid_size(int device) {

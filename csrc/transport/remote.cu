@@ -122,19 +122,18 @@ __global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
 }
 
 // One block: the rows named by recv_src / recv_slot whose source is remote, then (after they
-// completed) their tags (combine_tag in kernels/low_latency.cu: int32 [parity][t][k] after the
-// rows).
+// completed) their tags (int32 [parity][t][k] at tags_offset, kernels/low_latency.cuh).
 __global__ void __launch_bounds__(kThreads) push_combine_kernel(
     const __grid_constant__ PeerSlots ps, uint8_t* own_buf, const __grid_constant__ Scratch scr,
     const int32_t* recv_src, const int32_t* recv_slot, const int32_t* recv_count, int L, int M,
-    int K, int64_t row_bytes, int dbg) {
+    int K, int64_t row_bytes, int64_t tags_offset, int dbg) {
   __shared__ unsigned int s_count[kMaxRanks];
   Slot* me = ps.slot[ps.rank];
   const unsigned long long e = ld_volatile_u64(&me->send_epoch);
   const int par = static_cast<int>(e & 1), R = ps.num_ranks, r = ps.rank;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t RM = (int64_t)R * M;
-  int* tags = reinterpret_cast<int*>(own_buf + 2LL * M * K * row_bytes);
+  int* tags = reinterpret_cast<int*>(own_buf + tags_offset);
   if (threadIdx.x < kMaxRanks) s_count[threadIdx.x] = 0;
   __syncthreads();
   for (int pass = 0; pass < 2; ++pass) {  // rows, then tags
@@ -220,11 +219,11 @@ cudaError_t push_dispatch_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* c
 cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
                               const int32_t* recv_src, const int32_t* recv_slot,
                               const int32_t* recv_count, int L, int M, int K, int64_t row_bytes,
-                              cudaStream_t stream) {
+                              int64_t tags_offset, cudaStream_t stream) {
   Scratch s{};
   for (int q = 0; q < ps.num_ranks; ++q) s.at[q] = scratch[q];
   push_combine_kernel<<<1, kThreads, 0, stream>>>(ps, own_buf, s, recv_src, recv_slot,
-                                                  recv_count, L, M, K, row_bytes, debug());
+                                                  recv_count, L, M, K, row_bytes, tags_offset, debug());
   return cudaGetLastError();
 }
 

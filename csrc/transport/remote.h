@@ -43,11 +43,12 @@ cudaError_t push_dispatch_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* c
                                int T, int M, int64_t row_bytes, int64_t area_bytes,
                                int64_t count_bytes, cudaStream_t stream);
 // Combine: the rows named by recv_src / recv_slot ([L, R*M], counts recv_count [L]), at
-// [parity][t][k] of row_bytes in the source's buffer, then (once they completed) their tags.
+// [parity][t][k] of row_bytes in the source's buffer, then (once they completed) their tags, at
+// tags_offset (ll::combine_tags_offset).
 cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
                               const int32_t* recv_src, const int32_t* recv_slot,
                               const int32_t* recv_count, int L, int M, int K, int64_t row_bytes,
-                              cudaStream_t stream);
+                              int64_t tags_offset, cudaStream_t stream);
 // Push, after the receive kernel: epoch32 is where that kernel read its epoch (int32).
 cudaError_t free_remote_senders(const PeerSlots& ps, const int32_t* epoch32,
                                 cudaStream_t stream);

@@ -14,7 +14,7 @@ cudaError_t push_dispatch_rows(const PeerSlots&, uint8_t*, uint8_t* const*, int,
   return cudaErrorNotSupported;
 }
 cudaError_t push_combine_rows(const PeerSlots&, uint8_t*, uint8_t* const*, const int32_t*,
-                              const int32_t*, const int32_t*, int, int, int, int64_t,
+                              const int32_t*, const int32_t*, int, int, int, int64_t, int64_t,
                               cudaStream_t) {
   return cudaErrorNotSupported;
 }
