@@ -9,7 +9,12 @@ Ops: HT dispatch bf16 with H = 8 (layout + synchronisation only), HT dispatch bf
 HT combine bf16 H = 7168, LL dispatch FP8 (128 tokens / rank, H = 7168), LL combine bf16.
 Mark indices: csrc/transport/peer.cuh ("Phase tracer").
 
-  python benchmarks/trace_phases.py [--ranks 1 2 4] [--runs 5]
+With JAX_EP_LL_DIAG=1 the LL kernels also record, per phase, the latest time any block or warp
+reached a point (its first ticket, the end of its items, its fence and count...): marks 0..11
+of the LL slots. Read them with --absolute (each column in us since the device's first mark).
+
+  python benchmarks/trace_phases.py [--ranks 1 2 4] [--runs 5] [--scan 20]
+  JAX_EP_LL_DIAG=1 python benchmarks/trace_phases.py --ranks 4 --scan 20 --ll-only --absolute
 """
 from __future__ import annotations
 
@@ -36,6 +41,16 @@ MARKS = {
     19: "receive done",
     24: "start", 25: "send done (rows and tags out)", 26: "receive starts (block 0)",
     27: "receive done",
+}
+
+# LL slots (64 and up) with JAX_EP_LL_DIAG=1: indices 0..11 are per-warp diagnostic points, the
+# latest time any block / warp reached them (csrc/transport/peer.cuh, "Phase tracer").
+DIAG_MARKS = {
+    0: "last block start", 1: "last block past wait-freed", 2: "last warp's first send ticket",
+    3: "last warp's send loop done", 4: "last warp past send fence+count",
+    5: "last block saw peers' flags", 7: "last warp's first receive ticket",
+    8: "last item's data in", 9: "last warp's receive loop done",
+    10: "last warp past receive count", 11: "last warp at kernel exit",
 }
 
 
@@ -67,7 +82,8 @@ def report(name, group, before, after, host_us):
         starts = {d: min(r.values()) for d, r in rows.items() if r}
         t0 = min(starts.values()) if starts else 0
         print(f"  {name}  (slot {s}; host {host_us:.1f} us/call, median of the runs)")
-        print("    marks: " + ", ".join(f"{i}={MARKS.get(i, '?')}" for i in idxs))
+        names = {**MARKS, **DIAG_MARKS} if s >= 64 else MARKS
+        print("    marks: " + ", ".join(f"{i}={names.get(i, '?')}" for i in idxs))
         hdr = "    dev  skew  " + "".join(
             f"{(f'{p}->{i}' if p is not None else f'{i}'):>9s}"
             for p, i in zip([None] + idxs[:-1], idxs)) + "     span"
@@ -82,7 +98,8 @@ def report(name, group, before, after, host_us):
                     cells.append(f"{'-':>9s}")
                     continue
                 # first column: 0 (the device's first mark); then us since the previous mark
-                base = r[prev] if prev is not None else starts[d]
+                # (--absolute: every column since the device's first mark)
+                base = r[prev] if prev is not None and not ABSOLUTE else starts[d]
                 cells.append(f"{(r[i] - base) / 1e3:9.1f}")
                 prev = i
             span = (max(r.values()) - starts[d]) / 1e3
@@ -90,6 +107,8 @@ def report(name, group, before, after, host_us):
                   f"{span:9.1f}")
 
 
+ABSOLUTE = False  # --absolute
+LL_ONLY = False  # --ll-only
 SCAN = 1  # calls per jitted program (--scan): the marks read are those of the last call
 
 
@@ -125,6 +144,8 @@ def suite(R, gpus, runs):
     rng = np.random.default_rng(0)
     idx = jax.device_put(jnp.asarray(routing(rng, R * T, K, E)), shard)
     w = jax.device_put(jnp.asarray(rng.random((R * T, K)), jnp.float32), shard)
+    if LL_ONLY:
+        return suite_ll(R, mesh, group, shard, rng, H, K, E, L, runs)
     x8 = jax.device_put(jnp.asarray(rng.standard_normal((R * T, 8)), jnp.bfloat16), shard)
     x = jax.jit(lambda k: jax.random.normal(k, (R * T, H), jnp.bfloat16),
                 out_shardings=shard)(jax.random.key(0))
@@ -144,7 +165,10 @@ def suite(R, gpus, runs):
         y, jax_ep.DispatchHandle(h[0], h[1], h[2][0], h[3][0], h[4][0]), backend="cuda"),
         hargs, runs)
     del hargs
+    suite_ll(R, mesh, group, shard, rng, H, K, E, L, runs)
 
+
+def suite_ll(R, mesh, group, shard, rng, H, K, E, L, runs):
     M = 128
     xl = jax.jit(lambda k: jax.random.normal(k, (R * M, H), jnp.bfloat16),
                  out_shardings=shard)(jax.random.key(1))
@@ -171,9 +195,14 @@ def main():
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--scan", type=int, default=1,
                    help="calls per program; >1 shows the steady state of back-to-back calls")
+    p.add_argument("--absolute", action="store_true",
+                   help="every column in us since the device's first mark (not since the "
+                        "previous column)")
+    p.add_argument("--ll-only", action="store_true", help="only the low-latency ops")
     a = p.parse_args()
-    global SCAN
+    global SCAN, ABSOLUTE, LL_ONLY
     SCAN = max(1, a.scan)
+    ABSOLUTE, LL_ONLY = a.absolute, a.ll_only
     gpus = jax.devices()
     print(f"devices: {len(gpus)} x {gpus[0].device_kind}; jax {jax.__version__}; "
           f"num_blocks {runtime.num_blocks()}")

@@ -4,6 +4,7 @@
 // Kernels: kernels/low_latency.cu.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "ffi/group.h"
@@ -20,6 +21,13 @@ namespace push = jax_ep::push;
 namespace {
 
 constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
+
+// JAX_EP_LL_DIAG=1: the kernels record per-warp diagnostic timestamps (kernels/low_latency.cu,
+// diag_max). Read when the op runs (or is captured into a command buffer).
+int ll_diag() {
+  const char* v = std::getenv("JAX_EP_LL_DIAG");
+  return (v != nullptr && v[0] == '1') ? 1 : 0;
+}
 
 bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
   if (d.size() != want.size()) return false;
@@ -217,6 +225,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
   p.G = static_cast<int>(G);
   p.use_fp8 = a.use_fp8 ? 1 : 0;
   p.round_scale = a.round_scale ? 1 : 0;
+  p.diag = ll_diag();
   p.hdr_bytes = ll::dispatch_header_bytes(K);
   p.row_bytes = ll::dispatch_row_bytes(K, H, a.use_fp8);
   p.area_bytes = ll::dispatch_area_bytes(M, K, H, L, a.use_fp8);
@@ -328,6 +337,7 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
   p.E = static_cast<int>(E);
   p.L = static_cast<int>(L);
   p.M = static_cast<int>(M);
+  p.diag = ll_diag();
   p.timeout_ns = a.timeout_ns;
   if (p.ps.remote != 0) return combine_with_remote(op, p, grid, own, stream);
   ll::launch_combine(p, grid, stream);

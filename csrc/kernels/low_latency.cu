@@ -26,6 +26,13 @@ constexpr int kPollSleepNs = 128;    // pause between polls of a combine row tag
 
 __host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
 
+// Diagnostic (JAX_EP_LL_DIAG=1, off by default): the latest %globaltimer that any caller
+// reached point i, into trace[i] of our slot; the points are listed in transport/peer.cuh
+// ("Phase tracer"). benchmarks/trace_phases.py --ll-only --absolute prints them.
+__device__ __forceinline__ void diag_max(const PeerSlots& ps, int on, int i) {
+  if (on) atomicMax(&ps.slot[ps.rank]->trace[i], (unsigned long long)global_timer_ns());
+}
+
 // Warps per row (column parts) so that `fixed` + rows * parts items fit the grid's warps: the
 // phases are chains of latencies, and a second wave of items on a warp doubles the phase.
 __device__ __forceinline__ int row_parts(int fixed, int rows) {
@@ -278,6 +285,7 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
   const uint8_t* row = dispatch_row(own, p, par, s, t);
   const int* hdr = reinterpret_cast<const int*>(row);
   if (__ldcg(hdr) != static_cast<int>(er)) return;  // not sent to us in this call
+  if (lane == 0) diag_max(p.ps, p.diag, 8);
   const uint8_t* pay = row + p.hdr_bytes;
   const VV* src = reinterpret_cast<const VV*>(pay);
   const int nvec = static_cast<int>(pay_bytes / (int64_t)sizeof(VV));
@@ -369,18 +377,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned long long er =
       push::recv_epoch(ps, p.mode == push::kModeRecv ? p.ticket + 1 : nullptr);
   trace_mark(ps, 16);
+  if (threadIdx.x == 0) diag_max(ps, p.diag, 0);
 
   if (p.mode & push::kModeSend) {
     const int par = static_cast<int>(es & 1);
     if ((int)threadIdx.x < R)
       push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_dispatch: receivers free the buffer");
     __syncthreads();
+    if (threadIdx.x == 0) diag_max(ps, p.diag, 1);
     const int rows = p.T * R;
     const int parts = row_parts(p.E, rows);
     const int n = p.E + rows * parts;  // >= 1: the close always runs
     int done = 0;
     for (;;) {  // warp-uniform
       const int it = push::take_ticket(me, push::kSend, lane);
+      if (done == 0 && lane == 0) diag_max(ps, p.diag, 2);
       if (it >= n) break;
       if (it < p.E)  // experts of the next rank first, as the send items
         dispatch_position_item(p, (it + (ps.rank + 1) * p.L) % p.E, par, lane);
@@ -388,7 +399,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         dispatch_send_item<V>(p, it - p.E, parts, par, es, lane);
       ++done;
     }
-    if (push::finish_items(me, push::kSend, n, done, true, lane)) dispatch_close_send(p, es, lane);
+    if (lane == 0) diag_max(ps, p.diag, 3);
+    const bool closer = push::finish_items(me, push::kSend, n, done, true, lane);
+    if (lane == 0) diag_max(ps, p.diag, 4);
+    if (closer) dispatch_close_send(p, es, lane);
   }
 
   if (p.mode & push::kModeRecv) {
@@ -397,6 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       s_pref[threadIdx.x + 1] = (int)push::wait_data(ps, threadIdx.x, par, er, p.timeout_ns,
                                                      "ll_dispatch: wait for the peers' rows");
     __syncthreads();
+    if (threadIdx.x == 0) diag_max(ps, p.diag, 5);
     if (threadIdx.x == 0) {
       s_pref[0] = 0;
       for (int s = 0; s < R; ++s) s_pref[s + 1] += s_pref[s];
@@ -412,6 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int done = 0;
     for (;;) {  // warp-uniform
       const int it = push::take_ticket(me, push::kRecv, lane);
+      if (done == 0 && lane == 0) diag_max(ps, p.diag, 7);
       if (it >= n) break;
       if (it < nf) {
         dispatch_fill_item(p, it / cpe, it % cpe, par, lane);
@@ -425,12 +441,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       ++done;
     }
-    if (push::finish_items(me, push::kRecv, n, done, false, lane)) {
+    if (lane == 0) diag_max(ps, p.diag, 9);
+    const bool closer = push::finish_items(me, push::kRecv, n, done, false, lane);
+    if (lane == 0) diag_max(ps, p.diag, 10);
+    if (closer) {
       // every row and count of this half is read: the senders may write it again
       if (lane < R) push::signal_freed(ps, lane, er);
       if (lane == 0) trace_mark_last(ps, 19);
     }
   }
+  if (lane == 0) diag_max(ps, p.diag, 11);
   push::leave_kernel(ps, p.mode, es);
 }
 
@@ -552,6 +572,7 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
     reg_w = reg_valid ? __ldg(p.topk_weights + (int64_t)t * p.K + lane) : 0.f;
   }
   combine_wait_rows(p, t, par, er, reg_valid && reg_kf == lane, lane);
+  if (lane == 0) diag_max(p.ps, p.diag, 8);
   const uint8_t* base = p.buf[p.ps.rank] + ((int64_t)par * p.M + t) * p.K * crs;
   const int v0 = c * 32 * kCombineVpt;
   float acc[kCombineVpt][EPV];
@@ -611,6 +632,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t crs = align16(2LL * p.H);
   const int RM = R * p.M;
   trace_mark(ps, 24);
+  if (threadIdx.x == 0) diag_max(ps, p.diag, 0);
 
   if (p.mode & push::kModeSend) {
     const int par = static_cast<int>(es & 1);
@@ -630,6 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int done = 0;
     for (;;) {  // warp-uniform
       const int it = push::take_ticket(me, push::kSend, lane);
+      if (done == 0 && lane == 0) diag_max(ps, p.diag, 2);
       if (it >= n) break;
       const int sigma = it % R, l = (it / R) % p.L, rho = it / (R * p.L);
       const int c = min(max(__ldg(p.recv_count + l), 0), RM), b = (c + R - 1) / R;
@@ -637,8 +660,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (rho < b && j < c) combine_send_item<V>(p, l, j, par, crs, es, lane);
       ++done;
     }
+    if (lane == 0) diag_max(ps, p.diag, 3);
     if (push::finish_items(me, push::kSend, n, done, false, lane) && lane == 0)
       trace_mark_last(ps, 25);
+    if (lane == 0) diag_max(ps, p.diag, 4);
   }
 
   if (p.mode & push::kModeRecv) {
@@ -651,17 +676,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     int done = 0;
     for (;;) {  // warp-uniform; tokens in order (the order the rows arrive in)
       const int it = push::take_ticket(me, push::kRecv, lane);
+      if (done == 0 && lane == 0) diag_max(ps, p.diag, 7);
       if (it >= n) break;
       combine_recv_item<V>(p, it / nchunk, it % nchunk, par, crs, er, lane);
       ++done;
     }
+    if (lane == 0) diag_max(ps, p.diag, 9);
     const bool closer = n == 0 ? blockIdx.x == 0 && threadIdx.x < 32
                                : push::finish_items(me, push::kRecv, n, done, false, lane);
+    if (lane == 0) diag_max(ps, p.diag, 10);
     if (closer) {  // every row of this half is read: the senders may write it again
       if (lane < R) push::signal_freed(ps, lane, er);
       if (lane == 0) trace_mark_last(ps, 27);
     }
   }
+  if (lane == 0) diag_max(ps, p.diag, 11);
   push::leave_kernel(ps, p.mode, es);
 }
 

@@ -54,6 +54,7 @@ struct DispatchParams {
   int32_t* recv_slot;         // [L, R*M]: first top-k slot of (s, t) naming the expert, -1 past
   int T, H, K, E, L, M, G;
   int use_fp8, round_scale;
+  int diag;                   // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
   int64_t hdr_bytes, row_bytes, area_bytes;
   int64_t timeout_ns;
 };
@@ -74,6 +75,7 @@ struct CombineParams {
   const float* topk_weights;  // [T, K]
   void* out;                  // [T, H] bf16
   int T, H, K, E, L, M;
+  int diag;                   // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
   int64_t timeout_ns;
 };
 

@@ -85,6 +85,13 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 //      19 receive phase done (the last warp of the receive phase)
 //   LL combine: 24 start, 25 send phase done (rows and tags out), 26 receive phase starts
 //      (block 0; it waits per token for the row tags), 27 receive phase done
+//   LL diagnostic, only with JAX_EP_LL_DIAG=1 (low_latency.cu, diag_max): the LATEST time any
+//   block / warp reached a point, indices 0..11 of the LL slots (free there):
+//      0 block start   1 past the send's wait for freed buffers (dispatch)   2 first send ticket
+//      3 send loop done   4 past the send's finish_items (fence + count)   5 receive: peers'
+//      flags seen (dispatch)   7 first receive ticket   8 an item's data in (dispatch: a copy
+//      item's tag matched; combine: a token's rows arrived)   9 receive loop done
+//      10 past the receive's finish_items   11 at leave_kernel
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void trace_mark_last(const PeerSlots& ps, int i) {
   ps.slot[ps.rank]->trace[i] = global_timer_ns();
