@@ -5,8 +5,9 @@
 // run by one kernel (fused op) or by two (the send / receive split):
 //   send    wait until every receiver q has freed our half p from call e - 2 (freed[q] >= e - 2,
 //           written by q into OUR slot: normally long true), write rows into q's buffer, then
-//           data_flag[p][r] = (e << 32) | rows in q's slot (release, after a system fence). The
-//           LL combine tags every row with e instead (kernels/low_latency.cu, combine_tag).
+//           data_flag[p][r] = (e << 32) | rows in q's slot (release; every warp fenced its rows
+//           at system scope before its count). The LL combine tags every row with e instead
+//           (kernels/low_latency.cu, combine_tag).
 //   receive wait until data_flag[p][s] >> 32 >= e for every sender s (local polls; combine: the
 //           tags of each token's rows), read the rows from our own buffer into the XLA outputs,
 //           then freed[r] = e in every sender's slot.
@@ -108,18 +109,21 @@ __device__ __forceinline__ void wait_freed(const PeerSlots& ps, int q, unsigned 
 
 // Lane q (< R) of the closing warp of a send phase: rows are in q's buffer; tell q.
 // A remote q is signalled by remote::push_*_rows after its puts instead.
+// No fence before the release store: every warp fenced its own writes (system scope) before
+// its count, and the closing warp acquired all counts (finish_items), so the release store
+// orders them all (PTX causality is transitive). A system fence here cost ~1 us before the
+// flags went out (session 6, NOTES.md).
 __device__ __forceinline__ void signal_data(const PeerSlots& ps, int q, int p,
                                             unsigned long long e, unsigned int rows) {
   if (is_remote(ps, q)) return;
-  __threadfence_system();
   st_release_sys(&ps.slot[q]->data_flag[p][ps.rank], (e << 32) | rows);
 }
 
 // Lane s (< R) of the closing warp of a receive phase: we are done reading s's rows of call e.
-// A remote s is freed by remote::free_remote_senders after this kernel instead.
+// A remote s is freed by remote::free_remote_senders after this kernel instead. No fence
+// first, as in signal_data: the release store orders every warp's reads, counted before it.
 __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigned long long e) {
   if (is_remote(ps, s)) return;
-  __threadfence_system();
   st_release_sys(&ps.slot[s]->freed[ps.rank], e);
 }
 
