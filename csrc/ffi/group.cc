@@ -62,4 +62,23 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, os.str());
 }
 
+ffi::Error decode_peer_row(const char* op, const char* what, ffi::Span<const int64_t> table,
+                           ffi::Span<const int64_t> groups, const GroupInfo& gi, uint8_t** out) {
+  const int R = gi.peers.num_ranks;
+  if (table.size() != groups.size())
+    return ffi::Error::InvalidArgument(std::string(op) + ": the " + what + " table must name " +
+                                       "one buffer per entry of the group table");
+  const int64_t* row = table.begin() + static_cast<int64_t>(gi.group) * R;
+  for (int q = 0; q < R; ++q) {
+    const uint64_t v = static_cast<uint64_t>(row[q]);
+    if (((v & 1u) != 0) != is_remote(gi.peers, q))
+      return ffi::Error::Internal(std::string(op) + ": " + what +
+                                  " and peer tables disagree on rank " + std::to_string(q));
+    out[q] = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(v & ~uint64_t{1}));
+    if (out[q] == nullptr)
+      return ffi::Error::InvalidArgument(std::string(op) + ": missing " + what);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_ep

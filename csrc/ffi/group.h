@@ -20,6 +20,15 @@ struct GroupInfo {
 xla::ffi::Error resolve_group(int device, xla::ffi::Span<const int64_t> groups,
                               int64_t group_size, int64_t slot, GroupInfo* out);
 
+// An address table that names one buffer per entry of the group table (`bufs` of the LL ops,
+// `stage` of the HT ops in per-process mode): the R addresses of out->group's row, bit 0 cleared.
+// Bit 0 set marks a remote peer (runtime/symmetric.h), whose address is this rank's image of its
+// buffer; it must agree with gi.peers. `what` names the buffer in the errors.
+xla::ffi::Error decode_peer_row(const char* op, const char* what,
+                                xla::ffi::Span<const int64_t> table,
+                                xla::ffi::Span<const int64_t> groups, const GroupInfo& gi,
+                                uint8_t** out);
+
 // "[d0, d1, ...]" for error messages.
 inline std::string dims_str(xla::ffi::Span<const int64_t> d) {
   std::string s = "[";

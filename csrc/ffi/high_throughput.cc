@@ -79,25 +79,16 @@ ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks)
 // (symmetric.h): its stage[] is this rank's mirror of that peer's staging buffer, which
 // run_pulled fills (transport/remote.h). *staged: the staged bytes (the same on every rank).
 ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const int64_t> stage,
-                          ffi::Span<const int64_t> groups, int64_t R, jax_ep::GroupInfo* gi,
+                          ffi::Span<const int64_t> groups, jax_ep::GroupInfo* gi,
                           std::initializer_list<std::pair<const void*, size_t>> operands,
                           size_t* staged) {
   if (stage.size() == 1 && stage[0] == 0) return ffi::Error::Success();
-  if (stage.size() != groups.size())
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": stage must name one buffer per entry of groups");
-  const int64_t* row = stage.begin() + gi->group * R;
-  for (int r = 0; r < R; ++r) {
-    const uint64_t v = static_cast<uint64_t>(row[r]);
-    const bool remote = (v & 1u) != 0;
-    if (remote != jax_ep::is_remote(gi->peers, r))
-      return ffi::Error::Internal(std::string(op) + ": staging and peer tables disagree on rank " +
-                                  std::to_string(r));
-    gi->peers.stage[r] = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(v & ~uint64_t{1}));
-    if (gi->peers.stage[r] == nullptr)
-      return ffi::Error::InvalidArgument(std::string(op) + ": missing staging buffer");
-  }
-  uint8_t* mine = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(row[gi->peers.rank]));
+  uint8_t* bufs[jax_ep::kMaxRanks];
+  if (ffi::Error err = jax_ep::decode_peer_row(op, "staging buffer", stage, groups, *gi, bufs);
+      err.failure())
+    return err;
+  for (int r = 0; r < gi->peers.num_ranks; ++r) gi->peers.stage[r] = bufs[r];
+  uint8_t* mine = bufs[gi->peers.rank];
   size_t off = 0;
   int i = 0;
   for (const auto& operand : operands) {
@@ -221,7 +212,7 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
                                 std::to_string(plan.scratch_words) + " scratch words");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, R, &gi,
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, &gi,
       {{x.untyped_data(), x.size_bytes()},
        {x_scales.untyped_data(), x_scales.size_bytes()},
        {topk_idx.untyped_data(), topk_idx.size_bytes()},
@@ -281,7 +272,7 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, &gi,
                                         {{x.untyped_data(), x.size_bytes()}}, &staged));
   GatherArgs a{};
   a.ps = gi.peers;
@@ -341,7 +332,7 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, group_size, &gi,
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, &gi,
                                         {{y.untyped_data(), y.size_bytes()}}, &staged));
   CombineArgs a{};
   a.ps = gi.peers;

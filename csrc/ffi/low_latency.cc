@@ -65,20 +65,13 @@ ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::Gro
     return bad("experts per rank " + std::to_string(E / R) + " exceeds " +
                std::to_string(jax_ep::kMaxLocalExperts));
   if (a.slot < jax_ep::kFirstPushSlot) return bad("slot is not a push slot");
-  if (a.bufs.size() != a.groups.size())
-    return bad("bufs must name one receive buffer per device of the group table");
   if (need_bytes > a.buffer_bytes)
     return bad("the receive buffer holds " + std::to_string(a.buffer_bytes) + " bytes, this call "
                "needs " + std::to_string(need_bytes) + " (a lowering bug: the buffer is sized "
                "from the same shapes)");
-  const int64_t g = gi->group;
-  for (int q = 0; q < R; ++q) {
-    const uint64_t v = static_cast<uint64_t>(a.bufs[g * R + q]);
-    if (((v & 1u) != 0) != jax_ep::is_remote(gi->peers, q))
-      return bad("receive buffer and peer tables disagree on rank " + std::to_string(q));
-    bufs[q] = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(v & ~uint64_t{1}));
-    if (bufs[q] == nullptr) return bad("missing receive buffer");
-  }
+  if (ffi::Error err = jax_ep::decode_peer_row(op, "receive buffer", a.bufs, a.groups, *gi, bufs);
+      err.failure())
+    return err;
   *own = bufs[gi->peers.rank];
   return ffi::Error::Success();
 }
@@ -92,8 +85,8 @@ ffi::Error remote_error(const char* op, cudaError_t e) {
 
 // With remote peers a fused op runs as its send kernel, the NVSHMEM puts, its receive kernel
 // and the NVSHMEM freed flags (a remote peer's rows arrive only after our send kernel ended);
-// a split half runs its kernel and its NVSHMEM step. epoch32: where the receive kernel reads its
-// epoch (the send's ticket).
+// a split half runs its kernel and its NVSHMEM step. The receive kernel and the freed flags
+// take the epoch from the send's ticket (dispatch: stats[1]; fused combine: our send_epoch).
 ffi::Error dispatch_with_remote(const char* op, const ll::DispatchParams& p, int grid,
                                 uint8_t* own, cudaStream_t stream) {
   if (p.mode & push::kModeSend) {

@@ -629,7 +629,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned long long es = push::send_epoch(ps);
   const unsigned long long er =
       push::recv_epoch(ps, p.mode == push::kModeRecv ? p.ticket_in : nullptr);
-  const int64_t crs = align16(2LL * p.H);
+  const int64_t crs = combine_row_bytes(p.H);
   const int RM = R * p.M;
   trace_mark(ps, 24);
   if (threadIdx.x == 0) diag_max(ps, p.diag, 0);
@@ -719,7 +719,6 @@ int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_
                               bool use_fp8) {
   return 2 * R * dispatch_area_bytes(M, K, H, L, use_fp8);
 }
-int64_t combine_row_bytes(int64_t H) { return align16(2 * H); }
 int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H) {
   return combine_tags_offset(M, K, H) + align16(2 * M * K * 4);  // rows, then their tags
 }

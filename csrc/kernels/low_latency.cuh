@@ -29,11 +29,13 @@ int64_t dispatch_count_bytes(int64_t L);
 int64_t dispatch_area_bytes(int64_t M, int64_t K, int64_t H, int64_t L, bool use_fp8);
 int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_t L,
                               bool use_fp8);
-int64_t combine_row_bytes(int64_t H);
-// Where the combine's row tags start (after the rows of both parities); kernels and the
-// NVSHMEM push (transport/remote.h) both use it.
+// Stride of the combine's rows (bf16, padded to 16 bytes), and where their tags start (after
+// the rows of both parities): kernels, handlers and the NVSHMEM push (transport/remote.h).
+__host__ __device__ inline int64_t combine_row_bytes(int64_t H) {
+  return (2 * H + 15) & ~int64_t{15};
+}
 __host__ __device__ inline int64_t combine_tags_offset(int64_t M, int64_t K, int64_t H) {
-  return 2 * M * K * ((2 * H + 15) & ~int64_t{15});
+  return 2 * M * K * combine_row_bytes(H);
 }
 int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H);
 

@@ -67,9 +67,15 @@ __global__ void pull_epilogue_kernel(const __grid_constant__ PeerSlots ps, int64
   }
 }
 
+// This rank's scratch image of every peer's buffer (what the send kernel wrote for it), by value.
 struct Scratch {
   uint8_t* at[kMaxRanks];
 };
+Scratch scratch_of(const PeerSlots& ps, uint8_t* const* scratch) {
+  Scratch s{};
+  for (int q = 0; q < ps.num_ranks; ++q) s.at[q] = scratch[q];
+  return s;
+}
 
 __device__ __forceinline__ int nth_remote(const PeerSlots& ps, int n) {
   for (int q = 0; q < ps.num_ranks; ++q)
@@ -209,10 +215,8 @@ cudaError_t pull_epilogue(const PeerSlots& ps, int64_t timeout_ns, cudaStream_t 
 cudaError_t push_dispatch_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
                                int T, int M, int64_t row_bytes, int64_t area_bytes,
                                int64_t count_bytes, cudaStream_t stream) {
-  Scratch s{};
-  for (int q = 0; q < ps.num_ranks; ++q) s.at[q] = scratch[q];
   push_dispatch_kernel<<<count_remote(ps), kThreads, 0, stream>>>(
-      ps, own_buf, s, T, M, row_bytes, area_bytes, count_bytes, debug());
+      ps, own_buf, scratch_of(ps, scratch), T, M, row_bytes, area_bytes, count_bytes, debug());
   return cudaGetLastError();
 }
 
@@ -220,10 +224,9 @@ cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* co
                               const int32_t* recv_src, const int32_t* recv_slot,
                               const int32_t* recv_count, int L, int M, int K, int64_t row_bytes,
                               int64_t tags_offset, cudaStream_t stream) {
-  Scratch s{};
-  for (int q = 0; q < ps.num_ranks; ++q) s.at[q] = scratch[q];
-  push_combine_kernel<<<1, kThreads, 0, stream>>>(ps, own_buf, s, recv_src, recv_slot,
-                                                  recv_count, L, M, K, row_bytes, tags_offset, debug());
+  push_combine_kernel<<<1, kThreads, 0, stream>>>(ps, own_buf, scratch_of(ps, scratch), recv_src,
+                                                  recv_slot, recv_count, L, M, K, row_bytes,
+                                                  tags_offset, debug());
   return cudaGetLastError();
 }
 
