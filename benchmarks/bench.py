@@ -232,6 +232,8 @@ def ll_suite(mesh, R, a, rows):
     t = timed_scan(mesh, lambda y, s, sl, c, i, w: jax_ep.low_latency_combine(
         y, i, w, handle(s, sl, c), backend="cuda"), hargs + (idx, w), it, reps)
     record("combine_bf16", "jax_ep", t, 2 * H)
+    if a.ll_fused_only:
+        return
 
     # The send / receive split, back to back (its cost over the fused op) ...
     t = timed_scan(mesh, lambda x, i: jax_ep.low_latency_dispatch_recv(
@@ -296,6 +298,8 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--cmd-buffers", action="store_true",
                    help="run under XLA command buffers (CUDA graphs), custom calls included")
+    p.add_argument("--ll-fused-only", action="store_true",
+                   help="LL: only the fused ops (no split, overlap or baselines): A/B runs")
     p.add_argument("--tag", default="", help="suffix of the result file names")
     p.add_argument("--kernel-times", action="store_true",
                    help="also run each scan once under jax.profiler and report its kernel "

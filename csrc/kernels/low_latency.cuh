@@ -11,7 +11,7 @@
 namespace jax_ep {
 namespace ll {
 
-constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on half the SMs
+constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on 3/4 of the SMs
 
 // Receive-buffer layout. Dispatch: [parity][src rank s] areas (dispatch_area_bytes), each M rows
 // of dispatch_row_bytes then a count block. A row: a header (int epoch tag, int topk_ids[K], int
