@@ -269,14 +269,20 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
   }
 }
 
-// The receive phase is one set of items, taken by tickets after every sender's flag, none
-// waiting on another:
-//   fill (local expert l, chunk c of its R*M entries): recv_count[l] (the senders' counts
-//     summed) and -1 in recv_src / recv_slot past it.
-//   copy (row (s, t), column part): a row whose tag is not this call's epoch was not sent to us.
-//     Else each slot naming a local expert first (the lead) gives the output row: the counts of
-//     the senders before s plus the row's pos word. The payload part is loaded once and stored
-//     to every lead's output row; part 0 also writes recv_src / recv_slot and the FP8 scales.
+// The receive phase is one set of items, taken by tickets as soon as a warp is done sending
+// (no block-wide wait for the flags); each item waits for the flags it needs, none waits on
+// another item. The senders are ordered from our own rank (s = r, r + 1, ...: our own rows
+// need only our own flag, set by our own send phase, so they are copied while the peers' flags
+// are on their way):
+//   copy (row (s, t), column part), our own rows first: wait for the flags of s and of the
+//     senders before it (their counts); a row past s's row count, or whose tag is not this
+//     call's epoch, was not sent to us. Else each slot naming a local expert first (the lead)
+//     gives the output row: the counts of the senders before s plus the row's pos word. The
+//     payload part is loaded once and stored to every lead's output row; part 0 also writes
+//     recv_src / recv_slot and the FP8 scales.
+//   fill (local expert l, chunk c of its R*M entries), after our own rows: wait for every flag;
+//     recv_count[l] (the senders' counts summed) and -1 in recv_src / recv_slot past it.
+// An expert's rows are thus ordered by sender from our own rank, then token.
 __device__ __noinline__ void dispatch_fill_item(const DispatchParams& p, int l, int c, int par,
                                                 int lane) {
   const int R = p.ps.num_ranks;
@@ -292,10 +298,11 @@ __device__ __noinline__ void dispatch_fill_item(const DispatchParams& p, int l, 
   }
 }
 
+// rot: our rank (the first sender in the receive order).
 template <typename VV>
 __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t, int part,
                                            int parts, int64_t pay_bytes, unsigned long long er,
-                                           int par, int lane) {
+                                           int par, int rot, int lane) {
   const int r = p.ps.rank;
   const int64_t RM = (int64_t)p.ps.num_ranks * p.M;
   uint8_t* own = p.buf[r];
@@ -323,7 +330,9 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
     int j = -1;
     if (lead) {
       j = __ldcg(hdr_pos(hdr, p.K) + k);
-      for (int s2 = 0; s2 < s; ++s2) j += __ldcg(dispatch_counts(own, p, par, s2) + le);
+      const int R = p.ps.num_ranks;
+      for (int o2 = 0; o2 < (s - rot + R) % R; ++o2)  // the senders before s (from rank rot)
+        j += __ldcg(dispatch_counts(own, p, par, (rot + o2) % R) + le);
       if (j < 0 || j >= RM) j = -1;  // only a corrupt header gets here: drop, never overrun
       else if (part == 0) {
         p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
@@ -385,7 +394,6 @@ __device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
 template <typename V>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(const __grid_constant__ DispatchParams p) {
-  __shared__ int s_pref[kMaxRanks + 1];
   const PeerSlots& ps = p.ps;
   const int R = ps.num_ranks;
   Slot* me = ps.slot[ps.rank];
@@ -424,37 +432,41 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (p.mode & push::kModeRecv) {
     const int par = static_cast<int>(er & 1);
-    if ((int)threadIdx.x < R)
-      s_pref[threadIdx.x + 1] = (int)push::wait_data(ps, threadIdx.x, par, er, p.timeout_ns,
-                                                     "ll_dispatch: wait for the peers' rows");
-    __syncthreads();
-    if (threadIdx.x == 0) diag_max(ps, p.diag, 5);
-    if (threadIdx.x == 0) {
-      s_pref[0] = 0;
-      for (int s = 0; s < R; ++s) s_pref[s + 1] += s_pref[s];
-    }
-    __syncthreads();
-    trace_mark(ps, 18);
+    const int r = ps.rank;
     const int64_t RM = (int64_t)R * p.M;
     const int cpe = static_cast<int>((RM + kFillInts - 1) / kFillInts);
     const int nf = p.L * cpe;  // fill items
-    const int rows = s_pref[R];
+    const int rows = R * p.M;  // every (sender, token) row; rows past a sender's count return
     const int parts = row_parts(nf, rows);
-    const int n = nf + rows * parts;  // >= 1: the close always runs
+    const int n_own = p.M * parts;  // our own rows first: they wait for our own flag only
+    const int n = nf + rows * parts;
     int done = 0;
     for (;;) {  // warp-uniform
       const int it = push::take_ticket(me, push::kRecv, lane);
       if (done == 0 && lane == 0) diag_max(ps, p.diag, 7);
       if (it >= n) break;
-      if (it < nf) {
-        dispatch_fill_item(p, it / cpe, it % cpe, par, lane);
+      if (it >= n_own && it < n_own + nf) {  // needs every sender's counts
+        if (lane < R)
+          push::wait_data(ps, lane, par, er, p.timeout_ns, "ll_dispatch: wait for the peers' rows");
+        __syncwarp();
+        if (it == n_own && lane == 0) trace_mark_last(ps, 18);
+        dispatch_fill_item(p, (it - n_own) / cpe, (it - n_own) % cpe, par, lane);
       } else {
-        const int row = (it - nf) / parts, part = (it - nf) % parts;
-        int s = 0;
-        while (row >= s_pref[s + 1]) ++s;
-        const int t = row - s_pref[s];
-        if (p.use_fp8) copy_row_part<uint4>(p, s, t, part, parts, p.H, er, par, lane);
-        else copy_row_part<V>(p, s, t, part, parts, 2LL * p.H, er, par, lane);
+        const int ri = it < n_own ? it : it - nf;
+        const int row = ri / parts, part = ri % parts;
+        const int o = row / p.M, t = row - o * p.M;  // o: senders before s in our order
+        const int s = (r + o) % R;
+        unsigned int got = 0;  // the flags of s and of the senders before it (their counts)
+        if (lane <= o)
+          got = push::wait_data(ps, (r + lane) % R, par, er, p.timeout_ns,
+                                "ll_dispatch: wait for the peers' rows");
+        got = __shfl_sync(kFull, got, o);
+        __syncwarp();
+        if (lane == 0 && done == 0) diag_max(ps, p.diag, 5);
+        if (t < static_cast<int>(got)) {
+          if (p.use_fp8) copy_row_part<uint4>(p, s, t, part, parts, p.H, er, par, r, lane);
+          else copy_row_part<V>(p, s, t, part, parts, 2LL * p.H, er, par, r, lane);
+        }
       }
       ++done;
     }
@@ -632,8 +644,8 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
 }
 
 // Send items in rounds: round rho sends row sigma * B_l + rho of every expert l, for every sigma
-// < R (B_l = ceil(count_l / R)). Rows of an expert are ordered by source then token (the
-// dispatch's order), so every source gets its tokens in token order at about the same pace, and
+// < R (B_l = ceil(count_l / R)). Rows of an expert are ordered by source (from our own rank)
+// then token (the dispatch's order), so every source gets its tokens in token order at about the same pace, and
 // its receive items (taken in token order) find their rows early. Any other order is only slower.
 template <typename V>
 __global__ void __launch_bounds__(kThreads, 1)

@@ -81,15 +81,15 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 //   HT combine: 10 start, 11 after wait for peers, 12 loop done (block 0), 13 all arrived,
 //      14 peers done
 //   LL dispatch (push protocol, transport/push.cuh): 16 start (block 0), 17 send phase done
-//      (flags out: the last warp of the send phase), 18 every peer's flag seen (block 0),
+//      (flags out: the last warp of the send phase), 18 every flag seen (the first fill item),
 //      19 receive phase done (the last warp of the receive phase)
 //   LL combine: 24 start, 25 send phase done (rows and tags out), 26 receive phase starts
 //      (block 0; it waits per token for the row tags), 27 receive phase done
 //   LL diagnostic, only with JAX_EP_LL_DIAG=1 (low_latency.cu, diag_max): the LATEST time any
 //   block / warp reached a point, indices 0..11 of the LL slots (free there):
 //      0 block start   1 past the send's wait for freed buffers (dispatch)   2 first send ticket
-//      3 send loop done   4 past the send's finish_items (fence + count)   5 receive: peers'
-//      flags seen (dispatch)   7 first receive ticket   8 an item's data in (dispatch: a copy
+//      3 send loop done   4 past the send's finish_items (fence + count)   5 receive: a
+//      warp's first copy item past its flag wait (dispatch)   7 first receive ticket   8 an item's data in (dispatch: a copy
 //      item's tag matched; combine: a token's rows arrived)   9 receive loop done
 //      10 past the receive's finish_items   11 at leave_kernel
 // ---------------------------------------------------------------------------------------------
@@ -102,6 +102,14 @@ __device__ __forceinline__ void trace_mark(const PeerSlots& ps, int i) {
 }
 
 // Spin until *flag >= target; trap after timeout_ns naming rank / peer / phase.
+// True for the first caller in this process (per translation unit): one timeout report when
+// many threads time out together. Never reset: a trap leaves the CUDA context unusable anyway.
+static __device__ int g_timeout_reported = 0;
+__device__ __forceinline__ bool first_timeout_report() {
+  return *reinterpret_cast<volatile int*>(&g_timeout_reported) == 0 &&
+         atomicExch(&g_timeout_reported, 1) == 0;
+}
+
 __device__ __forceinline__ void wait_flag_geq(const unsigned long long* flag,
                                               unsigned long long target, int64_t timeout_ns,
                                               int rank, int peer, const char* phase) {

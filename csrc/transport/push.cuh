@@ -83,16 +83,18 @@ __device__ __forceinline__ unsigned int wait_data(const PeerSlots& ps, int s, in
   if ((v >> 32) < e) {
     const uint64_t start = global_timer_ns();
     while (((v = ld_acquire_sys(f)) >> 32) < e) {
-      if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
+      // Many warps wait here at once (each receive item waits for its own flags): the first
+      // to time out reports and traps; the others keep polling until the trap ends the kernel
+      // (trapping at once could end it before the report is printed).
+      if ((int64_t)(global_timer_ns() - start) > timeout_ns && first_timeout_report()) {
         const Slot* me = ps.slot[ps.rank];
-        if (blockIdx.x == 0)  // one report per waiting rank
-          printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
-                 "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; tickets %u %u, "
-                 "done %u %u, exit %u). A peer did not arrive: check that every rank runs the "
-                 "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
-                 ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
-                 ld_volatile_u64(&me->send_epoch), me->ticket[0],
-                 me->ticket[1], me->items_done[0], me->items_done[1], me->exit_counter);
+        printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
+               "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; tickets %u %u, "
+               "done %u %u, exit %u). A peer did not arrive: check that every rank runs the "
+               "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
+               ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
+               ld_volatile_u64(&me->send_epoch), me->ticket[0], me->ticket[1],
+               me->items_done[0], me->items_done[1], me->exit_counter);
         __trap();
       }
     }
