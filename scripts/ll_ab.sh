@@ -24,13 +24,15 @@ for spec in "$@"; do
      > "$OUT/ab-$name.log" 2>&1) || echo "  (bench exited non-zero: see ab-$name.log)"
   rm -rf "$OUT/traces"  # many files; the kernel durations are in the log
   if [[ ${AB_TRACE:-0} == 1 ]]; then
-    (cd /tmp && env "${envs[@]}" JAX_EP_LL_DIAG=1 timeout 120 $PY "$SRC/benchmarks/trace_phases.py" \
-       --ranks 4 --scan 20 --ll-only --absolute > "$OUT/ab-$name-trace.log" 2>&1) \
+    (cd /tmp && env "${envs[@]}" JAX_EP_LL_DIAG=1 timeout 120 \
+       $PY "$SRC/benchmarks/trace_phases.py" --ranks 4 --scan 20 --ll-only --absolute \
+       > "$OUT/ab-$name-trace.log" 2>&1) \
       || echo "  (trace exited non-zero)"
   fi
 done
 echo
-echo "| variant | mode | GPUs | op | impl | SMs | median us | wall us | recv GB/s | vs a2a | vs ragged | kernel us | all kernels us |"
+echo "| variant | mode | GPUs | op | impl | SMs | median us | wall us | recv GB/s | vs a2a |" \
+     "vs ragged | kernel us | all kernels us |"
 for spec in "$@"; do
   name=${spec%%:*}
   grep -E "^\| ll \|" "$OUT/ab-$name.log" | grep -v harness | sed "s/^/| $name /"

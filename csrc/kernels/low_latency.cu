@@ -645,8 +645,9 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
 
 // Send items in rounds: round rho sends row sigma * B_l + rho of every expert l, for every sigma
 // < R (B_l = ceil(count_l / R)). Rows of an expert are ordered by source (from our own rank)
-// then token (the dispatch's order), so every source gets its tokens in token order at about the same pace, and
-// its receive items (taken in token order) find their rows early. Any other order is only slower.
+// then token (the dispatch's order), so every source gets its tokens in token order at about
+// the same pace, and its receive items (taken in token order) find their rows early. Any other
+// order is only slower.
 template <typename V>
 __global__ void __launch_bounds__(kThreads, 1)
     combine_kernel(const __grid_constant__ CombineParams p) {

@@ -89,9 +89,9 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 //   block / warp reached a point, indices 0..11 of the LL slots (free there):
 //      0 block start   1 past the send's wait for freed buffers (dispatch)   2 first send ticket
 //      3 send loop done   4 past the send's finish_items (fence + count)   5 receive: a
-//      warp's first copy item past its flag wait (dispatch)   7 first receive ticket   8 an item's data in (dispatch: a copy
-//      item's tag matched; combine: a token's rows arrived)   9 receive loop done
-//      10 past the receive's finish_items   11 at leave_kernel
+//      warp's first copy item past its flag wait (dispatch)   7 first receive ticket
+//      8 an item's data in (dispatch: a copy item's tag matched; combine: a token's rows
+//      arrived)   9 receive loop done   10 past the receive's finish_items   11 at leave_kernel
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void trace_mark_last(const PeerSlots& ps, int i) {
   ps.slot[ps.rank]->trace[i] = global_timer_ns();
