@@ -6,9 +6,9 @@ Each op is timed as jit-compiled lax.scans of its calls back to back (no kernel 
 between calls, benchmarks/harness.py): per call = (time of a scan of --iters calls - time of one
 of --iters/4) / the difference in calls, so the fixed cost of launching one program (host
 dispatch) cancels; median over --reps interleaved pairs, after warm-up. The plain figure, the
-long scan's wall time / --iters, is kept as "wall us". With --kernel-times, one more run of each scan under
-jax.profiler also gives the op's kernel durations per call (benchmarks/kernel_times.py), the
-measure DeepEP reports. Prints a table, writes results.json and a plot into --out.
+long scan's wall time / --iters, is kept as "wall us". With --kernel-times, one more run of
+each scan under jax.profiler also gives the op's kernel durations per call
+(benchmarks/kernel_times.py), the measure DeepEP reports. Prints a table, writes results.json and a plot into --out.
 
   python benchmarks/bench.py --ranks 2 4 --mode ht ll --out /tmp/bench
 """
@@ -68,9 +68,10 @@ def ragged_ok() -> bool:
 def timed_scan(mesh, body, args, iters, reps, kernels=OURS):
     """(median, min, max) seconds per call of body(*args): the slope between a lax.scan of
     iters // 4 calls and one of `iters` calls (harness.time_slope), and a dict: wall_us, the long
-    scan's total / iters (launch overhead included); kernel_us / kernel_us_all, the kernel durations per call
-    of one more run under the profiler with --kernel-times (kernels whose name matches
-    `kernels` / all kernels), None without it or where profiling fails; "lines" to print."""
+    scan's total / iters (launch overhead included); kernel_us / kernel_us_all, the kernel
+    durations per call of one more run under the profiler with --kernel-times (kernels whose
+    name matches `kernels` / all kernels), None without it or where profiling fails; "lines"
+    to print."""
     global _traces
     f = harness.scan_fn(mesh, body, iters)
     short = max(1, iters // 4)

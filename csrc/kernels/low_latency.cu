@@ -41,12 +41,6 @@ __device__ __forceinline__ int row_parts(int fixed, int rows) {
   return max(1, min(kMaxParts, (nw - fixed) / rows));
 }
 
-template <int Bytes> struct VecOf;
-template <> struct VecOf<16> { using type = uint4; };
-template <> struct VecOf<8> { using type = uint2; };
-template <> struct VecOf<4> { using type = unsigned int; };
-template <> struct VecOf<2> { using type = unsigned short; };
-
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
@@ -96,8 +90,8 @@ __device__ __forceinline__ void pack(const float (&f)[8], uint4* o) {
 }
 
 // Whole warp: copy `bytes` (a multiple of sizeof(V)) from src to dst, kCopyRegs vectors per
-// lane in flight. kCg: src may have been written by a peer in this kernel (bypass L1).
-template <typename V, bool kCg>
+// lane in flight. src is read-only for the kernel (an XLA operand).
+template <typename V>
 __device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64_t bytes,
                                          int lane) {
   const int nvec = static_cast<int>(bytes / (int64_t)sizeof(V));
@@ -108,7 +102,7 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64
 #pragma unroll
     for (int u = 0; u < kCopyRegs; ++u) {
       const int v = base + u * 32 + lane;
-      if (v < nvec) buf[u] = kCg ? __ldcg(s + v) : __ldg(s + v);
+      if (v < nvec) buf[u] = __ldg(s + v);
     }
 #pragma unroll
     for (int u = 0; u < kCopyRegs; ++u) {
@@ -229,7 +223,7 @@ __device__ __forceinline__ void quantise_part(const uint8_t* xr, uint8_t* pay, f
 // Send item it = (token t, destination q, part): q starts after our own rank so the ranks spread
 // their first writes; `parts` warps share a row (part 0 also writes the tag and the ids).
 // Skipped when no expert of t lives on q; else row t of our area in q's buffer gets the header
-// and the payload (FP8: quantised here, per 128-column group by a half-warp; BF16: copied).
+// and the payload (FP8: quantised here, quantise_part; BF16: copied).
 template <typename V>
 __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it, int parts,
                                                 int par, unsigned long long es, int lane) {
@@ -265,7 +259,7 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
     const int64_t nvec = 2LL * p.H / (int64_t)sizeof(V);
     const int64_t per = (nvec + parts - 1) / parts;
     const int64_t v0 = min(nvec, part * per), v1 = min(nvec, v0 + per);
-    copy_row<V, false>(xr + v0 * sizeof(V), pay + v0 * sizeof(V), (v1 - v0) * sizeof(V), lane);
+    copy_row<V>(xr + v0 * sizeof(V), pay + v0 * sizeof(V), (v1 - v0) * sizeof(V), lane);
   }
 }
 
@@ -539,7 +533,7 @@ __device__ __forceinline__ void combine_send_item(const CombineParams& p, int l,
   const int s = src / p.M, t = src - s * p.M;
   uint8_t* dst = p.buf[s] + (((int64_t)par * p.M + t) * p.K + k) * crs;
   const uint8_t* y = static_cast<const uint8_t*>(p.y) + ((int64_t)l * RM + j) * 2LL * p.H;
-  copy_row<V, false>(y, dst, 2LL * p.H, lane);
+  copy_row<V>(y, dst, 2LL * p.H, lane);
   __syncwarp();
   // The warp barrier orders every lane's row stores before lane 0's release store, which makes
   // them visible first (release is cumulative). A system fence before it cost ~2.5 us of the

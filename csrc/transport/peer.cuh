@@ -101,7 +101,6 @@ __device__ __forceinline__ void trace_mark(const PeerSlots& ps, int i) {
     trace_mark_last(ps, i);
 }
 
-// Spin until *flag >= target; trap after timeout_ns naming rank / peer / phase.
 // True for the first caller in this process (per translation unit): one timeout report when
 // many threads time out together. Never reset: a trap leaves the CUDA context unusable anyway.
 static __device__ int g_timeout_reported = 0;
@@ -110,6 +109,7 @@ __device__ __forceinline__ bool first_timeout_report() {
          atomicExch(&g_timeout_reported, 1) == 0;
 }
 
+// Spin until *flag >= target; trap after timeout_ns naming rank / peer / phase.
 __device__ __forceinline__ void wait_flag_geq(const unsigned long long* flag,
                                               unsigned long long target, int64_t timeout_ns,
                                               int rank, int peer, const char* phase) {
