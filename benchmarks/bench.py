@@ -223,15 +223,16 @@ def ll_suite(mesh, R, a, rows):
 
     def disp(x, i):
         r = jax_ep.low_latency_dispatch(x, i, use_fp8=False, **kw)
-        return r.recv_x, r.handle.recv_src, r.handle.recv_slot, r.handle.recv_count
+        h = r.handle
+        return r.recv_x, h.recv_src, h.recv_slot, h.recv_count, h.src_rows
     spec = P("ep")
     hargs = jax.jit(jax.shard_map(disp, mesh=mesh, in_specs=spec, out_specs=spec,
                                   check_vma=False))(x, idx)
 
-    def handle(s, sl, c):
-        return jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32))
-    t = timed_scan(mesh, lambda y, s, sl, c, i, w: jax_ep.low_latency_combine(
-        y, i, w, handle(s, sl, c), backend="cuda"), hargs + (idx, w), it, reps)
+    def handle(s, sl, c, rr):
+        return jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32), rr)
+    t = timed_scan(mesh, lambda y, s, sl, c, rr, i, w: jax_ep.low_latency_combine(
+        y, i, w, handle(s, sl, c, rr), backend="cuda"), hargs + (idx, w), it, reps)
     record("combine_bf16", "jax_ep", t, 2 * H)
     if a.ll_fused_only:
         return
@@ -241,8 +242,8 @@ def ll_suite(mesh, R, a, rows):
         jax_ep.low_latency_dispatch_send(x, i, use_fp8=True, **kw)).recv_x[0],
         (x, idx), it, reps)
     record("dispatch_fp8", "jax_ep send+recv", t, H + 4 * H // 128)
-    t = timed_scan(mesh, lambda y, s, sl, c, i, w: jax_ep.low_latency_combine_recv(
-        jax_ep.low_latency_combine_send(y, i, w, handle(s, sl, c), backend="cuda")),
+    t = timed_scan(mesh, lambda y, s, sl, c, rr, i, w: jax_ep.low_latency_combine_recv(
+        jax_ep.low_latency_combine_send(y, i, w, handle(s, sl, c, rr), backend="cuda")),
         hargs + (idx, w), it, reps)
     record("combine_bf16", "jax_ep send+recv", t, 2 * H)
 

@@ -178,12 +178,13 @@ def suite_ll(R, mesh, group, shard, rng, H, K, E, L, runs):
     def ll_disp(x, i):
         r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
                                         use_fp8=True, backend="cuda")
-        return r.recv_x[0], r.handle.recv_src, r.handle.recv_slot, r.handle.recv_count
+        return (r.recv_x[0], r.handle.recv_src, r.handle.recv_slot, r.handle.recv_count,
+                r.handle.src_rows)
     _, *h = run_op("LL dispatch fp8 T=M=128 H=7168", mesh, group, ll_disp, (xl, idxl), runs)
     y = jax.jit(lambda: jnp.ones((R * L, R * M, H), jnp.bfloat16), out_shardings=shard)()
     run_op("LL combine bf16 T=M=128 H=7168", mesh, group,
-           lambda y, s, sl, c, i, w: jax_ep.low_latency_combine(
-               y, i, w, jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32)),
+           lambda y, s, sl, c, rr, i, w: jax_ep.low_latency_combine(
+               y, i, w, jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32), rr),
                backend="cuda"),
            (y, *h, idxl, wl), runs)
 

@@ -26,6 +26,9 @@ class LowLatencyHandle(NamedTuple):
     #                         row's expert (where combine sends the output back), -1 past count
     recv_count: jax.Array   # [L] int32
     num_invalid: jax.Array  # [] int32
+    src_rows: jax.Array     # [R*M, K] int32: for slot k of token t of rank s (row s*M + t), the
+    #                         flat row l*R*M + j of recv_x holding it when slot k names local
+    #                         expert l, else -1 (the combine pre-reduces with it)
 
 
 class LowLatencyResult(NamedTuple):
@@ -45,9 +48,13 @@ def _dispatch_buffer_bytes(R, M, K, H, L, use_fp8):
     return 2 * R * (M * row + _align16(4 * L))  # [parity][source]: M rows, then L counts
 
 
-def _combine_buffer_bytes(M, K, H):
-    """Receive buffer of a combine slot (csrc/kernels/low_latency.cu: combine_buffer_bytes)."""
-    return 2 * M * K * _align16(2 * H) + _align16(2 * M * K * 4)  # rows, then their tags
+COMBINE_PARTS = 4  # column parts per combine row, each with its own tag (low_latency.cuh)
+
+
+def _combine_buffer_bytes(R, M, K, H):
+    """Receive buffer of a combine slot (csrc/kernels/low_latency.cuh: combine_buffer_bytes)."""
+    return (2 * M * K * _align16(2 * H) + _align16(2 * M * K * COMBINE_PARTS * 4)  # rows, tags
+            + _align16(2 * R * M * K * 4) + _align16(2 * R * 4))  # weights, weight flags
 
 
 def _ll_attrs(*, num_experts, M, K, H, use_fp8, round_scale, buffer_bytes):
@@ -56,9 +63,9 @@ def _ll_attrs(*, num_experts, M, K, H, use_fp8, round_scale, buffer_bytes):
                 buffer_bytes=int(buffer_bytes))
 
 
-def _combine_attrs(num_experts, M, K, H):
+def _combine_attrs(num_experts, R, M, K, H):
     return _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=False, round_scale=False,
-                     buffer_bytes=_combine_buffer_bytes(M, K, H))
+                     buffer_bytes=_combine_buffer_bytes(R, M, K, H))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,7 +79,7 @@ def _dispatch_cuda_args(cfg, K, H):
     G = H // ref.FP8_GROUP if use_fp8 else 0
     recv_types = [((L, R * M, H), jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16),
                   ((L, R * M, G), jnp.float32), ((L,), jnp.int32), ((L, R * M), jnp.int32),
-                  ((L, R * M), jnp.int32)]
+                  ((L, R * M), jnp.int32), ((R * M, K), jnp.int32)]
     attrs = _ll_attrs(num_experts=num_experts, M=M, K=K, H=H, use_fp8=use_fp8,
                       round_scale=round_scale,
                       buffer_bytes=_dispatch_buffer_bytes(R, M, K, H, L, use_fp8))
@@ -80,33 +87,34 @@ def _dispatch_cuda_args(cfg, K, H):
 
 
 def _dispatch_result(recv_outs, stats, use_fp8):
-    rx, rs, cnt, src, slot = recv_outs
-    return ((rx, rs) if use_fp8 else rx), cnt, LowLatencyHandle(src, slot, cnt, stats[0])
+    rx, rs, cnt, src, slot, rows = recv_outs
+    return ((rx, rs) if use_fp8 else rx), cnt, LowLatencyHandle(src, slot, cnt, stats[0], rows)
 
 
 def _dispatch_core(x, idx, cfg):
     num_experts, M, use_fp8, round_scale, axis_name, backend = cfg
     if backend == "reference":
-        rx, cnt, src, slot, inv = ref.ll_dispatch(
+        rx, cnt, src, slot, inv, rows = ref.ll_dispatch(
             x, idx, num_experts=num_experts, max_tokens_per_rank=M, use_fp8=use_fp8,
             round_scale=round_scale, axis_name=axis_name)
-        return rx, cnt, LowLatencyHandle(src, slot, cnt, inv)
+        return rx, cnt, LowLatencyHandle(src, slot, cnt, inv, rows)
     recv_types, attrs = _dispatch_cuda_args(cfg, idx.shape[1], x.shape[1])
     outs = _ffi.call("jax_ep_ll_dispatch", [x, idx], recv_types + [((2,), jnp.int32)],
                      axis_name=axis_name, **attrs)
-    return _dispatch_result(outs[:5], outs[5], use_fp8)
+    return _dispatch_result(outs[:6], outs[6], use_fp8)
 
 
 def _combine_core(y, idx, w, handle_arrays, cfg):
     num_experts, M, axis_name, backend = cfg
-    src, slot, cnt = handle_arrays
+    src, slot, cnt, rows = handle_arrays
     if backend == "reference":
         return ref.ll_combine(y, idx, w, src, num_experts=num_experts, axis_name=axis_name)
     R, _ = ref.axis_info(axis_name)
     T, K = idx.shape
     H = y.shape[-1]
-    attrs = _combine_attrs(num_experts, M, K, H)
-    (out,) = _ffi.call("jax_ep_ll_combine", [y, src, slot, cnt, idx, w.astype(jnp.float32)],
+    attrs = _combine_attrs(num_experts, R, M, K, H)
+    (out,) = _ffi.call("jax_ep_ll_combine",
+                       [y, src, slot, cnt, rows, idx, w.astype(jnp.float32)],
                        [((T, H), jnp.bfloat16)], axis_name=axis_name, **attrs)
     return out
 
@@ -120,7 +128,7 @@ def _dispatch_diff(x, idx, cfg):
 def _dispatch_fwd(x, idx, cfg):
     out = _dispatch_diff(x, idx, cfg)
     h = out[2]
-    return out, (idx, (h.recv_src, h.recv_slot, h.recv_count))
+    return out, (idx, (h.recv_src, h.recv_slot, h.recv_count, h.src_rows))
 
 
 def _dispatch_bwd(cfg, res, g):
@@ -148,13 +156,13 @@ def _dispatch_fp8_jvp(cfg, primals, tangents):
                     "no useful gradient); use use_fp8=False to differentiate in x")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _combine_diff(y, w, idx, src, slot, cnt, cfg):
-    return _combine_core(y, idx, w, (src, slot, cnt), cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _combine_diff(y, w, idx, src, slot, cnt, rows, cfg):
+    return _combine_core(y, idx, w, (src, slot, cnt, rows), cfg)
 
 
-def _combine_fwd(y, w, idx, src, slot, cnt, cfg):
-    return _combine_core(y, idx, w, (src, slot, cnt), cfg), (y, w, idx, src)
+def _combine_fwd(y, w, idx, src, slot, cnt, rows, cfg):
+    return _combine_core(y, idx, w, (src, slot, cnt, rows), cfg), (y, w, idx, src)
 
 
 def _combine_bwd(cfg, res, g):
@@ -189,7 +197,7 @@ def _combine_bwd(cfg, res, g):
     q = jnp.where(valid, clean // L, 0)
     l = jnp.where(valid, clean % L, 0)
     dw = jnp.where(valid, back[q, jnp.arange(T)[:, None], l], 0.0)
-    return dy.astype(y.dtype), dw.astype(w.dtype), None, None, None, None
+    return dy.astype(y.dtype), dw.astype(w.dtype), None, None, None, None, None
 
 
 _combine_diff.defvjp(_combine_fwd, _combine_bwd)
@@ -235,6 +243,10 @@ def _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend):
         raise ValueError(f"handle: made for an EP group whose size divides {RM}, but axis "
                          f"{axis_name!r} has {R} ranks")
     M = RM // R
+    K = topk_idx.shape[1]
+    if tuple(handle.src_rows.shape) != (RM, K):
+        raise ValueError(f"handle: src_rows has shape {tuple(handle.src_rows.shape)}, expected "
+                         f"({RM}, {K}) for topk_idx of {K} slots (the dispatch's handle?)")
     if topk_idx.shape[0] > M:
         raise ValueError(f"topk_idx: T={topk_idx.shape[0]} is more than max_tokens_per_rank={M}")
     cfg = (L * R, M, axis_name, be)
@@ -273,7 +285,7 @@ def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, 
     del check
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
     return _combine_diff(y, topk_weights, idx, handle.recv_src, handle.recv_slot,
-                         handle.recv_count, cfg)
+                         handle.recv_count, handle.src_rows, cfg)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -357,26 +369,30 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
                              axis_name="ep", backend="auto") -> LowLatencyPending:
     """First half of `low_latency_combine`: write the expert outputs back to their sources.
 
-    Returns at once; `low_latency_combine_recv` of the result waits for the rows from every
-    expert rank and returns the same [T, H] output as `low_latency_combine`. Forward only.
+    Returns once every peer has started its own combine send (this rank pre-reduces the rows of
+    a token that name several of its experts with the token's weights, which each source writes
+    to the expert ranks as its send starts), without waiting for any receive;
+    `low_latency_combine_recv` of the result waits for the rows from every expert rank and
+    returns the same [T, H] output as `low_latency_combine`. Forward only.
     """
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
     num_experts, M, _, be = cfg
     w = topk_weights.astype(jnp.float32)
     if be == "reference":
         arrays = _no_grad(lambda *a: a, "low_latency_combine_send")(
-            y, idx, w, handle.recv_src, handle.recv_slot, handle.recv_count)
+            y, idx, w, handle.recv_src, handle.recv_slot, handle.recv_count, handle.src_rows)
         return LowLatencyPending(arrays, ("combine", cfg, tuple(y.shape), None))
+    R, _ = ref.axis_info(axis_name)
     K, H = idx.shape[1], y.shape[-1]
-    attrs = _combine_attrs(num_experts, M, K, H)
+    attrs = _combine_attrs(num_experts, R, M, K, H)
     slot = runtime.next_slot(push=True)
 
-    def send(yy, src, sl, cnt):
-        return _ffi.call("jax_ep_ll_combine_send", [yy, src, sl, cnt], [((1,), jnp.int32)],
-                         axis_name=axis_name, slot=slot, **attrs)[0]
+    def send(yy, src, sl, cnt, rows, ii, ww):
+        return _ffi.call("jax_ep_ll_combine_send", [yy, src, sl, cnt, rows, ii, ww],
+                         [((1,), jnp.int32)], axis_name=axis_name, slot=slot, **attrs)[0]
 
     ticket = _no_grad(send, "low_latency_combine_send")(
-        y, handle.recv_src, handle.recv_slot, handle.recv_count)
+        y, handle.recv_src, handle.recv_slot, handle.recv_count, handle.src_rows, idx, w)
     return LowLatencyPending((ticket, idx, w), ("combine", cfg, tuple(y.shape), slot))
 
 
@@ -388,12 +404,13 @@ def low_latency_combine_recv(pending: LowLatencyPending):
     _, cfg, y_shape, slot = pending.meta
     num_experts, M, axis_name, backend = cfg
     if backend == "reference":
-        y, idx, w, src, sl, cnt = pending.arrays
-        return _combine_core(y, idx, w, (src, sl, cnt), cfg)
+        y, idx, w, src, sl, cnt, rows = pending.arrays
+        return _combine_core(y, idx, w, (src, sl, cnt, rows), cfg)
     ticket, idx, w = pending.arrays
+    R, _ = ref.axis_info(axis_name)
     T, K = idx.shape
     H = y_shape[-1]
-    attrs = _combine_attrs(num_experts, M, K, H)
+    attrs = _combine_attrs(num_experts, R, M, K, H)
     (out,) = _ffi.call("jax_ep_ll_combine_recv", [ticket, idx, w], [((T, H), jnp.bfloat16)],
                        axis_name=axis_name, slot=slot, **attrs)
     return out

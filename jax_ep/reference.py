@@ -233,8 +233,10 @@ def ll_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, use_fp8, round
     """Reference low-latency dispatch: expert-major [L, R*M, ...], rows by (source, token).
 
     Returns (recv_x (array or (fp8, scales)), recv_count [L], recv_src [L, R*M],
-    recv_slot [L, R*M], num_invalid). recv_slot: the first top-k slot of the source token
-    naming the row's expert (where combine finds that expert's output), -1 past the count.
+    recv_slot [L, R*M], num_invalid, src_rows [R*M, K]). recv_slot: the first top-k slot of the
+    source token naming the row's expert (where combine finds that expert's output), -1 past the
+    count. src_rows: for slot k of source row s*M + t, the flat row l*R*M + j holding that token
+    when slot k names local expert l, else -1.
     """
     R, r = axis_info(axis_name)
     T, H = x.shape
@@ -274,7 +276,24 @@ def ll_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, use_fp8, round
     recv_src = place_ids(jnp.broadcast_to(src_ids[None], (L, R * M)))
     recv_slot = place_ids(got_kf.reshape(R * M, L).T)
     recv_x = recv if use_fp8 else recv[0]
-    return recv_x, recv_count, recv_src, recv_slot, num_invalid
+    return recv_x, recv_count, recv_src, recv_slot, num_invalid, ll_src_rows(recv_src, idx, r,
+                                                                           axis_name)
+
+
+def ll_src_rows(recv_src, idx, rank, axis_name):
+    """[R*M, K]: the flat recv row (l * R*M + j) of slot k of source row s*M + t, or -1.
+
+    idx: this rank's sanitised, padded [M, K] ids; each rank sends its ids to every rank.
+    """
+    L, RM = recv_src.shape
+    R = RM // idx.shape[0]
+    s2r = ll_src_to_row(recv_src, R).reshape(RM, L)                          # [R*M, L]
+    ids = _a2a(jnp.broadcast_to(idx[None], (R,) + idx.shape), axis_name)     # [R(s), M, K]
+    ids = ids.reshape(RM, idx.shape[1])
+    local = (ids >= 0) & (ids // L == rank)
+    l = jnp.where(local, ids % L, 0)
+    row = jnp.take_along_axis(s2r, l, axis=1)                                # [R*M, K]
+    return jnp.where(local & (row >= 0), l * RM + row, -1).astype(jnp.int32)
 
 
 def ll_src_to_row(recv_src, num_ranks):

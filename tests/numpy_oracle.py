@@ -206,3 +206,24 @@ def ll_combine(ys, idxs, ws, recv_srcs, recv_counts, num_experts, max_tokens):
                 out[t] += np.float32(ws[s][t][k]) * np.asarray(ys[q][l][row]).astype(np.float32)
         outs.append(out)
     return outs
+
+
+def ll_src_rows(idxs, recv_src, rank, num_experts, max_tokens):
+    """[R*M, K] src_rows of `rank` (API: LowLatencyHandle.src_rows) from every rank's topk_idx
+    and this rank's recv_src [L, R*M] (whose row order the backend chose)."""
+    R = len(idxs)
+    L = num_experts // R
+    M = max_tokens
+    K = np.asarray(idxs[0]).shape[1]
+    recv_src = np.asarray(recv_src)
+    row_of = {(l, int(v)): j for l in range(L) for j, v in enumerate(recv_src[l]) if v >= 0}
+    out = np.full((R * M, K), -1, np.int64)
+    for s in range(R):
+        clean, _ = sanitize(idxs[s], num_experts)
+        for t in range(clean.shape[0]):
+            for k in range(K):
+                e = clean[t, k]
+                if e >= 0 and e // L == rank:
+                    out[s * M + t, k] = (e % L) * R * M + row_of[(e % L, s * M + t)]
+    return out
+

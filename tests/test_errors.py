@@ -185,6 +185,8 @@ LL_COMBINE_BAD = [
     ((GOOD_Y, None, S((4, 3), f32)), {}, ValueError, r"^topk_weights\b.*\(4, 3\)"),
     ((GOOD_Y, None, S((4, 2), bf16)), {}, TypeError, r"^topk_weights\b.*bfloat16"),
     ((GOOD_Y, None, None, tuple), {}, TypeError, r"^handle\b.*LowLatencyHandle"),
+    ((GOOD_Y, None, None, lambda h: h._replace(src_rows=h.src_rows[:, :1])), {}, ValueError,
+     r"^handle\b.*src_rows.*\(32, 1\).*\(32, 2\)"),
     ((GOOD_Y,), {"axis_name": "zz"}, ValueError, r"axis_name='zz'"),
     ((GOOD_Y,), {"backend": "?"}, ValueError, r"backend='\?'"),
 ]

@@ -58,6 +58,11 @@ def check_ll(mesh, xs, idxs, ws, ys, res, out, M, use_fp8, round_scale=False):
                                  use_fp8, round_scale)
         for j, i in enumerate(group):
             assert res.handle.num_invalid[i] == exp[j]["num_invalid"]
+            assert res.handle.src_rows.shape == (n, R * M, K)
+            np.testing.assert_array_equal(
+                res.handle.src_rows[i],
+                oracle.ll_src_rows([idxs[g] for g in group], res.handle.recv_src[i], j, E, M),
+                err_msg=f"src_rows of shard {i}")
             for l in range(L):
                 where = f"shard {i} expert {l}"
                 want = exp[j]["sets"][l]

@@ -29,6 +29,13 @@ int ll_diag() {
   return (v != nullptr && v[0] == '1') ? 1 : 0;
 }
 
+// JAX_EP_LL_PREREDUCE=0: the combine sends one bf16 row per (token, expert), no partial sums
+// (kernels/low_latency.cu, "Combine"). Every rank must see the same setting.
+bool ll_prereduce() {
+  const char* v = std::getenv("JAX_EP_LL_PREREDUCE");
+  return v == nullptr || v[0] != '0';
+}
+
 bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
   if (d.size() != want.size()) return false;
   size_t i = 0;
@@ -121,7 +128,8 @@ ffi::Error combine_with_remote(const char* op, const ll::CombineParams& p, int g
                                               p.ps, own, p.buf, p.recv_src, p.recv_slot,
                                               p.recv_count, p.L, p.M, p.K,
                                               ll::combine_row_bytes(p.H),
-                                              ll::combine_tags_offset(p.M, p.K, p.H), stream));
+                                              ll::combine_tags_offset(p.M, p.K, p.H),
+                                              ll::kCombineParts, stream));
         err.failure())
       return err;
   }
@@ -148,7 +156,8 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
                          ffi::Result<ffi::AnyBuffer>* recv_scales,
                          ffi::Result<ffi::AnyBuffer>* recv_count,
                          ffi::Result<ffi::AnyBuffer>* recv_src,
-                         ffi::Result<ffi::AnyBuffer>* recv_slot) {
+                         ffi::Result<ffi::AnyBuffer>* recv_slot,
+                         ffi::Result<ffi::AnyBuffer>* src_rows) {
   auto bad = [op](const std::string& m) {
     return ffi::Error::InvalidArgument(std::string(op) + ": " + m);
   };
@@ -184,6 +193,9 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
     if (!dims_are((*recv_src)->dimensions(), {L, R * M}) ||
         !dims_are((*recv_slot)->dimensions(), {L, R * M}))
       return bad("recv_src / recv_slot must be [L, R*M]");
+    if ((*src_rows)->element_type() != ffi::DataType::S32 ||
+        !dims_are((*src_rows)->dimensions(), {R * M, K}))
+      return bad("src_rows must be int32 [R*M, K], got " + dims_str((*src_rows)->dimensions()));
   }
   jax_ep::GroupInfo gi;
   ll::DispatchParams p{};
@@ -208,6 +220,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
     p.recv_count = static_cast<int32_t*>((*recv_count)->untyped_data());
     p.recv_src = static_cast<int32_t*>((*recv_src)->untyped_data());
     p.recv_slot = static_cast<int32_t*>((*recv_slot)->untyped_data());
+    p.src_rows = static_cast<int32_t*>((*src_rows)->untyped_data());
   }
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
@@ -234,11 +247,12 @@ ffi::Error LlDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> recv_count,
                           ffi::Result<ffi::AnyBuffer> recv_src,
                           ffi::Result<ffi::AnyBuffer> recv_slot,
+                          ffi::Result<ffi::AnyBuffer> src_rows,
                           ffi::Result<ffi::Buffer<ffi::S32>> stats, LlAttrs a) {
   if (stats->element_count() != 2) return ffi::Error::InvalidArgument("stats must be [2]");
   return LlDispatchAny("jax_ep_ll_dispatch", push::kModeBoth, stream, device, a, &x, &idx,
                        stats->typed_data(), nullptr, &recv_x, &recv_scales, &recv_count, &recv_src,
-                       &recv_slot);
+                       &recv_slot, &src_rows);
 }
 
 ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
@@ -246,7 +260,8 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               LlAttrs a) {
   if (stats->element_count() != 2) return ffi::Error::InvalidArgument("stats must be [2]");
   return LlDispatchAny("jax_ep_ll_dispatch_send", push::kModeSend, stream, device, a, &x, &idx,
-                       stats->typed_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr);
+                       stats->typed_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                       nullptr);
 }
 
 ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
@@ -254,25 +269,27 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Result<ffi::AnyBuffer> recv_scales,
                               ffi::Result<ffi::AnyBuffer> recv_count,
                               ffi::Result<ffi::AnyBuffer> recv_src,
-                              ffi::Result<ffi::AnyBuffer> recv_slot, LlAttrs a) {
+                              ffi::Result<ffi::AnyBuffer> recv_slot,
+                              ffi::Result<ffi::AnyBuffer> src_rows, LlAttrs a) {
   if (ticket.element_count() != 2 || ticket.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jax_ep_ll_dispatch_recv: ticket must be int32 [2]");
   // The send's stats: orders this op after the send, and carries the send's epoch.
   return LlDispatchAny("jax_ep_ll_dispatch_recv", push::kModeRecv, stream, device, a, nullptr,
                        nullptr, nullptr, static_cast<const int32_t*>(ticket.untyped_data()),
-                       &recv_x, &recv_scales, &recv_count, &recv_src,
-                       &recv_slot);
+                       &recv_x, &recv_scales, &recv_count, &recv_src, &recv_slot, &src_rows);
 }
 
 // ------------------------------------------------------------------------------------------
-// Combine: y, recv_src, recv_slot, recv_count (send, expert side) -> out (recv, source side)
+// Combine: y, recv_src, recv_slot, recv_count, src_rows, topk_idx, topk_weights (send: expert
+// side, and the weights to the expert ranks) -> out (recv, source side: topk_idx, topk_weights)
 // ------------------------------------------------------------------------------------------
 
 ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t device,
                         const LlAttrs& a, const ffi::AnyBuffer* y, const ffi::AnyBuffer* src,
                         const ffi::AnyBuffer* slot, const ffi::AnyBuffer* count,
-                        int32_t* ticket, const int32_t* ticket_in, const ffi::AnyBuffer* idx,
-                        const ffi::AnyBuffer* w, ffi::Result<ffi::AnyBuffer>* out) {
+                        const ffi::AnyBuffer* rows, int32_t* ticket, const int32_t* ticket_in,
+                        const ffi::AnyBuffer* idx, const ffi::AnyBuffer* w,
+                        ffi::Result<ffi::AnyBuffer>* out) {
   auto bad = [op](const std::string& m) {
     return ffi::Error::InvalidArgument(std::string(op) + ": " + m);
   };
@@ -287,15 +304,18 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
       return bad("recv_src / recv_slot must be [L, R*M]");
     if (!dims_are(count->dimensions(), {L}))
       return bad("recv_count must be [L], got " + dims_str(count->dimensions()));
+    if (rows->element_type() != ffi::DataType::S32 || !dims_are(rows->dimensions(), {R * M, K}))
+      return bad("src_rows must be int32 [R*M, K], got " + dims_str(rows->dimensions()));
   }
-  if (mode & push::kModeRecv) {
+  {  // both sides read topk_idx / topk_weights (the send writes the weights to the expert ranks)
     const auto di = idx->dimensions();
     if (di.size() != 2 || di[1] != K) return bad("topk_idx must be [T, K], got " + dims_str(di));
     T = di[0];
     if (T > M) return bad("T exceeds max_tokens");
-    if (!dims_are(w->dimensions(), {T, K}))
-      return bad("topk_weights must be [T, K], got " + dims_str(w->dimensions()));
-    if (!dims_are((*out)->dimensions(), {T, H}))
+    if (idx->element_type() != ffi::DataType::S32) return bad("topk_idx must be int32");
+    if (w->element_type() != ffi::DataType::F32 || !dims_are(w->dimensions(), {T, K}))
+      return bad("topk_weights must be float32 [T, K], got " + dims_str(w->dimensions()));
+    if ((mode & push::kModeRecv) && !dims_are((*out)->dimensions(), {T, H}))
       return bad("out must be [T, H], got " + dims_str((*out)->dimensions()));
   }
   if (R * M > kIntMax / 2 || M * K > kIntMax || H > kIntMax / 4 || K > (1 << 20) || H < 1 ||
@@ -304,7 +324,8 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
   jax_ep::GroupInfo gi;
   ll::CombineParams p{};
   uint8_t* own = nullptr;
-  if (ffi::Error err = resolve(op, device, a, &gi, p.buf, &own, ll::combine_buffer_bytes(M, K, H));
+  if (ffi::Error err =
+          resolve(op, device, a, &gi, p.buf, &own, ll::combine_buffer_bytes(R, M, K, H));
       err.failure())
     return err;
   const int grid = ll::grid_size(device);
@@ -316,14 +337,13 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
     p.recv_src = static_cast<const int32_t*>(src->untyped_data());
     p.recv_slot = static_cast<const int32_t*>(slot->untyped_data());
     p.recv_count = static_cast<const int32_t*>(count->untyped_data());
+    p.src_rows = static_cast<const int32_t*>(rows->untyped_data());
     p.ticket = ticket;
   }
   if (mode == push::kModeRecv) p.ticket_in = ticket_in;
-  if (mode & push::kModeRecv) {
-    p.topk_idx = static_cast<const int32_t*>(idx->untyped_data());
-    p.topk_weights = static_cast<const float*>(w->untyped_data());
-    p.out = (*out)->untyped_data();
-  }
+  p.topk_idx = static_cast<const int32_t*>(idx->untyped_data());
+  p.topk_weights = static_cast<const float*>(w->untyped_data());
+  if (mode & push::kModeRecv) p.out = (*out)->untyped_data();
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
   p.K = static_cast<int>(K);
@@ -332,6 +352,8 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
   p.M = static_cast<int>(M);
   p.diag = ll_diag();
   p.timeout_ns = a.timeout_ns;
+  // Pre-reduction needs K <= 32 (one lane per slot); JAX_EP_LL_PREREDUCE=0 turns it off.
+  p.min_partial = (K <= 32 && ll_prereduce()) ? 2 : (1 << 30);
   if (p.ps.remote != 0) return combine_with_remote(op, p, grid, own, stream);
   ll::launch_combine(p, grid, stream);
   return jax_ep::cuda_error(op);
@@ -339,17 +361,18 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
 
 ffi::Error LlCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                          ffi::AnyBuffer src, ffi::AnyBuffer slot, ffi::AnyBuffer count,
-                         ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                         LlAttrs a) {
+                         ffi::AnyBuffer rows, ffi::AnyBuffer idx, ffi::AnyBuffer w,
+                         ffi::Result<ffi::AnyBuffer> out, LlAttrs a) {
   return LlCombineAny("jax_ep_ll_combine", push::kModeBoth, stream, device, a, &y, &src, &slot,
-                      &count, nullptr, nullptr, &idx, &w, &out);
+                      &count, &rows, nullptr, nullptr, &idx, &w, &out);
 }
 
 ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                              ffi::AnyBuffer src, ffi::AnyBuffer slot, ffi::AnyBuffer count,
+                             ffi::AnyBuffer rows, ffi::AnyBuffer idx, ffi::AnyBuffer w,
                              ffi::Result<ffi::Buffer<ffi::S32>> ticket, LlAttrs a) {
   return LlCombineAny("jax_ep_ll_combine_send", push::kModeSend, stream, device, a, &y, &src,
-                      &slot, &count, ticket->typed_data(), nullptr, nullptr, nullptr, nullptr);
+                      &slot, &count, &rows, ticket->typed_data(), nullptr, &idx, &w, nullptr);
 }
 
 ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
@@ -359,7 +382,7 @@ ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     return ffi::Error::InvalidArgument("jax_ep_ll_combine_recv: ticket must be int32 [1]");
   // The send's ticket: orders this op after the send, and carries the send's epoch.
   return LlCombineAny("jax_ep_ll_combine_recv", push::kModeRecv, stream, device, a, nullptr,
-                      nullptr, nullptr, nullptr, nullptr,
+                      nullptr, nullptr, nullptr, nullptr, nullptr,
                       static_cast<const int32_t*>(ticket.untyped_data()), &idx, &w, &out);
 }
 
@@ -385,6 +408,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatch, LlDispatchImpl,
                                   .Ret<ffi::AnyBuffer>()            // recv_count [L]
                                   .Ret<ffi::AnyBuffer>()            // recv_src [L, R*M]
                                   .Ret<ffi::AnyBuffer>()            // recv_slot [L, R*M]
+                                  .Ret<ffi::AnyBuffer>()            // src_rows [R*M, K]
                                   .Ret<ffi::Buffer<ffi::S32>>()     // stats [2]
                                   .Attrs<LlAttrs>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -403,6 +427,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecv, LlDispatchRecvImpl,
                                   .Ret<ffi::AnyBuffer>()            // recv_count
                                   .Ret<ffi::AnyBuffer>()            // recv_src
                                   .Ret<ffi::AnyBuffer>()            // recv_slot
+                                  .Ret<ffi::AnyBuffer>()            // src_rows
                                   .Attrs<LlAttrs>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
@@ -411,6 +436,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombine, LlCombineImpl,
                                   .Arg<ffi::AnyBuffer>()            // recv_src [L, R*M]
                                   .Arg<ffi::AnyBuffer>()            // recv_slot [L, R*M]
                                   .Arg<ffi::AnyBuffer>()            // recv_count [L]
+                                  .Arg<ffi::AnyBuffer>()            // src_rows [R*M, K]
                                   .Arg<ffi::AnyBuffer>()            // topk_idx [T, K]
                                   .Arg<ffi::AnyBuffer>()            // topk_weights [T, K] f32
                                   .Ret<ffi::AnyBuffer>()            // out [T, H] bf16
@@ -422,6 +448,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSend, LlCombineSendImpl,
                                   .Arg<ffi::AnyBuffer>()            // recv_src
                                   .Arg<ffi::AnyBuffer>()            // recv_slot
                                   .Arg<ffi::AnyBuffer>()            // recv_count
+                                  .Arg<ffi::AnyBuffer>()            // src_rows
+                                  .Arg<ffi::AnyBuffer>()            // topk_idx
+                                  .Arg<ffi::AnyBuffer>()            // topk_weights
                                   .Ret<ffi::Buffer<ffi::S32>>()     // ticket [1]
                                   .Attrs<LlAttrs>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

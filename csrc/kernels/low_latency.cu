@@ -292,6 +292,11 @@ __device__ __noinline__ void dispatch_fill_item(const DispatchParams& p, int l, 
   }
 }
 
+// Part 0 of a row not sent to us: its src_rows entries are -1 (the combine reads every one).
+__device__ __forceinline__ void clear_src_rows(const DispatchParams& p, int s, int t, int lane) {
+  for (int k = lane; k < p.K; k += 32) p.src_rows[((int64_t)s * p.M + t) * p.K + k] = -1;
+}
+
 // rot: our rank (the first sender in the receive order).
 template <typename VV>
 __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t, int part,
@@ -302,7 +307,10 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
   uint8_t* own = p.buf[r];
   const uint8_t* row = dispatch_row(own, p, par, s, t);
   const int* hdr = reinterpret_cast<const int*>(row);
-  if (__ldcg(hdr) != static_cast<int>(er)) return;  // not sent to us in this call
+  if (__ldcg(hdr) != static_cast<int>(er)) {  // not sent to us in this call
+    if (part == 0) clear_src_rows(p, s, t, lane);
+    return;
+  }
   if (lane == 0) diag_max(p.ps, p.diag, 8);
   const uint8_t* pay = row + p.hdr_bytes;
   const VV* src = reinterpret_cast<const VV*>(pay);
@@ -314,25 +322,32 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
     const int k = kb + lane;
     const int le = k < p.K ? local_expert(__ldcg(hdr_ids(hdr) + k), p.E, p.L, r) : -1;
     const unsigned same = __match_any_sync(kFull, le);
-    bool lead = le >= 0 && (same & lanemask_lt()) == 0;
-    if (lead)
+    int kl = kb + __ffs(same) - 1;  // the lead: the first slot naming le (its pos word is set)
+    if (le >= 0)
       for (int k2 = 0; k2 < kb; ++k2)  // earlier passes (K > 32 only)
         if (local_expert(__ldcg(hdr_ids(hdr) + k2), p.E, p.L, r) == le) {
-          lead = false;
+          kl = k2;
           break;
         }
-    int j = -1;
-    if (lead) {
-      j = __ldcg(hdr_pos(hdr, p.K) + k);
+    const bool lead = le >= 0 && kl == k;
+    int j = -1;  // every slot naming a local expert: the output row of its lead
+    if (le >= 0) {
+      j = __ldcg(hdr_pos(hdr, p.K) + kl);
       const int R = p.ps.num_ranks;
       for (int o2 = 0; o2 < (s - rot + R) % R; ++o2)  // the senders before s (from rank rot)
         j += __ldcg(dispatch_counts(own, p, par, (rot + o2) % R) + le);
       if (j < 0 || j >= RM) j = -1;  // only a corrupt header gets here: drop, never overrun
-      else if (part == 0) {
+    }
+    if (part == 0) {
+      if (k < p.K)
+        p.src_rows[((int64_t)s * p.M + t) * p.K + k] =
+            j >= 0 ? static_cast<int>(le * RM + j) : -1;
+      if (lead && j >= 0) {
         p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
         p.recv_slot[(int64_t)le * RM + j] = k;
       }
     }
+    if (!lead) j = -1;
     const unsigned mask = __ballot_sync(kFull, j >= 0);
     if (mask == 0) continue;
     for (int base = v0; base < v1; base += kCopyRegs * 32) {  // warp-uniform
@@ -460,6 +475,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (t < static_cast<int>(got)) {
           if (p.use_fp8) copy_row_part<uint4>(p, s, t, part, parts, p.H, er, par, r, lane);
           else copy_row_part<V>(p, s, t, part, parts, 2LL * p.H, er, par, r, lane);
+        } else if (part == 0) {
+          clear_src_rows(p, s, t, lane);
         }
       }
       ++done;
@@ -481,122 +498,394 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Combine
 // ---------------------------------------------------------------------------------------------
 
-// Top-k slot k of token t at the source: whether it names a valid expert, the first slot naming
-// the same expert (where the expert rank wrote the row), and its weight. K <= 32: lane k holds
-// them (reg_*), broadcast by shuffle; larger K: read from memory.
+// The expert rank sends each (source s, token t) back in kCombineParts column parts, each part
+// by its own warp and with its own tag:
+//   rows: the bf16 output row of each local expert the token names, into s's row (t, lead slot:
+//     the first slot naming that expert);
+//   a partial (pre-reduction), when at least min_partial of t's slots name experts here, s is
+//     reachable by stores (not an NVSHMEM remote peer) and the first two such slots a < b fall
+//     in the same batch of kCombineKb slots (the receive loads a batch at once): the sum of
+//     w[t][k] * row of slot k over those slots (float32, k order), as 24 bits per column (the
+//     float's bits rounded: the upper 16 in row (t, a), 2 bytes per column like a bf16 row, the
+//     next 8 in row (t, b), 1 byte per column). At R = 4 with top-8 of 128 experts this sends
+//     39% fewer remote bytes than one bf16 row per expert; the partial's relative rounding
+//     (2^-16) is 1/256 of the output's bf16 rounding.
+// The source decides the same from its topk_idx; it adds w * row for the rows and the partials
+// as they are, in k order (the partial at slot a).
+
+template <typename V> struct LoOf;  // the low bytes (1 per column) of a vector V of bf16 columns
+template <> struct LoOf<uint4> { using T = uint2; };
+template <> struct LoOf<uint2> { using T = unsigned int; };
+template <> struct LoOf<unsigned int> { using T = unsigned short; };
+template <> struct LoOf<unsigned short> { using T = unsigned char; };
+
+// float -> its bits rounded to the upper 24 (half away from zero; a NaN stays a NaN).
+__device__ __forceinline__ unsigned int round24(float f) {
+  const unsigned int u = __float_as_uint(f);
+  if ((u & 0x7f800000u) == 0x7f800000u) return (u >> 8) | ((u & 0x7fffffu) != 0 ? 1u : 0u);
+  return (u + 0x80u) >> 8;
+}
+
+// The low bytes as one integer (byte e: column e), and in / out of a vector register V (the
+// receive keeps a partial's low bytes in the slot of its row batch).
+__device__ __forceinline__ unsigned long long lo_bits(const uint2& l) {
+  return l.x | (static_cast<unsigned long long>(l.y) << 32);
+}
+__device__ __forceinline__ unsigned long long lo_bits(unsigned int l) { return l; }
+__device__ __forceinline__ unsigned long long lo_bits(unsigned short l) { return l; }
+__device__ __forceinline__ unsigned long long lo_bits(unsigned char l) { return l; }
+__device__ __forceinline__ void lo_make(unsigned long long b, uint2& l) {
+  l = make_uint2(static_cast<unsigned int>(b), static_cast<unsigned int>(b >> 32));
+}
+__device__ __forceinline__ void lo_make(unsigned long long b, unsigned int& l) {
+  l = static_cast<unsigned int>(b);
+}
+__device__ __forceinline__ void lo_make(unsigned long long b, unsigned short& l) {
+  l = static_cast<unsigned short>(b);
+}
+__device__ __forceinline__ void lo_make(unsigned long long b, unsigned char& l) {
+  l = static_cast<unsigned char>(b);
+}
+__device__ __forceinline__ void lo_park(unsigned long long b, uint4& v) {
+  v.x = static_cast<unsigned int>(b);
+  v.y = static_cast<unsigned int>(b >> 32);
+}
+__device__ __forceinline__ void lo_park(unsigned long long b, uint2& v) {
+  v.x = static_cast<unsigned int>(b);
+}
+__device__ __forceinline__ void lo_park(unsigned long long b, unsigned int& v) {
+  v = static_cast<unsigned int>(b);
+}
+__device__ __forceinline__ void lo_park(unsigned long long b, unsigned short& v) {
+  v = static_cast<unsigned short>(b);
+}
+__device__ __forceinline__ unsigned long long lo_parked(const uint4& v) {
+  return v.x | (static_cast<unsigned long long>(v.y) << 32);
+}
+__device__ __forceinline__ unsigned long long lo_parked(const uint2& v) { return v.x; }
+__device__ __forceinline__ unsigned long long lo_parked(unsigned int v) { return v & 0xffffu; }
+__device__ __forceinline__ unsigned long long lo_parked(unsigned short v) { return v & 0xffu; }
+
+// Columns f (float) -> their 24-bit values: the upper 16 bits as a bf16 vector, the next 8 bits.
+template <typename V>
+__device__ __forceinline__ void split24(const float (&f)[sizeof(V) / 2], V& hi,
+                                        typename LoOf<V>::T& lo) {
+  constexpr int EPV = sizeof(V) / 2;
+  float h[EPV];
+  unsigned long long b = 0;
+#pragma unroll
+  for (int e = 0; e < EPV; ++e) {
+    const unsigned int r = round24(f[e]);
+    h[e] = __uint_as_float((r >> 8) << 16);  // a bf16 value: pack() keeps its bits
+    b |= static_cast<unsigned long long>(r & 0xffu) << (8 * e);
+  }
+  pack(h, &hi);
+  lo_make(b, lo);
+}
+
+// The inverse: hi (a bf16 vector) and the low bytes b -> the columns' float values.
+template <typename V>
+__device__ __forceinline__ void join24(const V& hi, unsigned long long b,
+                                       float (&f)[sizeof(V) / 2]) {
+  constexpr int EPV = sizeof(V) / 2;
+  unpack(hi, f);
+#pragma unroll
+  for (int e = 0; e < EPV; ++e)
+    f[e] = __uint_as_float(__float_as_uint(f[e]) | (static_cast<unsigned int>((b >> (8 * e)) &
+                                                                               0xffu) << 8));
+}
+
+// Row (t, k) of parity par in a combine buffer, the tag of its column part, s's weights and their
+// flag. A tag holds the epoch (low 32 bits) of the call whose part is in place, written by the
+// expert rank after the part (release): the source reduces a token as soon as its rows are in,
+// while other rows are still on their way.
+__device__ __forceinline__ uint8_t* combine_row(uint8_t* buf, const CombineParams& p, int par,
+                                                int t, int k) {
+  return buf + (((int64_t)par * p.M + t) * p.K + k) * combine_row_bytes(p.H);
+}
+__device__ __forceinline__ int* combine_tag(uint8_t* buf, const CombineParams& p, int par, int t,
+                                            int k, int part) {
+  return reinterpret_cast<int*>(buf + combine_tags_offset(p.M, p.K, p.H)) +
+         (((int64_t)par * p.M + t) * p.K + k) * kCombineParts + part;
+}
+__device__ __forceinline__ float* combine_weights(uint8_t* buf, const CombineParams& p, int par,
+                                                  int s) {
+  return reinterpret_cast<float*>(buf + combine_weights_offset(p.M, p.K, p.H)) +
+         ((int64_t)par * p.ps.num_ranks + s) * p.M * p.K;
+}
+__device__ __forceinline__ int* combine_wflag(uint8_t* buf, const CombineParams& p, int par,
+                                              int s) {
+  return reinterpret_cast<int*>(buf + combine_wflags_offset(p.ps.num_ranks, p.M, p.K, p.H)) +
+         par * p.ps.num_ranks + s;
+}
+
+// Whether 32-bit epoch tag v is older than e32 (wrap-safe). A newer one passes: XLA may run a
+// split receive twice, after the row was written again for call e + 2.
+__device__ __forceinline__ bool tag_older(int v, unsigned int e32) {
+  return static_cast<int>(static_cast<unsigned int>(v) - e32) < 0;
+}
+
+// One lane: wait until *tag is not older than e32; trap after the timeout (what / t / k say
+// which wait: the first thread to time out reports). The poll loop is out of line: the callers
+// keep their registers on the fast path.
+__device__ __noinline__ void wait_tag_slow(const CombineParams& p, const int* tag,
+                                           unsigned int e32, const char* what, int t, int k) {
+  const uint64_t start = global_timer_ns();
+  while (tag_older(ld_acquire_sys_s32(tag), e32)) {
+    __nanosleep(kPollSleepNs);  // leave the issue slots and memory pipes to the senders
+    if ((int64_t)(global_timer_ns() - start) > p.timeout_ns && first_timeout_report()) {
+      printf("jax_ep: rank %d timed out after %lld s in phase 'll_combine: %s' (token %d, slot "
+             "%d, epoch %u, tag %d). A peer did not send it: check that every rank runs the "
+             "same program and that combine gets the dispatch's topk_idx and handle "
+             "(JAX_EP_TIMEOUT_S sets the limit).\n",
+             p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), what, t, k, e32,
+             ld_acquire_sys_s32(tag));
+      __trap();
+    }
+  }
+}
+__device__ __forceinline__ void wait_tag(const CombineParams& p, const int* tag, unsigned int e32,
+                                         const char* what, int t, int k) {
+  if (tag_older(ld_acquire_sys_s32(tag), e32)) wait_tag_slow(p, tag, e32, what, t, k);
+}
+
+// Send side, source role (one warp per expert rank q, at the start): our weights into q's buffer,
+// then their flag (the warp barrier orders every lane's stores before lane 0's release store).
+__device__ __forceinline__ void combine_send_weights(const CombineParams& p, int q, int par,
+                                                     unsigned long long es, int lane) {
+  float* dst = combine_weights(p.buf[q], p, par, p.ps.rank);
+  const int n = p.T * p.K;
+  if ((n & 3) == 0 && ((reinterpret_cast<uintptr_t>(p.topk_weights) |
+                        reinterpret_cast<uintptr_t>(dst)) & 15) == 0)
+    for (int i = lane; i < n / 4; i += 32)
+      reinterpret_cast<uint4*>(dst)[i] = __ldg(reinterpret_cast<const uint4*>(p.topk_weights) + i);
+  else
+    for (int i = lane; i < n; i += 32) dst[i] = __ldg(p.topk_weights + i);
+  __syncwarp();
+  if (lane == 0)
+    st_release_sys_s32(combine_wflag(p.buf[q], p, par, p.ps.rank), static_cast<int>(es));
+}
+
+// Whole warp: columns [v0, v1) (vectors V) of the partial sum_k w_k * y[row_k] over the slots
+// in `has` (lane k: row_k, w_k), in k order, split into hi / lo (split24). kU vectors per lane
+// per pass, one slot's loads at a time: loading 2 or 4 slots at once (more registers, spills)
+// made the combine 4-7 us slower at R = 4 (NOTES.md, session 8).
+template <typename V, int kU>
+__device__ __forceinline__ void partial_columns(const V* y, int nvec_row, unsigned has, int rr,
+                                                float w, int v0, int v1, V* hi,
+                                                typename LoOf<V>::T* lo, int lane) {
+  constexpr int EPV = sizeof(V) / 2;
+  for (int base = v0; base < v1; base += kU * 32) {  // warp-uniform
+    float acc[kU][EPV];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int e = 0; e < EPV; ++e) acc[u][e] = 0.f;
+    for (unsigned m = has; m != 0; m &= m - 1) {  // warp-uniform; slots in k order
+      const int ks = __ffs(m) - 1;
+      const V* src = y + (int64_t)__shfl_sync(kFull, rr, ks) * nvec_row;
+      const float wk = __shfl_sync(kFull, w, ks);
+      V x[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v < v1) x[u] = __ldg(src + v);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        float f[EPV];
+        unpack(x[u], f);
+#pragma unroll
+        for (int e = 0; e < EPV; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(wk, f[e]));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int v = base + u * 32 + lane;
+      if (v < v1) {
+        V h;
+        typename LoOf<V>::T l;
+        split24<V>(acc[u], h, l);
+        hi[v] = h;
+        lo[v] = l;
+      }
+    }
+  }
+}
+
+// Send item (source s, token t, part of `parts`): the rows or the partial of t in the columns of
+// tag units [part * u, (part + 1) * u), u = kCombineParts / parts, then those units' tags.
+// *wseen: bit s set once this warp saw s's weight flag.
+template <typename V>
+__device__ __noinline__ void combine_send_item(const CombineParams& p, int s, int t, int part,
+                                               int parts, int par, unsigned long long es,
+                                               unsigned* wseen, int lane) {
+  using LoV = typename LoOf<V>::T;
+  constexpr int EPV = sizeof(V) / 2;
+  constexpr int kU = 4;  // column vectors per lane per pass of the partial
+  const int nvec = p.H / EPV;
+  const int per = (nvec + kCombineParts - 1) / kCombineParts;  // vectors per tag unit
+  const int upi = kCombineParts / parts, u0 = part * upi;
+  const int v0 = min(nvec, u0 * per), v1 = min(nvec, (u0 + upi) * per);
+  const int32_t* rows = p.src_rows + ((int64_t)s * p.M + t) * p.K;
+  const uint8_t* y = static_cast<const uint8_t*>(p.y);
+  const int64_t rb = 2LL * p.H;  // stride of y's rows
+  uint8_t* dbuf = p.buf[s];
+  for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32 (partials need K <= 32)
+    const int k = kb + lane;
+    const int rr = k < p.K ? __ldg(rows + k) : -1;
+    const unsigned has = __ballot_sync(kFull, rr >= 0);
+    if (has == 0) continue;
+    const unsigned rest = has & (has - 1);
+    const int a = __ffs(has) - 1, b = rest != 0 ? __ffs(rest) - 1 : -1;
+    const bool partial = kb == 0 && __popc(has) >= p.min_partial && !is_remote(p.ps, s) &&
+                         b >= 0 && a / kCombineKb == b / kCombineKb;
+    if (!partial) {
+      // rows: one per lead (the first slot with that row; K > 32: earlier passes checked too)
+      const unsigned same = __match_any_sync(kFull, rr);
+      bool lead = rr >= 0 && (same & lanemask_lt()) == 0;
+      if (lead)
+        for (int k2 = 0; k2 < kb; ++k2)
+          if (__ldg(rows + k2) == rr) {
+            lead = false;
+            break;
+          }
+      const unsigned leads = __ballot_sync(kFull, lead);
+      for (unsigned m = leads; m != 0; m &= m - 1) {  // warp-uniform
+        const int ks = __ffs(m) - 1;
+        const int row = __shfl_sync(kFull, rr, ks);
+        copy_row<V>(y + (int64_t)row * rb + (int64_t)v0 * sizeof(V),
+                    combine_row(dbuf, p, par, t, kb + ks) + (int64_t)v0 * sizeof(V),
+                    (int64_t)(v1 - v0) * sizeof(V), lane);
+      }
+      // The warp barrier orders every lane's stores before the release stores of the tags,
+      // which makes them visible first (release is cumulative). Tags after every row: a
+      // release waits for the warp's stores before it, so a tag between two rows stalls the
+      // second. A system fence before them cost ~2.5 us of the combine at R = 4 (NOTES.md).
+      __syncwarp();
+      for (int i = lane; i < __popc(leads) * upi; i += 32)
+        st_release_sys_s32(combine_tag(dbuf, p, par, t, kb + __fns(leads, 0, i / upi + 1),
+                                       u0 + i % upi),
+                           static_cast<int>(es));
+      continue;
+    }
+    // partial: s's weights first (written by s at the start of its combine)
+    uint8_t* own = p.buf[p.ps.rank];
+    // The rows' columns into L2 while the weights travel (the partial's loads are a latency
+    // chain; at R = 4 this took 0.4-0.8 us off the combine, about the run-to-run drift).
+    for (unsigned m = has; m != 0; m &= m - 1) {  // warp-uniform
+      const uint8_t* r0 = y + (int64_t)__shfl_sync(kFull, rr, __ffs(m) - 1) * rb;
+      for (int64_t off = (int64_t)v0 * sizeof(V) + lane * 128; off < (int64_t)v1 * sizeof(V);
+           off += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(r0 + off));
+    }
+    if (((*wseen >> s) & 1u) == 0) {
+      if (lane == 0)
+        wait_tag(p, combine_wflag(own, p, par, s), static_cast<unsigned>(es),
+                 "wait for the source's weights", t, -1);
+      __syncwarp();  // lane 0's acquire comes before every lane's weight load
+      *wseen |= 1u << s;
+    }
+    const float* ws = combine_weights(own, p, par, s) + (int64_t)t * p.K;
+    const float w = rr >= 0 ? __ldcg(ws + k) : 0.f;
+    V* hi = reinterpret_cast<V*>(combine_row(dbuf, p, par, t, a));
+    LoV* lo = reinterpret_cast<LoV*>(combine_row(dbuf, p, par, t, b));
+    partial_columns<V, kU>(reinterpret_cast<const V*>(y), nvec, has, rr, w, v0, v1, hi, lo, lane);
+    __syncwarp();
+    if (lane < upi)
+      st_release_sys_s32(combine_tag(dbuf, p, par, t, a, u0 + lane), static_cast<int>(es));
+  }
+}
+
+// Top-k slot k of token t at the source, as the receive uses it: whether to load row kf (then
+// add w times it; lo >= 0: row kf is a partial's upper half, slot lo's row its low bytes), or
+// row k as a partial's low bytes (lo_only). K <= 32: lane k holds them (slot_regs), broadcast by
+// shuffle; larger K (no partials): read from memory. Packed: the receive keeps kCombineKb of
+// them in registers beside the loaded rows.
 struct SlotInfo {
-  bool valid;
-  int kf;
+  unsigned int code;  // kf (bits 0-20: K <= 2^20) | valid << 21 | lo_only << 22 | (lo + 1) << 23
   float w;
+  __device__ __forceinline__ static SlotInfo make(bool valid, bool lo_only, int kf, int lo,
+                                                  float w) {
+    return SlotInfo{static_cast<unsigned int>(kf) | (valid ? 1u << 21 : 0u) |
+                        (lo_only ? 1u << 22 : 0u) | (static_cast<unsigned int>(lo + 1) << 23),
+                    w};
+  }
+  __device__ __forceinline__ bool valid() const { return (code >> 21) & 1u; }
+  __device__ __forceinline__ bool lo_only() const { return (code >> 22) & 1u; }
+  __device__ __forceinline__ int kf() const { return static_cast<int>(code & 0x1fffffu); }
+  __device__ __forceinline__ int lo() const { return static_cast<int>(code >> 23) - 1; }
 };
 
-__device__ __forceinline__ SlotInfo slot_info(const CombineParams& p, int t, int k, bool reg_valid,
-                                              int reg_kf, float reg_w) {
-  SlotInfo s;
-  if (p.K <= 32) {
-    s.valid = __shfl_sync(kFull, reg_valid ? 1 : 0, k) != 0;
-    s.kf = __shfl_sync(kFull, reg_kf, k);
-    s.w = __shfl_sync(kFull, reg_w, k);
-    return s;
-  }
+// Whole warp (K <= 32): lane k's SlotInfo for token t; see "Combine" above for the partials.
+__device__ __forceinline__ SlotInfo slot_regs(const CombineParams& p, int t, int lane) {
+  const int v = lane < p.K ? __ldg(p.topk_idx + (int64_t)t * p.K + lane) : -1;
+  const bool valid = v >= 0 && v < p.E;
+  const float w = valid ? __ldg(p.topk_weights + (int64_t)t * p.K + lane) : 0.f;
+  const unsigned same_e = __match_any_sync(kFull, valid ? v : -1);
+  const int q = valid ? v / p.L : -1;
+  const unsigned same_q = __match_any_sync(kFull, q);
+  const unsigned rest = same_q & (same_q - 1);
+  const int a = __ffs(same_q) - 1, b = rest != 0 ? __ffs(rest) - 1 : -1;
+  const bool partial = valid && __popc(same_q) >= p.min_partial && !is_remote(p.ps, q) &&
+                       b >= 0 && a / kCombineKb == b / kCombineKb;
+  if (partial) return SlotInfo::make(lane == a, lane == b, a, b, 1.f);
+  return SlotInfo::make(valid, false, __ffs(same_e) - 1, -1, w);
+}
+
+// Slot k of token t (whole warp): from lane k's SlotInfo g (K <= 32), else from memory.
+__device__ __forceinline__ SlotInfo slot_info(const CombineParams& p, int t, int k,
+                                              const SlotInfo& g) {
+  if (p.K <= 32) return SlotInfo{__shfl_sync(kFull, g.code, k), __shfl_sync(kFull, g.w, k)};
   const int32_t* ids = p.topk_idx + (int64_t)t * p.K;
   const int v = __ldg(ids + k);
-  s.valid = v >= 0 && v < p.E;
-  s.kf = k;
-  if (s.valid)
+  const bool valid = v >= 0 && v < p.E;
+  int kf = k;
+  if (valid)
     for (int k2 = 0; k2 < k; ++k2)
       if (__ldg(ids + k2) == v) {
-        s.kf = k2;
+        kf = k2;
         break;
       }
-  s.w = s.valid ? __ldg(p.topk_weights + (int64_t)t * p.K + k) : 0.f;
-  return s;
+  return SlotInfo::make(valid, false, kf, -1,
+                        valid ? __ldg(p.topk_weights + (int64_t)t * p.K + k) : 0.f);
 }
 
-// Tag of row (t, k) of parity par in a combine buffer: the epoch (low 32 bits) of the call whose
-// row it holds, written by the expert rank after the row (release): the source reduces a token
-// as soon as its own rows are in, while other rows are still on their way.
-__device__ __forceinline__ int* combine_tag(uint8_t* buf, const CombineParams& p, int par, int t,
-                                            int k) {
-  return reinterpret_cast<int*>(buf + combine_tags_offset(p.M, p.K, p.H)) +
-         ((int64_t)par * p.M + t) * p.K + k;
-}
-
-// Send item: row j of local expert l goes back to its source (s, t), at slot k of t, then its tag.
-template <typename V>
-__device__ __forceinline__ void combine_send_item(const CombineParams& p, int l, int j, int par,
-                                                  int64_t crs, unsigned long long es, int lane) {
-  const int64_t RM = (int64_t)p.ps.num_ranks * p.M;
-  const int src = __ldg(p.recv_src + (int64_t)l * RM + j);
-  const int k = __ldg(p.recv_slot + (int64_t)l * RM + j);
-  if (src < 0 || src >= RM || k < 0 || k >= p.K) return;
-  const int s = src / p.M, t = src - s * p.M;
-  uint8_t* dst = p.buf[s] + (((int64_t)par * p.M + t) * p.K + k) * crs;
-  const uint8_t* y = static_cast<const uint8_t*>(p.y) + ((int64_t)l * RM + j) * 2LL * p.H;
-  copy_row<V>(y, dst, 2LL * p.H, lane);
-  __syncwarp();
-  // The warp barrier orders every lane's row stores before lane 0's release store, which makes
-  // them visible first (release is cumulative). A system fence before it cost ~2.5 us of the
-  // combine at R = 4 (NOTES.md).
-  if (lane == 0) st_release_sys_s32(combine_tag(p.buf[s], p, par, t, k), static_cast<int>(es));
-}
-
-// Whole warp: wait until the rows of token t's lead slots (the first slot naming each valid
-// expert) carry the tag of epoch er or a newer one; lanes poll one slot each.
+// Whole warp: wait until every part of the rows token t reads (the lead rows, the partials'
+// upper halves) carries the tag of epoch er or a newer one; lanes poll one (slot, part) each.
 __device__ __forceinline__ void combine_wait_rows(const CombineParams& p, int t, int par,
-                                                  unsigned long long er, bool reg_lead, int lane) {
+                                                  unsigned long long er, const SlotInfo& g,
+                                                  int lane) {
   uint8_t* own = p.buf[p.ps.rank];
-  const unsigned er32 = static_cast<unsigned>(er);
-  for (int kb = 0; kb < p.K; kb += 32) {
-    const int k = kb + lane;
-    bool lead = reg_lead;
+  // the rows read: a valid slot's row kf is its own (a lead row, or a partial's upper half)
+  const unsigned wait_mask = p.K <= 32 ? __ballot_sync(kFull, g.valid() && g.kf() == lane) : 0u;
+  for (int i = lane; i < p.K * kCombineParts; i += 32) {
+    const int k = i / kCombineParts, part = i % kCombineParts;
+    bool wait = (wait_mask >> k) & 1u;
     if (p.K > 32) {  // slot_info reads the ids from memory then (no shuffles)
-      const SlotInfo si = k < p.K ? slot_info(p, t, k, false, 0, 0.f) : SlotInfo{false, 0, 0.f};
-      lead = si.valid && si.kf == k;
+      const SlotInfo si = slot_info(p, t, k, g);
+      wait = si.valid() && si.kf() == k;
     }
-    if (!lead) continue;
-    const int* tag = combine_tag(own, p, par, t, k);
-    // Wait while the tag is older than er (32-bit epochs, wrap-safe). A newer tag passes: XLA
-    // may run a split receive twice, after the row was written again for call er + 2.
-    auto older = [&](int v) { return static_cast<int>(static_cast<unsigned>(v) - er32) < 0; };
-    if (!older(ld_acquire_sys_s32(tag))) continue;
-    const uint64_t start = global_timer_ns();
-    while (older(ld_acquire_sys_s32(tag))) {
-      __nanosleep(kPollSleepNs);  // leave the issue slots and memory pipes to the senders
-      if ((int64_t)(global_timer_ns() - start) > p.timeout_ns) {
-        printf("jax_ep: rank %d timed out after %lld s in phase 'll_combine: wait for the expert "
-               "outputs' (token %d, slot %d, epoch %llu, tag %d). A peer did not send the row: "
-               "check that every rank runs the same program and that combine gets the "
-               "dispatch's topk_idx and handle (JAX_EP_TIMEOUT_S sets the limit).\n",
-               p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), t, k, er,
-               ld_acquire_sys_s32(tag));
-        __trap();
-      }
-    }
+    if (wait)
+      wait_tag(p, combine_tag(own, p, par, t, k, part), static_cast<unsigned>(er),
+               "wait for the expert outputs", t, k);
   }
   __syncwarp();  // the polling lanes' acquires come before every lane's row loads
 }
 
 // Receive item (token t, column chunk c): out[t] = sum_k w[t][k] * row(t, first slot of e_k),
-// accumulated in float32 in k order.
+// accumulated in float32 in k order (a partial counts once, at its first slot).
 template <typename V>
 __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t, int c, int par,
-                                                  int64_t crs, unsigned long long er, int lane) {
+                                                  unsigned long long er, int lane) {
+  using LoV = typename LoOf<V>::T;
   constexpr int EPV = sizeof(V) / 2;
   const int nvec = p.H / EPV;
-  bool reg_valid = false;
-  int reg_kf = lane;
-  float reg_w = 0.f;
-  if (p.K <= 32) {
-    const int v = lane < p.K ? __ldg(p.topk_idx + (int64_t)t * p.K + lane) : -1;
-    reg_valid = v >= 0 && v < p.E;
-    const unsigned same = __match_any_sync(kFull, reg_valid ? v : -1);
-    reg_kf = __ffs(same) - 1;
-    reg_w = reg_valid ? __ldg(p.topk_weights + (int64_t)t * p.K + lane) : 0.f;
-  }
-  combine_wait_rows(p, t, par, er, reg_valid && reg_kf == lane, lane);
+  const SlotInfo g =
+      p.K <= 32 ? slot_regs(p, t, lane) : SlotInfo::make(false, false, 0, -1, 0.f);
+  combine_wait_rows(p, t, par, er, g, lane);
   if (lane == 0) diag_max(p.ps, p.diag, 8);
-  const uint8_t* base = p.buf[p.ps.rank] + ((int64_t)par * p.M + t) * p.K * crs;
+  uint8_t* own = p.buf[p.ps.rank];
   const int v0 = c * 32 * kCombineVpt;
   float acc[kCombineVpt][EPV];
 #pragma unroll
@@ -609,21 +898,34 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
 #pragma unroll
     for (int kk = 0; kk < kCombineKb; ++kk) {  // all loads first
       const int k = k0 + kk;
-      si[kk] = k < p.K ? slot_info(p, t, k, reg_valid, reg_kf, reg_w) : SlotInfo{false, 0, 0.f};
+      si[kk] = k < p.K ? slot_info(p, t, k, g) : SlotInfo::make(false, false, 0, -1, 0.f);
+      const uint8_t* row = combine_row(own, p, par, t, si[kk].lo_only() ? k : si[kk].kf());
 #pragma unroll
       for (int i = 0; i < kCombineVpt; ++i) {
         const int v = v0 + i * 32 + lane;
-        if (si[kk].valid && v < nvec)
-          buf[kk][i] = __ldcg(reinterpret_cast<const V*>(base + si[kk].kf * crs) + v);
+        if (v >= nvec) continue;
+        if (si[kk].valid()) {
+          buf[kk][i] = __ldcg(reinterpret_cast<const V*>(row) + v);
+        } else if (si[kk].lo_only()) {
+          lo_park(lo_bits(__ldcg(reinterpret_cast<const LoV*>(row) + v)), buf[kk][i]);
+        }
       }
     }
 #pragma unroll
     for (int kk = 0; kk < kCombineKb; ++kk) {  // then accumulate in k order
-      if (!si[kk].valid) continue;
+      if (!si[kk].valid()) continue;
 #pragma unroll
       for (int i = 0; i < kCombineVpt; ++i) {
         float f[EPV];
-        unpack(buf[kk][i], f);
+        if (si[kk].lo() < 0) {
+          unpack(buf[kk][i], f);
+        } else {  // a partial: its low bytes are in the batch's slot lo (static indices only)
+          unsigned long long b = 0;
+#pragma unroll
+          for (int k2 = kk + 1; k2 < kCombineKb; ++k2)
+            if (k0 + k2 == si[kk].lo()) b = lo_parked(buf[k2][i]);
+          join24<V>(buf[kk][i], b, f);
+        }
 #pragma unroll
         for (int e = 0; e < EPV; ++e) acc[i][e] = __fadd_rn(acc[i][e], __fmul_rn(si[kk].w, f[e]));
       }
@@ -637,51 +939,50 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
   }
 }
 
-// Send items in rounds: round rho sends row sigma * B_l + rho of every expert l, for every sigma
-// < R (B_l = ceil(count_l / R)). Rows of an expert are ordered by source (from our own rank)
-// then token (the dispatch's order), so every source gets its tokens in token order at about
-// the same pace, and its receive items (taken in token order) find their rows early. Any other
-// order is only slower.
+// Send items (source s, token t, column part), tokens in order and the sources interleaved from
+// the next rank: every source gets its tokens in token order at about the same pace, and its
+// receive items (taken in token order) find their rows early.
 template <typename V>
 __global__ void __launch_bounds__(kThreads, 1)
     combine_kernel(const __grid_constant__ CombineParams p) {
-  __shared__ int s_rounds;
   const PeerSlots& ps = p.ps;
   const int R = ps.num_ranks;
   Slot* me = ps.slot[ps.rank];
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long es = push::send_epoch(ps);
   const unsigned long long er =
       push::recv_epoch(ps, p.mode == push::kModeRecv ? p.ticket_in : nullptr);
-  const int64_t crs = combine_row_bytes(p.H);
-  const int RM = R * p.M;
   trace_mark(ps, 24);
   if (threadIdx.x == 0) diag_max(ps, p.diag, 0);
 
   if (p.mode & push::kModeSend) {
     const int par = static_cast<int>(es & 1);
+    // Our weights to every expert rank reachable by stores, before anything waits. Their half
+    // of the buffer is free: each expert rank read our weights of call es - 2 before it sent us
+    // the rows our receive of es - 2 waited for, and that receive ran before this send.
+    if (blockIdx.x == 0 && warp < R && p.min_partial <= p.K) {
+      const int q = (ps.rank + 1 + warp) % R;
+      if (!is_remote(ps, q)) combine_send_weights(p, q, par, es, lane);
+    }
     if ((int)threadIdx.x < R)
       push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_combine: sources free the buffer");
     if (p.ticket != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
       p.ticket[0] = static_cast<int>(es);  // the split receive takes the epoch from here
-    if (threadIdx.x < 32) {
-      int b = 0;
-      for (int l = lane; l < p.L; l += 32)
-        b = max(b, (min(max(__ldg(p.recv_count + l), 0), RM) + R - 1) / R);
-      b = __reduce_max_sync(kFull, b);
-      if (lane == 0) s_rounds = b;
-    }
     __syncthreads();
-    const int n = s_rounds * p.L * R;
+    // Parts per (source, token): as many as the grid's warps take in one round (a second round
+    // doubles the phase), a power of two <= kCombineParts.
+    int parts = kCombineParts;
+    while (parts > 1 && R * p.M * parts > static_cast<int>(gridDim.x) * kWarps) parts >>= 1;
+    const int n = R * p.M * parts;
+    unsigned wseen = 0;
     int done = 0;
     for (;;) {  // warp-uniform
       const int it = push::take_ticket(me, push::kSend, lane);
       if (done == 0 && lane == 0) diag_max(ps, p.diag, 2);
       if (it >= n) break;
-      const int sigma = it % R, l = (it / R) % p.L, rho = it / (R * p.L);
-      const int c = min(max(__ldg(p.recv_count + l), 0), RM), b = (c + R - 1) / R;
-      const int j = sigma * b + rho;
-      if (rho < b && j < c) combine_send_item<V>(p, l, j, par, crs, es, lane);
+      const int part = it % parts, pair = it / parts;
+      const int t = pair / R, s = (ps.rank + 1 + pair % R) % R;
+      combine_send_item<V>(p, s, t, part, parts, par, es, &wseen, lane);
       ++done;
     }
     if (lane == 0) diag_max(ps, p.diag, 3);
@@ -702,7 +1003,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int it = push::take_ticket(me, push::kRecv, lane);
       if (done == 0 && lane == 0) diag_max(ps, p.diag, 7);
       if (it >= n) break;
-      combine_recv_item<V>(p, it / nchunk, it % nchunk, par, crs, er, lane);
+      combine_recv_item<V>(p, it / nchunk, it % nchunk, par, er, lane);
       ++done;
     }
     if (lane == 0) diag_max(ps, p.diag, 9);
@@ -743,8 +1044,8 @@ int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_
                               bool use_fp8) {
   return 2 * R * dispatch_area_bytes(M, K, H, L, use_fp8);
 }
-int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H) {
-  return combine_tags_offset(M, K, H) + align16(2 * M * K * 4);  // rows, then their tags
+int64_t combine_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H) {
+  return combine_wflags_offset(R, M, K, H) + align16(2 * R * 4);  // rows, tags, weights, flags
 }
 
 int grid_size(int device) {

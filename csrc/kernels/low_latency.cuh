@@ -20,8 +20,12 @@ constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on 3/4 of t
 // epoch (a token not sent to us keeps an older tag); pos[k] of a slot k that names a local expert
 // first is the token's place among s's tokens for that expert (other pos words are stale). The
 // count block: int32 [L], s's number of tokens per local expert. Combine: [parity][token t][slot
-// k] rows of 2H bytes (bf16 expert output of the expert named first by slot k), then int32 tags
-// [parity][t][k]: the epoch of the call whose row (t, k) is in place.
+// k] rows of 2H bytes, then int32 tags [parity][t][k][kCombineParts] (the epoch of the call whose
+// column part of row (t, k) is in place), then float32 weights [parity][source s][t][k] (s's
+// topk_weights, written by s at the start of its combine, for the expert-side pre-reduction),
+// then int32 weight flags [parity][s] (the epoch of s's weights). Row (t, k) holds the bf16
+// output of the expert named first by slot k, or the two halves of a partial sum (low_latency.cu,
+// "Combine").
 int64_t dispatch_header_bytes(int64_t K);
 int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8);
 int64_t dispatch_count_bytes(int64_t L);
@@ -29,15 +33,24 @@ int64_t dispatch_count_bytes(int64_t L);
 int64_t dispatch_area_bytes(int64_t M, int64_t K, int64_t H, int64_t L, bool use_fp8);
 int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_t L,
                               bool use_fp8);
-// Stride of the combine's rows (bf16, padded to 16 bytes), and where their tags start (after
-// the rows of both parities): kernels, handlers and the NVSHMEM push (transport/remote.h).
+// Column parts of a combine row: each is sent by its own warp and has its own tag.
+constexpr int kCombineParts = 4;
+// Stride of the combine's rows (bf16, padded to 16 bytes), and where their tags, the weights and
+// the weight flags start: kernels, handlers and the NVSHMEM push (transport/remote.h).
 __host__ __device__ inline int64_t combine_row_bytes(int64_t H) {
   return (2 * H + 15) & ~int64_t{15};
 }
 __host__ __device__ inline int64_t combine_tags_offset(int64_t M, int64_t K, int64_t H) {
   return 2 * M * K * combine_row_bytes(H);
 }
-int64_t combine_buffer_bytes(int64_t M, int64_t K, int64_t H);
+__host__ __device__ inline int64_t combine_weights_offset(int64_t M, int64_t K, int64_t H) {
+  return combine_tags_offset(M, K, H) + ((2 * M * K * kCombineParts * 4 + 15) & ~int64_t{15});
+}
+__host__ __device__ inline int64_t combine_wflags_offset(int64_t R, int64_t M, int64_t K,
+                                                         int64_t H) {
+  return combine_weights_offset(M, K, H) + ((2 * R * M * K * 4 + 15) & ~int64_t{15});
+}
+int64_t combine_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H);
 
 struct DispatchParams {
   PeerSlots ps;
@@ -54,6 +67,8 @@ struct DispatchParams {
   int32_t* recv_count;        // [L]
   int32_t* recv_src;          // [L, R*M]: s * M + t, -1 past the count
   int32_t* recv_slot;         // [L, R*M]: first top-k slot of (s, t) naming the expert, -1 past
+  int32_t* src_rows;          // [R*M, K]: row l * R*M + j of slot k of (s, t) naming local
+                              //   expert l, else -1 (the combine's pre-reduction reads it)
   int T, H, K, E, L, M, G;
   int use_fp8, round_scale;
   int diag;                   // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
@@ -70,13 +85,18 @@ struct CombineParams {
   const int32_t* recv_src;    // [L, R*M]
   const int32_t* recv_slot;   // [L, R*M]
   const int32_t* recv_count;  // [L]
+  const int32_t* src_rows;    // [R*M, K] (DispatchParams::src_rows)
   int32_t* ticket;            // [1] or null: the send op's result (its epoch), for the receive
-  // receive side (source rank)
-  const int32_t* ticket_in;   // receive-only kernel: the send's ticket; else null
+  // both sides: the send writes the weights to the expert ranks, the receive reduces with them
   const int32_t* topk_idx;    // [T, K]
   const float* topk_weights;  // [T, K]
+  // receive side (source rank)
+  const int32_t* ticket_in;   // receive-only kernel: the send's ticket; else null
   void* out;                  // [T, H] bf16
   int T, H, K, E, L, M;
+  // Pre-reduce on the expert rank when at least this many of a token's slots name its experts
+  // (>= 2; larger than K: never). The same on every rank (both sides decide from it).
+  int min_partial;
   int diag;                   // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
   int64_t timeout_ns;
 };

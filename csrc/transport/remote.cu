@@ -128,11 +128,12 @@ __global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
 }
 
 // One block: the rows named by recv_src / recv_slot whose source is remote, then (after they
-// completed) their tags (int32 [parity][t][k] at tags_offset, kernels/low_latency.cuh).
+// completed) their tags (int32 [parity][t][k][tags_per_row] at tags_offset,
+// kernels/low_latency.cuh: one per column part, all set here).
 __global__ void __launch_bounds__(kThreads) push_combine_kernel(
     const __grid_constant__ PeerSlots ps, uint8_t* own_buf, const __grid_constant__ Scratch scr,
     const int32_t* recv_src, const int32_t* recv_slot, const int32_t* recv_count, int L, int M,
-    int K, int64_t row_bytes, int64_t tags_offset, int dbg) {
+    int K, int64_t row_bytes, int64_t tags_offset, int tags_per_row, int dbg) {
   __shared__ unsigned int s_count[kMaxRanks];
   Slot* me = ps.slot[ps.rank];
   const unsigned long long e = ld_volatile_u64(&me->send_epoch);
@@ -156,8 +157,8 @@ __global__ void __launch_bounds__(kThreads) push_combine_kernel(
           nvshmemx_putmem_nbi_warp(own_buf + i * row_bytes, scr.at[s] + i * row_bytes, row_bytes,
                                    ps.pe[s]);
           if (lane == 0) atomicAdd(&s_count[s], 1u);
-        } else if (lane == 0) {
-          nvshmem_int_p(tags + i, static_cast<int>(e), ps.pe[s]);
+        } else if (lane < tags_per_row) {
+          nvshmem_int_p(tags + i * tags_per_row + lane, static_cast<int>(e), ps.pe[s]);
         }
       }
     }
@@ -223,10 +224,10 @@ cudaError_t push_dispatch_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* c
 cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
                               const int32_t* recv_src, const int32_t* recv_slot,
                               const int32_t* recv_count, int L, int M, int K, int64_t row_bytes,
-                              int64_t tags_offset, cudaStream_t stream) {
+                              int64_t tags_offset, int tags_per_row, cudaStream_t stream) {
   push_combine_kernel<<<1, kThreads, 0, stream>>>(ps, own_buf, scratch_of(ps, scratch), recv_src,
                                                   recv_slot, recv_count, L, M, K, row_bytes,
-                                                  tags_offset, debug());
+                                                  tags_offset, tags_per_row, debug());
   return cudaGetLastError();
 }
 

@@ -44,11 +44,12 @@ cudaError_t push_dispatch_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* c
                                int64_t count_bytes, cudaStream_t stream);
 // Combine: the rows named by recv_src / recv_slot ([L, R*M], counts recv_count [L]), at
 // [parity][t][k] of row_bytes in the source's buffer, then (once they completed) their tags, at
-// tags_offset (ll::combine_tags_offset).
+// tags_offset (ll::combine_tags_offset), tags_per_row of them per row. A remote source gets
+// whole rows, never partial sums (their weights would have to cross before the send).
 cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* const* scratch,
                               const int32_t* recv_src, const int32_t* recv_slot,
                               const int32_t* recv_count, int L, int M, int K, int64_t row_bytes,
-                              int64_t tags_offset, cudaStream_t stream);
+                              int64_t tags_offset, int tags_per_row, cudaStream_t stream);
 // Push, after the receive kernel: epoch32 is where that kernel read its epoch (int32).
 cudaError_t free_remote_senders(const PeerSlots& ps, const int32_t* epoch32,
                                 cudaStream_t stream);
