@@ -5,7 +5,8 @@ expert l valid up to recv_count[l], in any order; FP8 is quantised online (128-c
 
 The CUDA kernels push rows into a receive buffer owned by the op's call site (double-buffered,
 no barrier between calls). Each op is one kernel; the split API runs the same kernel in two
-halves: `*_send` writes to the peers and returns at once, `*_recv` waits for the peers' rows and
+halves: `*_send` writes to the peers without waiting for their receive (the combine send waits
+for the peers to reach their own send: their weights), `*_recv` waits for the peers' rows and
 delivers the outputs, so XLA can schedule other work in between.
 """
 from __future__ import annotations
