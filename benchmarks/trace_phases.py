@@ -37,7 +37,7 @@ MARKS = {
     4: "layout end", 5: "copy start", 9: "gather: peers ready", 6: "copy loop done",
     7: "all blocks arrived", 8: "peers done",
     10: "start", 11: "peers ready", 12: "loop done", 13: "all blocks arrived", 14: "peers done",
-    16: "start", 17: "send done (flags out)", 18: "every flag seen (first fill item)",
+    16: "start", 17: "send done (items counted)", 18: "first fill item done (its counts in)",
     19: "receive done",
     24: "start", 25: "send done (rows and tags out)", 26: "receive starts (block 0)",
     27: "receive done",
@@ -47,8 +47,8 @@ MARKS = {
 # latest time any block / warp reached them (csrc/transport/peer.cuh, "Phase tracer").
 DIAG_MARKS = {
     0: "last block start", 1: "last block past wait-freed", 2: "last warp's first send ticket",
-    3: "last warp's send loop done", 4: "last warp past send fence+count",
-    5: "last warp's first copy item past its flags", 7: "last warp's first receive ticket",
+    3: "last warp's send loop done", 4: "last warp past send count",
+    5: "last warp's first copy item past its row wait", 7: "last warp's first receive ticket",
     8: "last item's data in", 9: "last warp's receive loop done",
     10: "last warp past receive count", 11: "last warp at kernel exit",
 }

@@ -42,11 +42,14 @@ def _align16(n):
     return (n + 15) // 16 * 16
 
 
+DISPATCH_TAGS = 4  # tags per dispatch row (low_latency.cuh: kDispatchTags)
+
+
 def _dispatch_buffer_bytes(R, M, K, H, L, use_fp8):
     """Receive buffer of a dispatch slot (csrc/kernels/low_latency.cu: dispatch_buffer_bytes)."""
     payload = H + 4 * (H // ref.FP8_GROUP) if use_fp8 else 2 * H
-    row = _align16(4 * (1 + 2 * K)) + _align16(payload)  # header: tag, ids[K], pos[K]
-    return 2 * R * (M * row + _align16(4 * L))  # [parity][source]: M rows, then L counts
+    row = _align16(4 * DISPATCH_TAGS + 12 * K) + _align16(payload)  # header: tags, pos, ids
+    return 2 * R * (M * row + _align16(8 * L))  # [parity][source]: M rows, then L 64-bit counts
 
 
 COMBINE_PARTS = 4  # column parts per combine row, each with its own tag (low_latency.cuh)

@@ -204,7 +204,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
                                ll::dispatch_buffer_bytes(R, M, K, H, L, a.use_fp8));
       err.failure())
     return err;
-  const int grid = ll::grid_size(device);
+  const int grid = ll::dispatch_grid_size(device);
   if (grid < 1) return jax_ep::cuda_error(op);
   p.ps = gi.peers;
   p.mode = mode;
@@ -328,7 +328,7 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
           resolve(op, device, a, &gi, p.buf, &own, ll::combine_buffer_bytes(R, M, K, H));
       err.failure())
     return err;
-  const int grid = ll::grid_size(device);
+  const int grid = ll::combine_grid_size(device);
   if (grid < 1) return jax_ep::cuda_error(op);
   p.ps = gi.peers;
   p.mode = mode;

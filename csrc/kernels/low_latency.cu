@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -116,11 +117,33 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64
 // Dispatch
 // ---------------------------------------------------------------------------------------------
 
-// Dispatch row header (ints): the epoch tag, ids[K], pos[K] (see low_latency.cuh).
-__device__ __forceinline__ int* hdr_ids(int* hdr) { return hdr + 1; }
-__device__ __forceinline__ const int* hdr_ids(const int* hdr) { return hdr + 1; }
-__device__ __forceinline__ int* hdr_pos(int* hdr, int K) { return hdr + 1 + K; }
-__device__ __forceinline__ const int* hdr_pos(const int* hdr, int K) { return hdr + 1 + K; }
+// Dispatch row header: int tags[kDispatchTags], uint64 pos[K], int ids[K] (low_latency.cuh).
+static_assert(kMaxParts == kDispatchTags, "every part of a dispatch row releases its own tags");
+static_assert(kDispatchTags % 2 == 0, "the pos words are 8-byte aligned");
+__device__ __forceinline__ unsigned long long* hdr_pos(int* hdr) {
+  return reinterpret_cast<unsigned long long*>(hdr + kDispatchTags);
+}
+__device__ __forceinline__ const unsigned long long* hdr_pos(const int* hdr) {
+  return reinterpret_cast<const unsigned long long*>(hdr + kDispatchTags);
+}
+__device__ __forceinline__ int* hdr_ids(int* hdr, int K) { return hdr + kDispatchTags + 2 * K; }
+__device__ __forceinline__ const int* hdr_ids(const int* hdr, int K) {
+  return hdr + kDispatchTags + 2 * K;
+}
+
+// Whether 32-bit epoch tag v is older than e32 (wrap-safe). A newer one passes: XLA may run a
+// split receive twice, after the row was written again for call e + 2.
+__device__ __forceinline__ bool tag_older(int v, unsigned int e32) {
+  return static_cast<int>(static_cast<unsigned int>(v) - e32) < 0;
+}
+// A word that carries its epoch (pos, count, data flag): (epoch << 32) | value.
+__device__ __forceinline__ unsigned long long with_epoch(unsigned long long e, unsigned int v) {
+  return (e << 32) | v;
+}
+// Whether such a word is older than call er (wrap-safe in the epoch's low 32 bits, as the tags).
+__device__ __forceinline__ bool word_older(unsigned long long w, unsigned long long er) {
+  return static_cast<int>(static_cast<unsigned int>(w >> 32) - static_cast<unsigned int>(er)) < 0;
+}
 
 // Whole warp: the output row (l * R*M + j) of the lead in lane sl (le, j: each lane's own).
 __device__ __forceinline__ int64_t lead_row(int le, int j, int sl, int64_t RM) {
@@ -148,21 +171,23 @@ __device__ __forceinline__ uint8_t* dispatch_row(uint8_t* buf, const DispatchPar
                                                  int s, int t) {
   return buf + ((int64_t)par * p.ps.num_ranks + s) * p.area_bytes + (int64_t)t * p.row_bytes;
 }
-__device__ __forceinline__ int32_t* dispatch_counts(uint8_t* buf, const DispatchParams& p,
-                                                    int par, int s) {
-  return reinterpret_cast<int32_t*>(buf + ((int64_t)par * p.ps.num_ranks + s) * p.area_bytes +
-                                    (int64_t)p.M * p.row_bytes);
+__device__ __forceinline__ unsigned long long* dispatch_counts(uint8_t* buf,
+                                                               const DispatchParams& p, int par,
+                                                               int s) {
+  return reinterpret_cast<unsigned long long*>(
+      buf + ((int64_t)par * p.ps.num_ranks + s) * p.area_bytes + (int64_t)p.M * p.row_bytes);
 }
 
 // The send phase has two item sets, taken by tickets, neither waiting on the other:
 //   position (one per expert e, on rank q = e / L): ranks our tokens naming e (at their first
 //     slot naming it) in token order, and writes each token's place into the pos word of that
 //     slot in t's row header in q's buffer, and the number of such tokens into our count block
-//     there. The receiver then knows every output row without atomics (so a repeated receive is
-//     idempotent by construction) and without waiting for other rows.
-//   send (token t, destination q, part): the tag, the ids and the payload.
+//     there, each word with the epoch. The receiver then knows every output row without atomics
+//     (so a repeated receive is idempotent by construction) and without waiting for other rows.
+//   send (token t, destination q, part): the ids and the payload, then the part's row tags; or,
+//     when no expert of t lives on q, part 0 marks the row skipped (tags[0] = ~epoch).
 __device__ __noinline__ void dispatch_position_item(const DispatchParams& p, int e, int par,
-                                                    int lane) {
+                                                    unsigned long long es, int lane) {
   const int r = p.ps.rank, q = e / p.L;
   int base = 0;
   for (int tb = 0; tb < p.T; tb += 32) {  // warp-uniform; lane = token
@@ -177,11 +202,12 @@ __device__ __noinline__ void dispatch_position_item(const DispatchParams& p, int
     const unsigned b = __ballot_sync(kFull, kf >= 0);
     if (kf >= 0) {
       int* hdr = reinterpret_cast<int*>(dispatch_row(p.buf[q], p, par, r, t));
-      hdr_pos(hdr, p.K)[kf] = base + __popc(b & lanemask_lt());
+      st_relaxed_sys(hdr_pos(hdr) + kf, with_epoch(es, base + __popc(b & lanemask_lt())));
     }
     base += __popc(b);
   }
-  if (lane == 0) dispatch_counts(p.buf[q], p, par, r)[e - q * p.L] = base;
+  if (lane == 0) st_relaxed_sys(dispatch_counts(p.buf[q], p, par, r) + (e - q * p.L),
+                                with_epoch(es, static_cast<unsigned int>(base)));
 }
 
 // Whole warp: groups [g_begin, g_end) of bf16 row xr quantised into pay (e4m3) and sc (scales),
@@ -221,9 +247,9 @@ __device__ __forceinline__ void quantise_part(const uint8_t* xr, uint8_t* pay, f
 }
 
 // Send item it = (token t, destination q, part): q starts after our own rank so the ranks spread
-// their first writes; `parts` warps share a row (part 0 also writes the tag and the ids).
-// Skipped when no expert of t lives on q; else row t of our area in q's buffer gets the header
-// and the payload (FP8: quantised here, quantise_part; BF16: copied).
+// their first writes; `parts` warps share a row (part 0 also writes the ids). Skipped (and
+// marked so) when no expert of t lives on q; else row t of our area in q's buffer gets the ids,
+// the payload (FP8: quantised here, quantise_part; BF16: copied), then the part's tags.
 template <typename V>
 __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it, int parts,
                                                 int par, unsigned long long es, int lane) {
@@ -238,14 +264,16 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
     const int v = k < p.K ? __ldg(ids + k) : -1;
     any |= __ballot_sync(kFull, v >= 0 && v < p.E && v / p.L == q) != 0;
   }
-  if (!any) return;
   uint8_t* row = dispatch_row(p.buf[q], p, par, r, t);
+  int* hdr = reinterpret_cast<int*>(row);
+  if (!any) {  // skipped: the receiver need not wait for our data flag to know
+    if (part == 0 && lane == 0) st_relaxed_sys_s32(hdr, ~static_cast<int>(es));
+    return;
+  }
   if (part == 0) {
-    int* hdr = reinterpret_cast<int*>(row);
-    if (lane == 0) hdr[0] = static_cast<int>(es);
     for (int k = lane; k < p.K; k += 32) {
       const int v = __ldg(ids + k);
-      hdr_ids(hdr)[k] = (v >= 0 && v < p.E) ? v : -1;
+      hdr_ids(hdr, p.K)[k] = (v >= 0 && v < p.E) ? v : -1;
     }
   }
   uint8_t* pay = row + p.hdr_bytes;
@@ -261,28 +289,128 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
     const int64_t v0 = min(nvec, part * per), v1 = min(nvec, v0 + per);
     copy_row<V>(xr + v0 * sizeof(V), pay + v0 * sizeof(V), (v1 - v0) * sizeof(V), lane);
   }
+  // Our tags once every lane's stores of the part are out (the warp barrier orders them before
+  // the release stores): the receiver copies the row as soon as all tags are in.
+  __syncwarp();
+  if (lane < kDispatchTags && lane % parts == part) st_release_sys_s32(hdr + lane, (int)es);
+}
+
+// One lane: poll the epoch-carrying word w until it is of call er (a remote sender's, once its
+// data flag is in: NVSHMEM puts it after the rest); trap after the timeout. Out of line: the
+// callers keep their registers on the fast path.
+__device__ __noinline__ unsigned long long wait_word_slow(const DispatchParams& p,
+                                                          const unsigned long long* w, int s,
+                                                          int par, unsigned long long er,
+                                                          const char* what) {
+  if (is_remote(p.ps, s))
+    push::wait_data(p.ps, s, par, er, p.timeout_ns, "ll_dispatch: wait for the peers' rows");
+  const uint64_t start = global_timer_ns();
+  unsigned long long v;
+  while (word_older(v = ld_relaxed_sys(w), er)) {
+    __nanosleep(kPollSleepNs);
+    if ((int64_t)(global_timer_ns() - start) > p.timeout_ns && first_timeout_report()) {
+      printf("jax_ep: rank %d timed out after %lld s in phase 'll_dispatch: wait for the peers' "
+             "%s' waiting for rank %d (epoch %llu, seen %llu). A peer did not arrive: check "
+             "that every rank runs the same program (JAX_EP_TIMEOUT_S sets the limit).\n",
+             p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), what, s, er, v >> 32);
+      __trap();
+    }
+  }
+  return v;
+}
+
+// One lane: the value of sender s's epoch-carrying word w in call er (waits for it).
+__device__ __forceinline__ unsigned int word_of(const DispatchParams& p,
+                                                const unsigned long long* w, int s, int par,
+                                                unsigned long long er, const char* what) {
+  unsigned long long v = ld_relaxed_sys(w);
+  if (is_remote(p.ps, s) || word_older(v, er)) v = wait_word_slow(p, w, s, par, er, what);
+  return static_cast<unsigned int>(v);
+}
+
+// Whole warp: the state of the row at hdr in call er from its tags: 1 sent (every tag is er),
+// 0 skipped (tags[0] is ~er), -1 not known yet. Lanes < kDispatchTags load one tag each
+// (acquire), then the warp synchronises: the row's loads come after.
+__device__ __forceinline__ int row_state(const int* hdr, unsigned long long er, int lane) {
+  const int e32 = static_cast<int>(er);
+  const int v = lane < kDispatchTags ? ld_acquire_sys_s32(hdr + lane) : e32;
+  if (__all_sync(kFull, v == e32)) return 1;
+  return __shfl_sync(kFull, v, 0) == ~e32 ? 0 : -1;
+}
+
+// Whole warp: whether row t of local sender s (header hdr) was sent to us in call er, once its
+// tags say so; a row past s's token count (s's data flag, written when its send started, says
+// how many) never gets tags. A flag of a later call (XLA ran a split receive again after s
+// sent into this half anew) ends the wait too: the row counts as sent when its tags are not
+// older than er, as the combine lets a newer tag pass. Traps after the timeout.
+__device__ __noinline__ bool wait_row_slow(const DispatchParams& p, const int* hdr, int s, int t,
+                                           int par, unsigned long long er, int lane) {
+  const uint64_t start = global_timer_ns();
+  const unsigned long long* flag = &p.ps.slot[p.ps.rank]->data_flag[par][s];
+  for (;;) {
+    const int st = row_state(hdr, er, lane);
+    if (st >= 0) return st == 1;
+    int past = 0;  // 1: past s's token count; 2: s sent a later call into this half
+    if (lane == 0) {
+      const unsigned long long f = ld_relaxed_sys(flag);
+      if (!word_older(f, er))
+        past = static_cast<unsigned int>(f >> 32) != static_cast<unsigned int>(er) ? 2
+               : t >= static_cast<int>(f & 0xffffffffu)                            ? 1
+                                                                                  : 0;
+    }
+    past = __shfl_sync(kFull, past, 0);
+    if (past == 1) return false;
+    if (past == 2) {
+      const int v = lane < kDispatchTags ? ld_acquire_sys_s32(hdr + lane) : static_cast<int>(er);
+      return __all_sync(kFull, !tag_older(v, static_cast<unsigned int>(er)));
+    }
+    __nanosleep(kPollSleepNs);
+    if (lane == 0 && (int64_t)(global_timer_ns() - start) > p.timeout_ns &&
+        first_timeout_report()) {
+      printf("jax_ep: rank %d timed out after %lld s in phase 'll_dispatch: wait for the peers' "
+             "rows' waiting for row %d of rank %d (epoch %llu, tag %d, flag epoch %llu). A peer "
+             "did not arrive: check that every rank runs the same program (JAX_EP_TIMEOUT_S "
+             "sets the limit).\n",
+             p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), t, s, er,
+             ld_acquire_sys_s32(hdr), ld_acquire_sys(flag) >> 32);
+      __trap();
+    }
+  }
+}
+
+// Whole warp: whether row t of sender s was sent to us in call er (waits until that is known).
+__device__ __forceinline__ bool wait_row(const DispatchParams& p, const int* hdr, int s, int t,
+                                         int par, unsigned long long er, int lane) {
+  if (is_remote(p.ps, s)) {  // its rows arrive with its NVSHMEM push, before its flag
+    if (lane == 0)
+      push::wait_data(p.ps, s, par, er, p.timeout_ns, "ll_dispatch: wait for the peers' rows");
+    __syncwarp();
+    return row_state(hdr, er, lane) == 1;
+  }
+  const int st = row_state(hdr, er, lane);
+  return st >= 0 ? st == 1 : wait_row_slow(p, hdr, s, t, par, er, lane);
 }
 
 // The receive phase is one set of items, taken by tickets as soon as a warp is done sending
-// (no block-wide wait for the flags); each item waits for the flags it needs, none waits on
-// another item. The senders are ordered from our own rank (s = r, r + 1, ...: our own rows
-// need only our own flag, set by our own send phase, so they are copied while the peers' flags
-// are on their way):
-//   copy (row (s, t), column part), our own rows first: wait for the flags of s and of the
-//     senders before it (their counts); a row past s's row count, or whose tag is not this
-//     call's epoch, was not sent to us. Else each slot naming a local expert first (the lead)
-//     gives the output row: the counts of the senders before s plus the row's pos word. The
-//     payload part is loaded once and stored to every lead's output row; part 0 also writes
-//     recv_src / recv_slot and the FP8 scales.
-//   fill (local expert l, chunk c of its R*M entries), after our own rows: wait for every flag;
-//     recv_count[l] (the senders' counts summed) and -1 in recv_src / recv_slot past it.
+// (no block-wide wait); each item waits only for the words it reads, none waits on another item
+// or on a whole sender. The senders are ordered from our own rank (s = r, r + 1, ...):
+//   copy (row (s, t), column part), our own rows first: wait until the row's tags say it was
+//     sent to us or skipped (wait_row). Each slot naming a local expert first (the lead) gives
+//     the output row: the counts of the senders before s plus the row's pos word (words that
+//     carry their epoch, loaded at once: output_row_of). The payload part is loaded once and
+//     stored to every lead's output row; part 0 also writes recv_src / recv_slot / src_rows and
+//     the FP8 scales. Rows are thus copied while later rows are still on their way, not after
+//     the senders' flags.
+//   fill (local expert l, chunk c of its R*M entries), after our own rows: wait for every
+//     sender's count of l; recv_count[l] (their sum) and -1 in recv_src / recv_slot past it.
 // An expert's rows are thus ordered by sender from our own rank, then token.
 __device__ __noinline__ void dispatch_fill_item(const DispatchParams& p, int l, int c, int par,
-                                                int lane) {
+                                                unsigned long long er, int lane) {
   const int R = p.ps.num_ranks;
   const int64_t RM = (int64_t)R * p.M;
-  uint8_t* own = p.buf[p.ps.rank];
-  int n = lane < R ? __ldcg(dispatch_counts(own, p, par, lane) + l) : 0;
+  int n = lane < R ? static_cast<int>(word_of(p, dispatch_counts(p.buf[p.ps.rank], p, par, lane)
+                                                     + l, lane, par, er, "counts"))
+                   : 0;
   n = __reduce_add_sync(kFull, n);
   if (c == 0 && lane == 0) p.recv_count[l] = n;
   const int64_t b = (int64_t)c * kFillInts, e = min(RM, b + kFillInts);
@@ -297,7 +425,56 @@ __device__ __forceinline__ void clear_src_rows(const DispatchParams& p, int s, i
   for (int k = lane; k < p.K; k += 32) p.src_rows[((int64_t)s * p.M + t) * p.K + k] = -1;
 }
 
-// rot: our rank (the first sender in the receive order).
+// Out of line (a late word): output_row_of's sum, each word waited for in turn.
+__device__ __noinline__ int output_row_slow(const DispatchParams& p, const int* hdr, int s,
+                                            int kl, int le, int par, unsigned long long er,
+                                            int rot) {
+  const int R = p.ps.num_ranks;
+  uint8_t* own = p.buf[p.ps.rank];
+  int j = static_cast<int>(word_of(p, hdr_pos(hdr) + kl, s, par, er, "positions"));
+  for (int o2 = 0; o2 < (s - rot + R) % R; ++o2) {
+    const int s2 = (rot + o2) % R;
+    j += static_cast<int>(word_of(p, dispatch_counts(own, p, par, s2) + le, s2, par, er,
+                                  "counts"));
+  }
+  return j;
+}
+
+// Senders before s whose counts the copy loads at once (more: output_row_slow, in turn).
+constexpr int kFastSenders = 3;
+
+// One lane: the output row (within local expert le) of row hdr of sender s, whose first slot
+// naming le is kl: s's pos word plus the counts for le of the senders before s (from rank rot),
+// loaded at once up to kFastSenders senders before s, then checked; a late word, a remote
+// sender (the slow path waits for its flag; a remote s: wait_row did) or more senders:
+// output_row_slow.
+__device__ __forceinline__ int output_row_of(const DispatchParams& p, const int* hdr, int s,
+                                             int kl, int le, int par, unsigned long long er,
+                                             int rot) {
+  const int R = p.ps.num_ranks;
+  const int ns = (s - rot + R) % R;
+  uint8_t* own = p.buf[p.ps.rank];
+  bool late = ns > kFastSenders;
+  unsigned long long w[kFastSenders + 1];
+  w[0] = ld_relaxed_sys(hdr_pos(hdr) + kl);
+#pragma unroll
+  for (int o2 = 0; o2 < kFastSenders; ++o2) {
+    const int s2 = (rot + o2) % R;
+    late |= o2 < ns && is_remote(p.ps, s2);
+    w[o2 + 1] = o2 < ns && !late ? ld_relaxed_sys(dispatch_counts(own, p, par, s2) + le)
+                                 : with_epoch(er, 0);
+  }
+  unsigned int j = 0;
+#pragma unroll
+  for (int o2 = 0; o2 <= kFastSenders; ++o2) {
+    late |= word_older(w[o2], er);
+    j += static_cast<unsigned int>(w[o2]);
+  }
+  return late ? output_row_slow(p, hdr, s, kl, le, par, er, rot) : static_cast<int>(j);
+}
+
+// Copy item: part `part` of `parts` of row t of sender s (its tags are in) to the output row of
+// each local expert it names. rot: our rank (the first sender in the receive order).
 template <typename VV>
 __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t, int part,
                                            int parts, int64_t pay_bytes, unsigned long long er,
@@ -307,10 +484,6 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
   uint8_t* own = p.buf[r];
   const uint8_t* row = dispatch_row(own, p, par, s, t);
   const int* hdr = reinterpret_cast<const int*>(row);
-  if (__ldcg(hdr) != static_cast<int>(er)) {  // not sent to us in this call
-    if (part == 0) clear_src_rows(p, s, t, lane);
-    return;
-  }
   if (lane == 0) diag_max(p.ps, p.diag, 8);
   const uint8_t* pay = row + p.hdr_bytes;
   const VV* src = reinterpret_cast<const VV*>(pay);
@@ -320,22 +493,19 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
   uint8_t* recv_x = static_cast<uint8_t*>(p.recv_x);
   for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32
     const int k = kb + lane;
-    const int le = k < p.K ? local_expert(__ldcg(hdr_ids(hdr) + k), p.E, p.L, r) : -1;
+    const int le = k < p.K ? local_expert(__ldcg(hdr_ids(hdr, p.K) + k), p.E, p.L, r) : -1;
     const unsigned same = __match_any_sync(kFull, le);
     int kl = kb + __ffs(same) - 1;  // the lead: the first slot naming le (its pos word is set)
     if (le >= 0)
       for (int k2 = 0; k2 < kb; ++k2)  // earlier passes (K > 32 only)
-        if (local_expert(__ldcg(hdr_ids(hdr) + k2), p.E, p.L, r) == le) {
+        if (local_expert(__ldcg(hdr_ids(hdr, p.K) + k2), p.E, p.L, r) == le) {
           kl = k2;
           break;
         }
     const bool lead = le >= 0 && kl == k;
     int j = -1;  // every slot naming a local expert: the output row of its lead
     if (le >= 0) {
-      j = __ldcg(hdr_pos(hdr, p.K) + kl);
-      const int R = p.ps.num_ranks;
-      for (int o2 = 0; o2 < (s - rot + R) % R; ++o2)  // the senders before s (from rank rot)
-        j += __ldcg(dispatch_counts(own, p, par, (rot + o2) % R) + le);
+      j = output_row_of(p, hdr, s, kl, le, par, er, rot);
       if (j < 0 || j >= RM) j = -1;  // only a corrupt header gets here: drop, never overrun
     }
     if (part == 0) {
@@ -379,13 +549,10 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
   }
 }
 
-// Closing step of the send phase (whole warp): flags (with row counts) to every receiver, then
-// num_invalid over our own ids.
+// Closing step of the send phase (whole warp): num_invalid over our own ids.
 __device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
                                                     unsigned long long es, int lane) {
   const PeerSlots& ps = p.ps;
-  // rows = T: the receiver looks at our rows 0..T-1 (their tags say which were sent to it)
-  if (lane < ps.num_ranks) push::signal_data(ps, lane, static_cast<int>(es & 1), es, p.T);
   if (lane == 0) trace_mark_last(ps, 17);
   int c = 0;
   const int64_t n = (int64_t)p.T * p.K;
@@ -415,8 +582,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (p.mode & push::kModeSend) {
     const int par = static_cast<int>(es & 1);
-    if ((int)threadIdx.x < R)
+    if ((int)threadIdx.x < R) {
       push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_dispatch: receivers free the buffer");
+      // Our token count to every receiver: its rows t >= T get no tags (rows are ready by
+      // their tags, not by this flag, so it goes first; a remote receiver gets it after the
+      // NVSHMEM puts instead).
+      if (blockIdx.x == 0) push::signal_data(ps, threadIdx.x, par, es, p.T);
+    }
     __syncthreads();
     if (threadIdx.x == 0) diag_max(ps, p.diag, 1);
     const int rows = p.T * R;
@@ -428,13 +600,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (done == 0 && lane == 0) diag_max(ps, p.diag, 2);
       if (it >= n) break;
       if (it < p.E)  // experts of the next rank first, as the send items
-        dispatch_position_item(p, (it + (ps.rank + 1) * p.L) % p.E, par, lane);
+        dispatch_position_item(p, (it + (ps.rank + 1) * p.L) % p.E, par, es, lane);
       else
         dispatch_send_item<V>(p, it - p.E, parts, par, es, lane);
       ++done;
     }
     if (lane == 0) diag_max(ps, p.diag, 3);
-    const bool closer = push::finish_items(me, push::kSend, n, done, true, lane);
+    // Unordered: every row is released by its own tags, and the close reads only our ids.
+    const bool closer = push::finish_items(me, push::kSend, n, done, false, lane);
     if (lane == 0) diag_max(ps, p.diag, 4);
     if (closer) dispatch_close_send(p, es, lane);
   }
@@ -447,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int nf = p.L * cpe;  // fill items
     const int rows = R * p.M;  // every (sender, token) row; rows past a sender's count return
     const int parts = row_parts(nf, rows);
-    const int n_own = p.M * parts;  // our own rows first: they wait for our own flag only
+    const int n_own = p.M * parts;  // our own rows first: our own send wrote them
     const int n = nf + rows * parts;
     int done = 0;
     for (;;) {  // warp-uniform
@@ -455,24 +628,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (done == 0 && lane == 0) diag_max(ps, p.diag, 7);
       if (it >= n) break;
       if (it >= n_own && it < n_own + nf) {  // needs every sender's counts
-        if (lane < R)
-          push::wait_data(ps, lane, par, er, p.timeout_ns, "ll_dispatch: wait for the peers' rows");
-        __syncwarp();
+        dispatch_fill_item(p, (it - n_own) / cpe, (it - n_own) % cpe, par, er, lane);
         if (it == n_own && lane == 0) trace_mark_last(ps, 18);
-        dispatch_fill_item(p, (it - n_own) / cpe, (it - n_own) % cpe, par, lane);
       } else {
         const int ri = it < n_own ? it : it - nf;
         const int row = ri / parts, part = ri % parts;
         const int o = row / p.M, t = row - o * p.M;  // o: senders before s in our order
         const int s = (r + o) % R;
-        unsigned int got = 0;  // the flags of s and of the senders before it (their counts)
-        if (lane <= o)
-          got = push::wait_data(ps, (r + lane) % R, par, er, p.timeout_ns,
-                                "ll_dispatch: wait for the peers' rows");
-        got = __shfl_sync(kFull, got, o);
-        __syncwarp();
+        const int* hdr = reinterpret_cast<const int*>(dispatch_row(p.buf[r], p, par, s, t));
+        const bool sent = wait_row(p, hdr, s, t, par, er, lane);
         if (lane == 0 && done == 0) diag_max(ps, p.diag, 5);
-        if (t < static_cast<int>(got)) {
+        if (sent) {
           if (p.use_fp8) copy_row_part<uint4>(p, s, t, part, parts, p.H, er, par, r, lane);
           else copy_row_part<V>(p, s, t, part, parts, 2LL * p.H, er, par, r, lane);
         } else if (part == 0) {
@@ -482,7 +648,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       ++done;
     }
     if (lane == 0) diag_max(ps, p.diag, 9);
-    const bool closer = push::finish_items(me, push::kRecv, n, done, false, lane);
+    const bool closer = push::finish_items(me, push::kRecv, n, done, true, lane);
     if (lane == 0) diag_max(ps, p.diag, 10);
     if (closer) {
       // every row and count of this half is read: the senders may write it again
@@ -619,11 +785,6 @@ __device__ __forceinline__ int* combine_wflag(uint8_t* buf, const CombineParams&
          par * p.ps.num_ranks + s;
 }
 
-// Whether 32-bit epoch tag v is older than e32 (wrap-safe). A newer one passes: XLA may run a
-// split receive twice, after the row was written again for call e + 2.
-__device__ __forceinline__ bool tag_older(int v, unsigned int e32) {
-  return static_cast<int>(static_cast<unsigned int>(v) - e32) < 0;
-}
 
 // One lane: wait until *tag is not older than e32; trap after the timeout (what / t / k say
 // which wait: the first thread to time out reports). The poll loop is out of line: the callers
@@ -986,6 +1147,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       ++done;
     }
     if (lane == 0) diag_max(ps, p.diag, 3);
+    // Unordered: the rows went out with their tags; the close is only a trace mark.
     if (push::finish_items(me, push::kSend, n, done, false, lane) && lane == 0)
       trace_mark_last(ps, 25);
     if (lane == 0) diag_max(ps, p.diag, 4);
@@ -1008,7 +1170,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (lane == 0) diag_max(ps, p.diag, 9);
     const bool closer = n == 0 ? blockIdx.x == 0 && threadIdx.x < 32
-                               : push::finish_items(me, push::kRecv, n, done, false, lane);
+                               : push::finish_items(me, push::kRecv, n, done, true, lane);
     if (lane == 0) diag_max(ps, p.diag, 10);
     if (closer) {  // every row of this half is read: the senders may write it again
       if (lane < R) push::signal_freed(ps, lane, er);
@@ -1020,7 +1182,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 constexpr int kMaxDevices = 256;
-std::atomic<int> g_grid[kMaxDevices];  // blocks per LL kernel per device (0: unknown)
+std::atomic<int> g_sms[kMaxDevices];  // SMs per device (0: not read yet)
+
+int sm_count(int device) {
+  int sms = (device >= 0 && device < kMaxDevices) ? g_sms[device].load() : 0;
+  if (sms == 0) {
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      return 0;
+    if (device >= 0 && device < kMaxDevices) g_sms[device].store(sms);
+  }
+  return sms;
+}
 
 // Widest vector (bytes) dividing every value.
 int vec_bytes(std::initializer_list<uintptr_t> vals) {
@@ -1032,11 +1204,11 @@ int vec_bytes(std::initializer_list<uintptr_t> vals) {
 
 }  // namespace
 
-int64_t dispatch_header_bytes(int64_t K) { return align16(4 * (1 + 2 * K)); }
+int64_t dispatch_header_bytes(int64_t K) { return align16(4 * kDispatchTags + 12 * K); }
 int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8) {
   return dispatch_header_bytes(K) + align16(use_fp8 ? H + 4 * (H / 128) : 2 * H);
 }
-int64_t dispatch_count_bytes(int64_t L) { return align16(4 * L); }
+int64_t dispatch_count_bytes(int64_t L) { return align16(8 * L); }
 int64_t dispatch_area_bytes(int64_t M, int64_t K, int64_t H, int64_t L, bool use_fp8) {
   return M * dispatch_row_bytes(K, H, use_fp8) + dispatch_count_bytes(L);
 }
@@ -1048,21 +1220,21 @@ int64_t combine_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H) {
   return combine_wflags_offset(R, M, K, H) + align16(2 * R * 4);  // rows, tags, weights, flags
 }
 
-int grid_size(int device) {
-  int cap = (device >= 0 && device < kMaxDevices) ? g_grid[device].load() : 0;
-  if (cap == 0) {
-    int sms = 0;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-      return 0;
-    // Three quarters of the SMs: a grid holding every SM while it spins on its peers would
-    // starve other kernels that XLA runs beside it (a NCCL collective on another stream) and
-    // that the peers may wait on. Work is taken by tickets, so fewer resident blocks only cost
-    // time. More SMs issue more remote stores: at R = 4 on H200 the combine took 52 us on 66
-    // blocks, 48 on 96 and 47.5 on 132; the FP8 dispatch moved by less than 1.1 us (NOTES.md).
-    cap = sms * 3 / 4 > 0 ? sms * 3 / 4 : 1;
-    if (device >= 0 && device < kMaxDevices) g_grid[device].store(cap);
-  }
-  return cap;
+// Neither kernel holds every SM: one that did while it spins on its peers could starve a kernel
+// that XLA runs beside it (a NCCL collective on another stream) and that the peers wait on.
+// Work is taken by tickets, so blocks that are not resident only cost time.
+// The dispatch: three quarters of the SMs. At R = 4 on H200 it took 26.9 us on 99 blocks and
+// 29.0 on 132 (session 8, NOTES.md).
+int dispatch_grid_size(int device) {
+  const int sms = sm_count(device);
+  return sms * 3 / 4 > 0 ? sms * 3 / 4 : (sms > 0 ? 1 : 0);
+}
+// The combine: all SMs but kCombineFreeSms (at least three quarters). More warps take more
+// column parts of a (source, token) in one round: at R = 4, M = 128 on H200, 128 blocks give 4
+// parts where 99 gave 2, and the kernel took 37.6 us against 41.0 (session 9, NOTES.md).
+constexpr int kCombineFreeSms = 4;
+int combine_grid_size(int device) {
+  return std::max(dispatch_grid_size(device), sm_count(device) - kCombineFreeSms);
 }
 
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream) {

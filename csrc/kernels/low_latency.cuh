@@ -14,18 +14,25 @@ namespace ll {
 constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on 3/4 of the SMs
 
 // Receive-buffer layout. Dispatch: [parity][src rank s] areas (dispatch_area_bytes), each M rows
-// of dispatch_row_bytes then a count block. A row: a header (int epoch tag, int topk_ids[K], int
-// pos[K], padded to 16 bytes) then the payload (FP8: H e4m3 bytes, then G float32 scales; BF16:
-// 2H bytes), padded to 16 bytes. Row t of sender s holds token t when its tag is this call's
-// epoch (a token not sent to us keeps an older tag); pos[k] of a slot k that names a local expert
-// first is the token's place among s's tokens for that expert (other pos words are stale). The
-// count block: int32 [L], s's number of tokens per local expert. Combine: [parity][token t][slot
-// k] rows of 2H bytes, then int32 tags [parity][t][k][kCombineParts] (the epoch of the call whose
-// column part of row (t, k) is in place), then float32 weights [parity][source s][t][k] (s's
-// topk_weights, written by s at the start of its combine, for the expert-side pre-reduction),
-// then int32 weight flags [parity][s] (the epoch of s's weights). Row (t, k) holds the bf16
-// output of the expert named first by slot k, or the two halves of a partial sum (low_latency.cu,
-// "Combine").
+// of dispatch_row_bytes then a count block. A row: a header (int tags[kDispatchTags], uint64
+// pos[K], int topk_ids[K], padded to 16 bytes) then the payload (FP8: H e4m3 bytes, then G float32
+// scales; BF16: 2H bytes), padded to 16 bytes. Row t of sender s holds token t of this call when
+// every tag is the call's epoch (low 32 bits; each sender warp releases its tags after its part
+// of the row), and was skipped (no expert of t here) when tags[0] is the epoch's complement; a
+// row past s's token count (in s's data flag, written at the start of its send) keeps older
+// tags. pos[k] of a slot k that names a local expert first is (epoch << 32) | the token's place
+// among s's tokens for that expert (other pos words are stale). The count block: uint64 [L],
+// (epoch << 32) | s's number of tokens per local expert. Words that carry their epoch need no
+// ordering: the receiver polls them until the epoch is its own.
+// Combine: [parity][token t][slot k] rows of 2H bytes, then int32 tags
+// [parity][t][k][kCombineParts] (the epoch of the call whose column part of row (t, k) is in
+// place), then float32 weights [parity][source s][t][k] (s's topk_weights, written by s at the
+// start of its combine, for the expert-side pre-reduction), then int32 weight flags [parity][s]
+// (the epoch of s's weights). Row (t, k) holds the bf16 output of the expert named first by
+// slot k, or the two halves of a partial sum (low_latency.cu, "Combine").
+// Tags per dispatch row: a row is sent by up to kDispatchTags warps (its parts); part p releases
+// the tags i with i % parts == p once its stores are out, so all of them say the row is in.
+constexpr int kDispatchTags = 4;
 int64_t dispatch_header_bytes(int64_t K);
 int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8);
 int64_t dispatch_count_bytes(int64_t L);
@@ -101,8 +108,10 @@ struct CombineParams {
   int64_t timeout_ns;
 };
 
-// Blocks of the LL kernels on `device` (half its SMs: see low_latency.cu); 0 on a CUDA error.
-int grid_size(int device);
+// Blocks of the LL dispatch / combine kernels on `device` (three quarters of its SMs / all but
+// kCombineFreeSms: see low_latency.cu); 0 on a CUDA error.
+int dispatch_grid_size(int device);
+int combine_grid_size(int device);
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream);
 cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream);
 

@@ -54,6 +54,18 @@ __device__ __forceinline__ int ld_acquire_sys_s32(const int* p) {
 __device__ __forceinline__ void st_release_sys_s32(int* p, int v) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// Relaxed system-scope accesses: for words that carry their own epoch (no data behind them).
+__device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys_s32(int* p, int v) {
+  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ unsigned long long ld_volatile_u64(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -81,15 +93,16 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 //   HT combine: 10 start, 11 after wait for peers, 12 loop done (block 0), 13 all arrived,
 //      14 peers done
 //   LL dispatch (push protocol, transport/push.cuh): 16 start (block 0), 17 send phase done
-//      (flags out: the last warp of the send phase), 18 every flag seen (the first fill item),
+//      (the last warp of the send phase), 18 the first fill item done (every sender's count of
+//      its expert seen),
 //      19 receive phase done (the last warp of the receive phase)
 //   LL combine: 24 start, 25 send phase done (rows and tags out), 26 receive phase starts
 //      (block 0; it waits per token for the row tags), 27 receive phase done
 //   LL diagnostic, only with JAX_EP_LL_DIAG=1 (low_latency.cu, diag_max): the LATEST time any
 //   block / warp reached a point, indices 0..11 of the LL slots (free there):
 //      0 block start   1 past the send's wait for freed buffers (dispatch)   2 first send ticket
-//      3 send loop done   4 past the send's finish_items (fence + count)   5 receive: a
-//      warp's first copy item past its flag wait (dispatch)   7 first receive ticket
+//      3 send loop done   4 past the send's finish_items (its count)   5 receive: a
+//      warp's first copy item past its row wait (dispatch)   7 first receive ticket
 //      8 an item's data in (dispatch: a copy item's tag matched; combine: a token's rows
 //      arrived)   9 receive loop done   10 past the receive's finish_items   11 at leave_kernel
 // ---------------------------------------------------------------------------------------------

@@ -4,13 +4,12 @@
 // by the parity p = e & 1 of the call's epoch e. A call has a send phase and a receive phase,
 // run by one kernel (fused op) or by two (the send / receive split):
 //   send    wait until every receiver q has freed our half p from call e - 2 (freed[q] >= e - 2,
-//           written by q into OUR slot: normally long true), write rows into q's buffer, then
-//           data_flag[p][r] = (e << 32) | rows in q's slot (release; every warp fenced its rows
-//           at system scope before its count). The LL combine tags every row with e instead
-//           (kernels/low_latency.cu, combine_tag).
-//   receive wait until data_flag[p][s] >> 32 >= e for every sender s (local polls; combine: the
-//           tags of each token's rows), read the rows from our own buffer into the XLA outputs,
-//           then freed[r] = e in every sender's slot.
+//           written by q into OUR slot: normally long true), write rows into q's buffer, each
+//           followed by its tags (the epoch e, release stores: kernels/low_latency.cu). The LL
+//           dispatch also writes data_flag[p][r] = (e << 32) | rows (our token count) into q's
+//           slot when the send starts: rows past it get no tags.
+//   receive wait for each row's tags (local polls), read the rows from our own buffer into the
+//           XLA outputs, then freed[r] = e in every sender's slot.
 // The send phase takes e = send_epoch + 1. A receive in the same kernel uses the same e; a
 // separate receive kernel (the split API) reads e from its send's result (the "ticket"), so the
 // pair always agrees on e even when XLA reorders or software-pipelines the calls of a loop.
@@ -19,12 +18,12 @@
 // Remote peers (PeerSlots::remote, per-process mode): the send phase writes their rows into this
 // rank's scratch image of their buffer (the handler points buf[q] there), and NVSHMEM kernels
 // (transport/remote.h) put them after the send kernel, then (once the puts completed) the flag
-// or the row tags.
+// (dispatch: the receiver waits for it before it reads a remote sender's rows) or the row tags.
 //
 // Work is split into items taken from per-phase ticket counters by whole warps, so the warps
 // that are resident take every item before any of them waits on a peer: no wait ever depends on
 // a block that cannot be scheduled (XLA may run another kernel, e.g. NCCL, beside ours). The warp
-// whose items complete a phase runs the phase's closing step (flags out, counts).
+// whose items complete a phase runs the phase's closing step (freed flags, stats).
 // The last block to leave the kernel resets the tickets and counters and advances the epochs.
 // Every wait traps after timeout_ns with the rank, the peer and the phase.
 #pragma once
@@ -58,17 +57,20 @@ __device__ __forceinline__ int take_ticket(Slot* me, int phase, int lane) {
 }
 
 // Whole warp, once after its last item of the phase (done: how many it finished): true in every
-// lane for the warp whose items completed the phase's n. One fence and one atomic per warp, not
-// per item. system: the items wrote peer memory (fence at system scope, before the count).
-__device__ __forceinline__ bool finish_items(Slot* me, int phase, int n, int done, bool system,
+// lane for the warp whose items completed the phase's n. One atomic per warp, not per item.
+// ordered: the closing step relies on the items' writes (a fence before the count, and one
+// after it in the closer); else the count alone. A fence waits for the warp's stores to peer
+// memory to be acknowledged (~3 us at R = 4): the send phases, whose items release their own
+// tags, skip it.
+__device__ __forceinline__ bool finish_items(Slot* me, int phase, int n, int done, bool ordered,
                                              int lane) {
   if (done == 0) return false;
   __syncwarp();
   unsigned int d = 0;
   if (lane == 0) {
-    if (system) __threadfence_system(); else __threadfence();
+    if (ordered) __threadfence();
     d = atomicAdd(&me->items_done[phase], static_cast<unsigned int>(done));
-    if (static_cast<int>(d) + done == n) __threadfence();  // acquire: the other items' writes
+    if (ordered && static_cast<int>(d) + done == n) __threadfence();  // acquire: their writes
   }
   d = __shfl_sync(0xffffffffu, d, 0);
   return static_cast<int>(d) + done == n;
@@ -109,21 +111,20 @@ __device__ __forceinline__ void wait_freed(const PeerSlots& ps, int q, unsigned 
   wait_flag_geq(&ps.slot[ps.rank]->freed[q], e - 2, timeout_ns, ps.rank, q, phase);
 }
 
-// Lane q (< R) of the closing warp of a send phase: rows are in q's buffer; tell q.
-// A remote q is signalled by remote::push_*_rows after its puts instead.
-// No fence before the release store: every warp fenced its own writes (system scope) before
-// its count, and the closing warp acquired all counts (finish_items), so the release store
-// orders them all (PTX causality is transitive). A system fence here cost ~1 us before the
-// flags went out (session 6, NOTES.md).
+// Thread q (< R) at the start of a send phase: our row count for q, (e << 32) | rows (the LL
+// dispatch releases each row by its own tags; rows >= `rows` get none). Relaxed: the word
+// carries its epoch and nothing is ordered behind it. A remote q gets it from
+// remote::push_dispatch_rows after the puts of our rows instead.
 __device__ __forceinline__ void signal_data(const PeerSlots& ps, int q, int p,
                                             unsigned long long e, unsigned int rows) {
   if (is_remote(ps, q)) return;
-  st_release_sys(&ps.slot[q]->data_flag[p][ps.rank], (e << 32) | rows);
+  st_relaxed_sys(&ps.slot[q]->data_flag[p][ps.rank], (e << 32) | rows);
 }
 
 // Lane s (< R) of the closing warp of a receive phase: we are done reading s's rows of call e.
 // A remote s is freed by remote::free_remote_senders after this kernel instead. No fence
-// first, as in signal_data: the release store orders every warp's reads, counted before it.
+// first: every warp fenced before its count (finish_items, ordered), the closing warp acquired
+// the counts, and the release store orders them all (PTX causality is transitive).
 __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigned long long e) {
   if (is_remote(ps, s)) return;
   st_release_sys(&ps.slot[s]->freed[ps.rank], e);
