@@ -23,7 +23,7 @@ constexpr int kCopyRegs = 8;         // vectors in flight per lane while copying
 constexpr int kFillInts = 512;       // recv_src / recv_slot entries per fill item
 constexpr int kCombineVpt = 2;       // column vectors per lane per combine item
 constexpr int kCombineKb = 8;        // top-k rows loaded together in combine
-constexpr int kPollSleepNs = 128;    // pause between polls of a combine row tag
+constexpr int kPollSleepNs = 128;    // pause between polls of a row tag or an epoch word
 
 __host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
 
@@ -618,7 +618,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t RM = (int64_t)R * p.M;
     const int cpe = static_cast<int>((RM + kFillInts - 1) / kFillInts);
     const int nf = p.L * cpe;  // fill items
-    const int rows = R * p.M;  // every (sender, token) row; rows past a sender's count return
+    const int rows = R * p.M;  // every (sender, token) row; wait_row skips those past its count
     const int parts = row_parts(nf, rows);
     const int n_own = p.M * parts;  // our own rows first: our own send wrote them
     const int n = nf + rows * parts;
