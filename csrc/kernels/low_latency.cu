@@ -20,6 +20,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxParts = 4;         // most warps per (token, destination) send row / received row
 constexpr int kQuantUnits = 4;       // 128-column groups in flight per 8 lanes (quantisation)
 constexpr int kCopyRegs = 8;         // vectors in flight per lane while copying a row
+constexpr int kFastRegs = 6;         // the same in copy_row_fast (loaded with the row's words)
 constexpr int kFillInts = 512;       // recv_src / recv_slot entries per fill item
 constexpr int kCombineVpt = 2;       // column vectors per lane per combine item
 constexpr int kCombineKb = 8;        // top-k rows loaded together in combine
@@ -473,6 +474,18 @@ __device__ __forceinline__ int output_row_of(const DispatchParams& p, const int*
   return late ? output_row_slow(p, hdr, s, kl, le, par, er, rot) : static_cast<int>(j);
 }
 
+// Part 0 of a copy item, the lane of slot k (naming local expert le, -1: none; j: the output
+// row of its lead, -1: dropped): src_rows of slot k, and recv_src / recv_slot of a lead's row.
+__device__ __forceinline__ void write_row_indices(const DispatchParams& p, int s, int t, int k,
+                                                  int le, int j, bool lead, int64_t RM) {
+  if (k < p.K)
+    p.src_rows[((int64_t)s * p.M + t) * p.K + k] = j >= 0 ? static_cast<int>(le * RM + j) : -1;
+  if (lead && j >= 0) {
+    p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
+    p.recv_slot[(int64_t)le * RM + j] = k;
+  }
+}
+
 // Copy item: part `part` of `parts` of row t of sender s (its tags are in) to the output row of
 // each local expert it names. rot: our rank (the first sender in the receive order).
 template <typename VV>
@@ -484,7 +497,6 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
   uint8_t* own = p.buf[r];
   const uint8_t* row = dispatch_row(own, p, par, s, t);
   const int* hdr = reinterpret_cast<const int*>(row);
-  if (lane == 0) diag_max(p.ps, p.diag, 8);
   const uint8_t* pay = row + p.hdr_bytes;
   const VV* src = reinterpret_cast<const VV*>(pay);
   const int nvec = static_cast<int>(pay_bytes / (int64_t)sizeof(VV));
@@ -508,15 +520,7 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
       j = output_row_of(p, hdr, s, kl, le, par, er, rot);
       if (j < 0 || j >= RM) j = -1;  // only a corrupt header gets here: drop, never overrun
     }
-    if (part == 0) {
-      if (k < p.K)
-        p.src_rows[((int64_t)s * p.M + t) * p.K + k] =
-            j >= 0 ? static_cast<int>(le * RM + j) : -1;
-      if (lead && j >= 0) {
-        p.recv_src[(int64_t)le * RM + j] = s * p.M + t;
-        p.recv_slot[(int64_t)le * RM + j] = k;
-      }
-    }
+    if (part == 0) write_row_indices(p, s, t, k, le, j, lead, RM);
     if (!lead) j = -1;
     const unsigned mask = __ballot_sync(kFull, j >= 0);
     if (mask == 0) continue;
@@ -549,6 +553,112 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
   }
 }
 
+// Copy item, fast form: what copy_row_part does, with every load of the item issued at once
+// after the row's tags: the ids and pos words (lane k: slot k), the counts of every local expert
+// (lane l: expert l) of the senders before s, and the first kFastRegs vectors per lane of the
+// part (part 0 of an FP8 row: and the scales). The output rows then come from shuffles: one
+// load round trip where copy_row_part chains four (ids, words, payload, scales). Returns false,
+// having written nothing, when a word is not of call er yet or the shape is not covered (K or L
+// over 32, FP8 scales not in whole 16-byte vectors or over 32 of them, a remote sender, more
+// than kFastSenders senders before s): the caller then runs copy_row_part.
+template <typename VV>
+__device__ __forceinline__ bool copy_row_fast(const DispatchParams& p, int s, int t, int part,
+                                              int parts, int64_t pay_bytes,
+                                              unsigned long long er, int par, int rot, int lane) {
+  const int R = p.ps.num_ranks, r = p.ps.rank;
+  const int ns = (s - rot + R) % R;  // senders before s in the receive order
+  if (p.K > 32 || p.L > 32 || ns > kFastSenders || is_remote(p.ps, s)) return false;
+  if (p.use_fp8 && (sizeof(VV) != 16 || p.G % 4 != 0 || p.G / 4 > 32 ||
+                    (reinterpret_cast<uintptr_t>(p.recv_scales) & 15) != 0))
+    return false;
+  for (int o2 = 0; o2 < ns; ++o2)
+    if (is_remote(p.ps, (rot + o2) % R)) return false;
+  const int64_t RM = (int64_t)R * p.M;
+  uint8_t* own = p.buf[r];
+  const uint8_t* row = dispatch_row(own, p, par, s, t);
+  const int* hdr = reinterpret_cast<const int*>(row);
+  const VV* src = reinterpret_cast<const VV*>(row + p.hdr_bytes);
+  // The parts split the payload exactly as copy_row_part does (another part of the row may
+  // take that form), and part 0 copies the scales (FP8: 16-byte vectors right after it).
+  const int npay = static_cast<int>(pay_bytes / (int64_t)sizeof(VV));
+  const int nsc = p.use_fp8 && part == 0 ? p.G / 4 : 0;
+  const int per = (npay + parts - 1) / parts;
+  const int v0 = min(npay, part * per), v1 = min(npay, v0 + per);
+  // Every address, then every load (no parameter is read between the loads).
+  const bool slot = lane < p.K;
+  const unsigned long long* cp[kFastSenders];
+#pragma unroll
+  for (int o2 = 0; o2 < kFastSenders; ++o2)
+    cp[o2] = o2 < ns && lane < p.L ? dispatch_counts(own, p, par, (rot + o2) % R) + lane
+                                   : nullptr;
+  const int id = slot ? __ldcg(hdr_ids(hdr, p.K) + lane) : -1;
+  const unsigned long long pw = slot ? ld_relaxed_sys(hdr_pos(hdr) + lane) : 0ull;
+  unsigned long long cw[kFastSenders];
+#pragma unroll
+  for (int o2 = 0; o2 < kFastSenders; ++o2)
+    cw[o2] = cp[o2] != nullptr ? ld_relaxed_sys(cp[o2]) : with_epoch(er, 0);
+  VV buf[kFastRegs];
+#pragma unroll
+  for (int u = 0; u < kFastRegs; ++u) {
+    const int v = v0 + u * 32 + lane;
+    if (v < v1) buf[u] = __ldcg(src + v);
+  }
+  uint4 scv = make_uint4(0u, 0u, 0u, 0u);
+  if (lane < nsc) scv = __ldcg(reinterpret_cast<const uint4*>(src + npay) + lane);
+  // The lead of each slot's expert, and its output row: the lead's pos word plus the senders'
+  // counts of that expert.
+  const int le = local_expert(id, p.E, p.L, r);
+  const int kl = __ffs(__match_any_sync(kFull, le)) - 1;
+  const bool lead = le >= 0 && kl == lane;
+  const unsigned long long lw = __shfl_sync(kFull, pw, kl);
+  bool late = le >= 0 && word_older(lw, er);
+  unsigned int jw = static_cast<unsigned int>(lw);
+#pragma unroll
+  for (int o2 = 0; o2 < kFastSenders; ++o2) {
+    const unsigned long long c = __shfl_sync(kFull, cw[o2], le >= 0 ? le : 0);
+    late |= le >= 0 && word_older(c, er);
+    jw += static_cast<unsigned int>(c);
+  }
+  if (__any_sync(kFull, late)) return false;
+  if (lane == 0) diag_max(p.ps, p.diag, 6);
+  int j = le >= 0 && jw < RM ? static_cast<int>(jw) : -1;  // >= RM: a corrupt header; drop
+  if (part == 0) write_row_indices(p, s, t, lane, le, j, lead, RM);
+  if (!lead) j = -1;
+  const unsigned mask = __ballot_sync(kFull, j >= 0);
+  VV* recv_x = static_cast<VV*>(p.recv_x);
+  uint4* recv_sc = reinterpret_cast<uint4*>(p.recv_scales);
+  for (int base = v0;; base += kFastRegs * 32) {  // warp-uniform; long parts load again
+    for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
+      const int64_t orow = lead_row(le, j, __ffs(m) - 1, RM);
+#pragma unroll
+      for (int u = 0; u < kFastRegs; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v < v1) recv_x[orow * npay + v] = buf[u];
+      }
+      if (base == v0 && lane < nsc) recv_sc[orow * nsc + lane] = scv;
+    }
+    if (base + kFastRegs * 32 >= v1) break;
+#pragma unroll
+    for (int u = 0; u < kFastRegs; ++u) {
+      const int v = base + kFastRegs * 32 + u * 32 + lane;
+      if (v < v1) buf[u] = __ldcg(src + v);
+    }
+  }
+  return true;
+}
+
+// Copy item (row t of sender s, column part `part`, its tags are in): the fast form, else the
+// general one.
+template <typename VV>
+__device__ __noinline__ void copy_item(const DispatchParams& p, int s, int t, int part,
+                                       int parts, int64_t pay_bytes, unsigned long long er,
+                                       int par, int lane) {
+  const int r = p.ps.rank;
+  if (lane == 0) diag_max(p.ps, p.diag, 8);
+  if (!copy_row_fast<VV>(p, s, t, part, parts, pay_bytes, er, par, r, lane))
+    copy_row_part<VV>(p, s, t, part, parts, pay_bytes, er, par, r, lane);
+}
+
 // Closing step of the send phase (whole warp): num_invalid over our own ids.
 __device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
                                                     unsigned long long es, int lane) {
@@ -556,7 +666,8 @@ __device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
   if (lane == 0) trace_mark_last(ps, 17);
   int c = 0;
   const int64_t n = (int64_t)p.T * p.K;
-  for (int64_t i = lane; i < n; i += 32) {
+#pragma unroll 8
+  for (int64_t i = lane; i < n; i += 32) {  // loads in flight together: this warp receives next
     const int v = __ldg(p.topk_idx + i);
     c += (v < -1 || v >= p.E) ? 1 : 0;
   }
@@ -573,7 +684,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const PeerSlots& ps = p.ps;
   const int R = ps.num_ranks;
   Slot* me = ps.slot[ps.rank];
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long es = push::send_epoch(ps);
   const unsigned long long er =
       push::recv_epoch(ps, p.mode == push::kModeRecv ? p.ticket + 1 : nullptr);
@@ -589,26 +700,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       // NVSHMEM puts instead).
       if (blockIdx.x == 0) push::signal_data(ps, threadIdx.x, par, es, p.T);
     }
+    __shared__ unsigned int first_ticket;  // the block's first send tickets (one atomic)
+    if (threadIdx.x == 0) first_ticket = push::take_block_tickets(me, push::kSend, kWarps);
     __syncthreads();
     if (threadIdx.x == 0) diag_max(ps, p.diag, 1);
     const int rows = p.T * R;
     const int parts = row_parts(p.E, rows);
     const int n = p.E + rows * parts;  // >= 1: the close always runs
-    int done = 0;
-    for (;;) {  // warp-uniform
-      const int it = push::take_ticket(me, push::kSend, lane);
-      if (done == 0 && lane == 0) diag_max(ps, p.diag, 2);
-      if (it >= n) break;
-      if (it < p.E)  // experts of the next rank first, as the send items
-        dispatch_position_item(p, (it + (ps.rank + 1) * p.L) % p.E, par, es, lane);
+    bool closer = false;
+    for (int fin = 0;; fin = 1) {  // warp-uniform
+      const push::Take tk = push::send_take(me, first_ticket, warp, n, fin, lane);
+      if (fin == 0 && lane == 0) diag_max(ps, p.diag, 2);
+      if (tk.it >= n) {
+        closer = tk.closer;
+        break;
+      }
+      if (tk.it < p.E)  // experts of the next rank first, as the send items
+        dispatch_position_item(p, (tk.it + (ps.rank + 1) * p.L) % p.E, par, es, lane);
       else
-        dispatch_send_item<V>(p, it - p.E, parts, par, es, lane);
-      ++done;
+        dispatch_send_item<V>(p, tk.it - p.E, parts, par, es, lane);
     }
     if (lane == 0) diag_max(ps, p.diag, 3);
-    // Unordered: every row is released by its own tags, and the close reads only our ids.
-    const bool closer = push::finish_items(me, push::kSend, n, done, false, lane);
-    if (lane == 0) diag_max(ps, p.diag, 4);
     if (closer) dispatch_close_send(p, es, lane);
   }
 
@@ -622,11 +734,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int parts = row_parts(nf, rows);
     const int n_own = p.M * parts;  // our own rows first: our own send wrote them
     const int n = nf + rows * parts;
-    int done = 0;
-    for (;;) {  // warp-uniform
-      const int it = push::take_ticket(me, push::kRecv, lane);
-      if (done == 0 && lane == 0) diag_max(ps, p.diag, 7);
-      if (it >= n) break;
+    bool closer = false;
+    for (int fin = 0;; fin = 1) {  // warp-uniform
+      if (fin != 0 && lane == 0) diag_max(ps, p.diag, 4);
+      const push::Take tk = push::next_item(me, push::kRecv, n, fin, lane);
+      if (fin == 0 && lane == 0) diag_max(ps, p.diag, 7);
+      if (tk.it >= n) {
+        closer = tk.closer;
+        break;
+      }
+      const int it = tk.it;
       if (it >= n_own && it < n_own + nf) {  // needs every sender's counts
         dispatch_fill_item(p, (it - n_own) / cpe, (it - n_own) % cpe, par, er, lane);
         if (it == n_own && lane == 0) trace_mark_last(ps, 18);
@@ -637,23 +754,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = (r + o) % R;
         const int* hdr = reinterpret_cast<const int*>(dispatch_row(p.buf[r], p, par, s, t));
         const bool sent = wait_row(p, hdr, s, t, par, er, lane);
-        if (lane == 0 && done == 0) diag_max(ps, p.diag, 5);
+        if (lane == 0 && fin == 0) diag_max(ps, p.diag, 5);
         if (sent) {
-          if (p.use_fp8) copy_row_part<uint4>(p, s, t, part, parts, p.H, er, par, r, lane);
-          else copy_row_part<V>(p, s, t, part, parts, 2LL * p.H, er, par, r, lane);
+          if (p.use_fp8 || sizeof(V) == sizeof(uint4))  // FP8 rows: 16-byte vectors
+            copy_item<uint4>(p, s, t, part, parts, p.use_fp8 ? p.H : 2LL * p.H, er, par, lane);
+          else
+            copy_item<V>(p, s, t, part, parts, 2LL * p.H, er, par, lane);
         } else if (part == 0) {
           clear_src_rows(p, s, t, lane);
         }
       }
-      ++done;
     }
     if (lane == 0) diag_max(ps, p.diag, 9);
-    const bool closer = push::finish_items(me, push::kRecv, n, done, true, lane);
-    if (lane == 0) diag_max(ps, p.diag, 10);
     if (closer) {
       // every row and count of this half is read: the senders may write it again
       if (lane < R) push::signal_freed(ps, lane, er);
       if (lane == 0) trace_mark_last(ps, 19);
+      if (lane == 0) diag_max(ps, p.diag, 10);
     }
   }
   if (lane == 0) diag_max(ps, p.diag, 11);
@@ -1129,6 +1246,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_combine: sources free the buffer");
     if (p.ticket != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
       p.ticket[0] = static_cast<int>(es);  // the split receive takes the epoch from here
+    __shared__ unsigned int first_ticket;  // the block's first send tickets (one atomic)
+    if (threadIdx.x == 0) first_ticket = push::take_block_tickets(me, push::kSend, kWarps);
     __syncthreads();
     // Parts per (source, token): as many as the grid's warps take in one round (a second round
     // doubles the phase), a power of two <= kCombineParts.
@@ -1136,21 +1255,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     while (parts > 1 && R * p.M * parts > static_cast<int>(gridDim.x) * kWarps) parts >>= 1;
     const int n = R * p.M * parts;
     unsigned wseen = 0;
-    int done = 0;
-    for (;;) {  // warp-uniform
-      const int it = push::take_ticket(me, push::kSend, lane);
-      if (done == 0 && lane == 0) diag_max(ps, p.diag, 2);
-      if (it >= n) break;
-      const int part = it % parts, pair = it / parts;
+    for (int fin = 0;; fin = 1) {  // warp-uniform
+      const push::Take tk = push::send_take(me, first_ticket, warp, n, fin, lane);
+      if (fin == 0 && lane == 0) diag_max(ps, p.diag, 2);
+      if (tk.it >= n) {
+        if (tk.closer && lane == 0) trace_mark_last(ps, 25);
+        break;
+      }
+      const int part = tk.it % parts, pair = tk.it / parts;
       const int t = pair / R, s = (ps.rank + 1 + pair % R) % R;
       combine_send_item<V>(p, s, t, part, parts, par, es, &wseen, lane);
-      ++done;
     }
     if (lane == 0) diag_max(ps, p.diag, 3);
-    // Unordered: the rows went out with their tags; the close is only a trace mark.
-    if (push::finish_items(me, push::kSend, n, done, false, lane) && lane == 0)
-      trace_mark_last(ps, 25);
-    if (lane == 0) diag_max(ps, p.diag, 4);
   }
 
   if (p.mode & push::kModeRecv) {
@@ -1160,18 +1276,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int nvec = p.H / EPV;
     const int nchunk = (nvec + 32 * kCombineVpt - 1) / (32 * kCombineVpt);
     const int n = p.T * nchunk;
-    int done = 0;
-    for (;;) {  // warp-uniform; tokens in order (the order the rows arrive in)
-      const int it = push::take_ticket(me, push::kRecv, lane);
-      if (done == 0 && lane == 0) diag_max(ps, p.diag, 7);
-      if (it >= n) break;
-      combine_recv_item<V>(p, it / nchunk, it % nchunk, par, er, lane);
-      ++done;
+    bool closer = n == 0 && blockIdx.x == 0 && threadIdx.x < 32;
+    for (int fin = 0;; fin = 1) {  // warp-uniform; tokens in order (the order the rows arrive in)
+      const push::Take tk = push::next_item(me, push::kRecv, n, fin, lane);
+      if (fin == 0 && lane == 0) diag_max(ps, p.diag, 7);
+      if (tk.it >= n) {
+        closer |= tk.closer;
+        break;
+      }
+      combine_recv_item<V>(p, tk.it / nchunk, tk.it % nchunk, par, er, lane);
     }
     if (lane == 0) diag_max(ps, p.diag, 9);
-    const bool closer = n == 0 ? blockIdx.x == 0 && threadIdx.x < 32
-                               : push::finish_items(me, push::kRecv, n, done, true, lane);
-    if (lane == 0) diag_max(ps, p.diag, 10);
     if (closer) {  // every row of this half is read: the senders may write it again
       if (lane < R) push::signal_freed(ps, lane, er);
       if (lane == 0) trace_mark_last(ps, 27);

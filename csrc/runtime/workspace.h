@@ -36,11 +36,11 @@ struct alignas(128) Slot {
   // ready_from[s] = e when its staged operands of call e can be read (its done[] flags serve
   // the end of the call).
   unsigned long long ready_from[kMaxRanks];
-  // Work tickets and finished-item counts per phase (send, receive). Whichever warps are
+  // Work per phase (send, receive): (tickets taken << 32) | items finished, one word so that a
+  // warp reports its finished item and takes its next ticket in one atomic. Whichever warps are
   // resident take every ticket before any of them waits on a peer, so no wait ever depends on a
   // block that XLA could not schedule (another kernel holding SMs). Reset by the last block out.
-  unsigned int ticket[2];
-  unsigned int items_done[2];
+  unsigned long long work[2];
   unsigned int exit_counter;
   // Diagnostic phase tracer (peer.cuh trace_mark, index table there): %globaltimer ns of each
   // phase boundary of the last call on this slot, written by block 0 / the end barrier's last

@@ -55,16 +55,20 @@ __device__ __forceinline__ void st_release_sys_s32(int* p, int v) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 // Relaxed system-scope accesses: for words that carry their own epoch (no data behind them).
+// No "memory" clobber: nothing is ordered by them, and a clobber would make the compiler reload
+// every value it read from memory (the kernel parameters, behind a reference in the out-of-line
+// items) after each one, chaining those reloads into the loads that follow. volatile keeps
+// each access (polls re-read) and their order among themselves.
 __device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long* p) {
   unsigned long long v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
   return v;
 }
 __device__ __forceinline__ void st_relaxed_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v));
 }
 __device__ __forceinline__ void st_relaxed_sys_s32(int* p, int v) {
-  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v));
 }
 __device__ __forceinline__ unsigned long long ld_volatile_u64(const unsigned long long* p) {
   unsigned long long v;
@@ -101,10 +105,12 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 //   LL diagnostic, only with JAX_EP_LL_DIAG=1 (low_latency.cu, diag_max): the LATEST time any
 //   block / warp reached a point, indices 0..11 of the LL slots (free there):
 //      0 block start   1 past the send's wait for freed buffers (dispatch)   2 first send ticket
-//      3 send loop done   4 past the send's finish_items (its count)   5 receive: a
-//      warp's first copy item past its row wait (dispatch)   7 first receive ticket
-//      8 an item's data in (dispatch: a copy item's tag matched; combine: a token's rows
-//      arrived)   9 receive loop done   10 past the receive's finish_items   11 at leave_kernel
+//      3 send loop done (its items counted: push::next_item)   4 a receive item done
+//      (dispatch)   5 receive: a warp's first copy item past its row wait (dispatch)   6 a fast
+//      copy's words in (dispatch)   7 first receive ticket   8 an item's data in (dispatch: a
+//      copy item's tags matched; combine: a token's rows arrived)   9 receive loop done (its
+//      items counted)   10 the receive's closer past its freed flags (dispatch)
+//      11 at leave_kernel
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void trace_mark_last(const PeerSlots& ps, int i) {
   ps.slot[ps.rank]->trace[i] = global_timer_ns();

@@ -49,31 +49,47 @@ __device__ __forceinline__ unsigned long long recv_epoch(const PeerSlots& ps,
   return static_cast<unsigned int>(*reinterpret_cast<const volatile int32_t*>(ticket_epoch));
 }
 
-// Whole warp: the next item of `phase` (same value in every lane).
-__device__ __forceinline__ int take_ticket(Slot* me, int phase, int lane) {
-  unsigned int t = 0;
-  if (lane == 0) t = atomicAdd(&me->ticket[phase], 1u);
-  return static_cast<int>(__shfl_sync(0xffffffffu, t, 0));
+// Whole warp, between items of `phase` (n items): report `fin` finished items (0 before the
+// warp's first item, then 1) and take the next ticket, in one atomic on the phase's work word
+// ((tickets << 32) | finished); the same values in every lane. A ticket >= n ends the warp's
+// phase, and the warp whose report completes n (always on such a take: every ticket was taken
+// by then) is the phase's closer.
+// No fence before the report: a fence waits until the warp's stores are acknowledged (~1 us
+// for local ones, ~3 us for stores to peers at R = 4), and nothing needs that. The closers rely
+// only on the items' reads of our buffer being over (signal_freed): every load of an item feeds
+// an instruction issued before the report (a copy's stores, a row's tag test), and a warp issues
+// in order, so its loads have returned when its report is issued. This is the hardware's order,
+// not one the PTX memory model promises for relaxed accesses. Session 10 measured the fenced
+// report at +0.8 us on the LL dispatch at R = 4 (NOTES.md).
+struct Take {
+  int it;       // the ticket: item `it` when < n
+  bool closer;  // this report completed the phase
+};
+__device__ __forceinline__ Take next_item(Slot* me, int phase, int n, int fin, int lane) {
+  unsigned long long w = 0;
+  __syncwarp();
+  if (lane == 0) w = atomicAdd(&me->work[phase], (1ull << 32) | static_cast<unsigned int>(fin));
+  w = __shfl_sync(0xffffffffu, w, 0);
+  const bool closer = fin != 0 && static_cast<int>(w & 0xffffffffu) + fin == n;
+  return Take{static_cast<int>(w >> 32), closer};
 }
 
-// Whole warp, once after its last item of the phase (done: how many it finished): true in every
-// lane for the warp whose items completed the phase's n. One atomic per warp, not per item.
-// ordered: the closing step relies on the items' writes (a fence before the count, and one
-// after it in the closer); else the count alone. A fence waits for the warp's stores to peer
-// memory to be acknowledged (~3 us at R = 4): the send phases, whose items release their own
-// tags, skip it.
-__device__ __forceinline__ bool finish_items(Slot* me, int phase, int n, int done, bool ordered,
-                                             int lane) {
-  if (done == 0) return false;
-  __syncwarp();
-  unsigned int d = 0;
-  if (lane == 0) {
-    if (ordered) __threadfence();
-    d = atomicAdd(&me->items_done[phase], static_cast<unsigned int>(done));
-    if (ordered && static_cast<int>(d) + done == n) __threadfence();  // acquire: their writes
-  }
-  d = __shfl_sync(0xffffffffu, d, 0);
-  return static_cast<int>(d) + done == n;
+// Thread 0 of a block, at the start of a phase: the first tickets of all of the block's warps
+// (warp w gets the returned value + w), taken by one atomic for the block where a take per warp
+// would queue one atomic per warp of the grid (~1500-2000) on the phase's work word. Only a
+// resident block takes tickets, so every ticket still goes to a running warp. Publish it to the
+// block's warps (shared memory and a barrier) before they use it.
+__device__ __forceinline__ unsigned int take_block_tickets(Slot* me, int phase, int warps) {
+  return static_cast<unsigned int>(
+      atomicAdd(&me->work[phase], static_cast<unsigned long long>(warps) << 32) >> 32);
+}
+
+// Whole warp of a send phase: its first item from the block's tickets (first: what thread 0's
+// take_block_tickets returned), every later one from next_item.
+__device__ __forceinline__ Take send_take(Slot* me, unsigned int first, int warp, int n, int fin,
+                                          int lane) {
+  return fin == 0 ? Take{static_cast<int>(first) + warp, false}
+                  : next_item(me, kSend, n, fin, lane);
 }
 
 // One thread per sender s: wait for s's data flag of epoch e (our own slot); returns its rows.
@@ -91,12 +107,12 @@ __device__ __forceinline__ unsigned int wait_data(const PeerSlots& ps, int s, in
       if ((int64_t)(global_timer_ns() - start) > timeout_ns && first_timeout_report()) {
         const Slot* me = ps.slot[ps.rank];
         printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
-               "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; tickets %u %u, "
-               "done %u %u, exit %u). A peer did not arrive: check that every rank runs the "
+               "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; work %llx %llx, "
+               "exit %u). A peer did not arrive: check that every rank runs the "
                "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
                ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
-               ld_volatile_u64(&me->send_epoch), me->ticket[0], me->ticket[1],
-               me->items_done[0], me->items_done[1], me->exit_counter);
+               ld_volatile_u64(&me->send_epoch), me->work[0], me->work[1],
+               me->exit_counter);
         __trap();
       }
     }
@@ -122,32 +138,30 @@ __device__ __forceinline__ void signal_data(const PeerSlots& ps, int q, int p,
 }
 
 // Lane s (< R) of the closing warp of a receive phase: we are done reading s's rows of call e.
-// A remote s is freed by remote::free_remote_senders after this kernel instead. No fence
-// first: every warp fenced before its count (finish_items, ordered), the closing warp acquired
-// the counts, and the release store orders them all (PTX causality is transitive).
+// A remote s is freed by remote::free_remote_senders after this kernel instead. Relaxed: every
+// warp's reads of our buffer returned before its report (next_item), and the closer saw every
+// report; a release store would first wait for the closer's own stores (~1 us on the path out).
 __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigned long long e) {
   if (is_remote(ps, s)) return;
-  st_release_sys(&ps.slot[s]->freed[ps.rank], e);
+  st_relaxed_sys(&ps.slot[s]->freed[ps.rank], e);
 }
 
 // Whole block, at the very end of the kernel: the last block out resets the tickets and item
-// counts and, when the kernel ran a send phase, advances the send epoch.
+// counts and, when the kernel ran a send phase, advances the send epoch. No fences: every block
+// counts itself out after its warps' last take returned (they left their loops on its value)
+// and after it read send_epoch, so the resets cannot overtake them; the next kernel on the
+// stream sees them by kernel order. At R = 4 the fence before the count cost the dispatch
+// ~0.3 us, the last block's two fences ~0.6 us (the combine ~1.4 us; session 10, NOTES.md).
 __device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode,
                                              unsigned long long es) {
   __syncthreads();
   if (threadIdx.x == 0) {
     Slot* me = ps.slot[ps.rank];
-    __threadfence();
     const unsigned int prev = atomicAdd(&me->exit_counter, 1u);
     if (prev == gridDim.x * gridDim.y * gridDim.z - 1) {
-      __threadfence();
-      for (int i = 0; i < kNumPhases; ++i) {
-        me->ticket[i] = 0;
-        me->items_done[i] = 0;
-      }
+      for (int i = 0; i < kNumPhases; ++i) me->work[i] = 0;
       me->exit_counter = 0;
       if (mode & kModeSend) me->send_epoch = es;
-      __threadfence();
     }
   }
 }
