@@ -48,9 +48,9 @@ MARKS = {
 DIAG_MARKS = {
     0: "last block start", 1: "last block past wait-freed", 2: "last warp's first send ticket",
     3: "last warp's send loop done (items counted)", 4: "last receive item done",
-    6: "last fast copy's words in", 10: "closer past freed",
-    5: "last warp's first copy item past its row wait", 7: "last warp's first receive ticket",
-    8: "last item's data in", 9: "last warp's receive loop done (items counted)",
+    5: "last warp's first copy item past its row wait", 6: "last fast copy's words in",
+    7: "last warp's first receive ticket", 8: "last item's data in",
+    9: "last warp's receive loop done (items counted)", 10: "closer past freed",
     11: "last warp at kernel exit",
 }
 
