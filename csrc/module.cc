@@ -1,6 +1,7 @@
 // The nanobind module jax_ep._C: FFI handler capsules, the one-process runtime and the
 // per-process (NVSHMEM) runtime.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <csignal>
@@ -13,6 +14,8 @@
 #include <cuda_runtime.h>
 
 #include "ffi/handlers.h"
+#include "kernels/gemm/grouped_gemm.h"
+#include "runtime/device.h"
 #include "runtime/symmetric.h"
 #include "runtime/workspace.h"
 
@@ -44,6 +47,7 @@ NB_MODULE(_C, m) {
     d["jax_ep_ll_dispatch_recv"] = encapsulate(JaxEpLlDispatchRecv);
     d["jax_ep_ll_combine_send"] = encapsulate(JaxEpLlCombineSend);
     d["jax_ep_ll_combine_recv"] = encapsulate(JaxEpLlCombineRecv);
+    d["jax_ep_grouped_gemm"] = encapsulate(JaxEpGroupedGemm);
     return d;
   });
   m.def("init_group", &jax_ep::init_group, nb::arg("devices"),
@@ -102,6 +106,43 @@ NB_MODULE(_C, m) {
   m.def("sym_arena_used", &jax_ep::sym::arena_used);
   m.def("slot_buffer_bytes", &jax_ep::slot_buffer_bytes, nb::arg("device"));
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
+  m.def("gemm_built", &jax_ep::gemm::built,
+        "True when the CUTLASS grouped-GEMM kernels are compiled in.");
+  m.def(
+      "grouped_gemm_workspace_bytes",
+      [](int mode, int dtype, bool rhs_kn, bool small_m, int64_t G, int64_t M, int64_t K,
+         int64_t N, int device) {
+        jax_ep::gemm::GemmShape s;
+        s.mode = static_cast<jax_ep::gemm::Mode>(mode);
+        s.dtype = static_cast<jax_ep::gemm::Dtype>(dtype);
+        s.rhs_kn = rhs_kn;
+        s.small_m = small_m;
+        s.G = G;
+        s.M = M;
+        s.K = K;
+        s.N = N;
+        if (auto why = jax_ep::gemm::unsupported(s); !why.empty())
+          throw std::invalid_argument("jax_ep grouped GEMM: " + why);
+        return jax_ep::gemm::workspace_bytes(s, jax_ep::sm_count(device));
+      },
+      nb::arg("mode"), nb::arg("dtype"), nb::arg("rhs_kn"), nb::arg("small_m"), nb::arg("G"),
+      nb::arg("M"), nb::arg("K"), nb::arg("N"), nb::arg("device"),
+      "Bytes of the workspace result of jax_ep_grouped_gemm (csrc/kernels/gemm/workspace.h). "
+      "mode: 0 contiguous, 1 masked, 2 transposed (weight gradient); dtype: 0 bf16, 1 f16, "
+      "2 FP8 e4m3. Raises ValueError naming the operand when no kernel serves the shapes.");
+  m.def("gemm_unsupported",
+        [](int mode, int dtype, bool rhs_kn, int64_t G, int64_t M, int64_t K, int64_t N) {
+          jax_ep::gemm::GemmShape s;
+          s.mode = static_cast<jax_ep::gemm::Mode>(mode);
+          s.dtype = static_cast<jax_ep::gemm::Dtype>(dtype);
+          s.rhs_kn = rhs_kn;
+          s.G = G;
+          s.M = M;
+          s.K = K;
+          s.N = N;
+          return jax_ep::gemm::unsupported(s);
+        },
+        "Why no grouped-GEMM kernel serves these shapes ('' when one does).");
   m.def("debug_segv_backtrace", []() { signal(SIGSEGV, segv_backtrace); });
   m.def("cuda_set_device", [](int d) {
     cudaError_t e = cudaSetDevice(d);
@@ -123,4 +164,18 @@ NB_MODULE(_C, m) {
   m.attr("first_push_slot") = jax_ep::kFirstPushSlot;
   m.attr("max_local_experts") = jax_ep::kMaxLocalExperts;
   m.attr("trace_slots") = jax_ep::kTraceSlots;
+  m.attr("fp8_block") = jax_ep::gemm::kFp8Block;
+  {
+    using jax_ep::gemm::Dtype;
+    using jax_ep::gemm::Mode;
+    nb::dict modes, dtypes;
+    modes["contiguous"] = static_cast<int>(Mode::kContiguous);
+    modes["masked"] = static_cast<int>(Mode::kMasked);
+    modes["transposed"] = static_cast<int>(Mode::kTransposed);
+    dtypes["bfloat16"] = static_cast<int>(Dtype::kBF16);
+    dtypes["float16"] = static_cast<int>(Dtype::kF16);
+    dtypes["float8_e4m3fn"] = static_cast<int>(Dtype::kFP8);
+    m.attr("gemm_modes") = modes;    // the `mode` attribute of jax_ep_grouped_gemm
+    m.attr("gemm_dtypes") = dtypes;  // lhs dtype name -> the dtype argument of the size query
+  }
 }

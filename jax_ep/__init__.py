@@ -10,6 +10,8 @@ from jax_ep.low_latency import (LowLatencyHandle, LowLatencyPending, LowLatencyR
 from jax_ep.reference import dequantize_fp8, quantize_fp8
 from jax_ep.runtime import initialize, runtime_info, set_num_blocks
 from jax_ep.layout import get_dispatch_layout
+from jax_ep.grouped_gemm import (Fp8Weights, dequantize_fp8_weights, grouped_matmul,
+                                 grouped_matmul_masked, quantize_fp8_weights)
 
 __all__ = [
     "dispatch", "combine", "DispatchResult", "DispatchHandle",
@@ -18,5 +20,7 @@ __all__ = [
     "low_latency_combine_recv", "LowLatencyPending",
     "quantize_fp8", "dequantize_fp8", "get_dispatch_layout",
     "initialize", "runtime_info", "set_num_blocks",
+    "grouped_matmul", "grouped_matmul_masked", "Fp8Weights", "quantize_fp8_weights",
+    "dequantize_fp8_weights",
 ]
 __version__ = "0.1.0"

@@ -41,8 +41,8 @@ def _register_targets():
     _registered = True
 
 
-def _abstract_eval(*avals, target, out_types, attrs, axis_name, has_groups):
-    del target, attrs, axis_name, has_groups
+def _abstract_eval(*avals, target, out_types, attrs, axis_name, has_groups, pure):
+    del target, attrs, axis_name, has_groups, pure
     core.standard_vma_rule("jax_ep_call", *avals)
     base = avals[0]
     sharding = core.get_cur_mesh_sharding()
@@ -87,7 +87,7 @@ def _stage_bytes(avals, n: int) -> int:
     return max(total, 256)
 
 
-def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups):
+def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure):
     del out_types
     _register_targets()
     kwargs = dict(attrs)
@@ -117,7 +117,7 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups):
                 stage = runtime.reserve_slot_buffers(
                     table, slot, _stage_bytes(ctx.avals_in, _STAGED_OPERANDS[target]))
             kwargs["stage"] = np.asarray(stage, dtype=np.int64)
-    return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *args, **kwargs)
+    return jax.ffi.ffi_lowering(target, has_side_effect=not pure)(ctx, *args, **kwargs)
 
 
 mlir.register_lowering(ep_call_p, _lowering, platform="cuda")
@@ -143,8 +143,11 @@ def _varying(x, axes):
     return jax.lax.pvary(x, missing)
 
 
-def call(target, args, out_types, *, axis_name=None, **attrs):
+def call(target, args, out_types, *, axis_name=None, pure=False, **attrs):
     """Bind a custom call. out_types: [(shape, dtype)]; attrs: static scalars.
+
+    Calls are side-effecting (XLA never merges or drops them) unless `pure`: a computation
+    without communication, which XLA may then remove when its result is unused.
 
     With axis_name, the lowering adds groups / group_size / slot / timeout_ns (a `slot`
     attribute given here is kept: the two halves of a split op share it) and, for push ops
@@ -161,7 +164,7 @@ def call(target, args, out_types, *, axis_name=None, **attrs):
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     out_types = tuple((tuple(int(x) for x in s), np.dtype(d).name) for s, d in out_types)
     return ep_call_p.bind(*args, target=target, out_types=out_types, attrs=frozen,
-                          axis_name=axis_name, has_groups=axis_name is not None)
+                          axis_name=axis_name, has_groups=axis_name is not None, pure=bool(pure))
 
 
 def _freeze(v):

@@ -68,6 +68,15 @@ def cuda_backend_available() -> bool:
         return False
 
 
+def current_cuda_device() -> int:
+    """CUDA ordinal of this process's first local JAX device (what trace-time size queries of
+    the extension ask about)."""
+    import jax
+
+    d = jax.local_devices()[0]
+    return int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
+
+
 def timeout_ns() -> int:
     """Wait limit of every in-kernel wait (JAX_EP_TIMEOUT_S, default 30 s)."""
     return int(float(os.environ.get("JAX_EP_TIMEOUT_S", "30")) * 1e9)

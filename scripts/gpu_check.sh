@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
-#   scripts/gpu_check.sh [build] [kernel] [test] [mp] [ucx] [example] [bench] [bench-quick]
-#                        [bench-modes] [probe]
-#   (default: build kernel test mp example bench). mp: the per-process (one GPU per process,
+#   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [mp] [ucx] [example] [bench]
+#                        [bench-quick] [bench-gemm] [bench-modes] [probe]
+#   (default: build kernel test gemm mp example bench). gemm: the grouped-GEMM GPU suite;
+#   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS). The GPU
+#   machines have no package index: the build takes CUTLASS's headers from .cutlass/ (include/
+#   and tools/util/include/ of the nvidia-cutlass package) when that folder is there. mp: the per-process (one GPU per process,
 #   NVSHMEM) suite, 2 and 4 processes, also with every peer forced remote (NVSHMEM puts / gets),
 #   and the killed-process test: needs nvshmem4py. ucx: the per-process low-latency suite with
 #   NVSHMEM's peer-to-peer transport off (NVSHMEM_DISABLE_P2P=1) and its UCX transport over TCP
@@ -16,7 +19,8 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-stages=${*:-build kernel test mp example bench}
+stages=${*:-build kernel test gemm mp example bench}
+[ -d .cutlass/include ] && export JAX_EP_CUTLASS_DIR=${JAX_EP_CUTLASS_DIR:-$PWD/.cutlass}
 rc=0
 step() { echo; echo "=== $1 ($(date +%T))"; }
 has() { [[ " $stages " == *" $1 "* ]]; }
@@ -41,6 +45,12 @@ if has test; then
   step "GPU test suite"
   (cd /tmp && timeout 540 $PY -m pytest -q -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py" \
      ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40) || rc=1
+fi
+if has gemm; then
+  step "grouped-GEMM GPU suite"
+  (cd /tmp && timeout ${GEMM_TEST_TIMEOUT:-540} $PY -m pytest -q -p no:cacheprovider -m gpu \
+     "$OLDPWD/tests/test_gpu_gemm.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gemm_tests.log" \
+     | tail -30) || rc=1
 fi
 if has mp; then
   step "per-process suite (jax_ep.launch, NVSHMEM)"
@@ -72,6 +82,11 @@ if has bench-quick; then
   step "benchmark (quick)"
   (cd /tmp && timeout 560 $PY "$OLDPWD/benchmarks/bench.py" --out "$OUT" --sms 24 132 --iters 10 \
      --reps 5 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -45) || rc=1
+fi
+if has bench-gemm; then
+  step "grouped-GEMM benchmark"
+  (cd /tmp && timeout ${GEMM_BENCH_TIMEOUT:-580} $PY "$OLDPWD/benchmarks/bench_gemm.py" --out "$OUT" \
+     ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gemm.log" | tail -45) || rc=1
 fi
 if has bench-modes; then
   step "benchmark: one process vs one process per GPU"

@@ -227,3 +227,65 @@ def ll_src_rows(idxs, recv_src, rank, num_experts, max_tokens):
                     out[s * M + t, k] = (e % L) * R * M + row_of[(e % L, s * M + t)]
     return out
 
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped GEMMs (no communication): float64 loops over the groups
+# ---------------------------------------------------------------------------------------------
+
+def group_rows(sizes, M):
+    """[(start, stop)] of each group's rows: sizes clipped at 0, rows clipped at M."""
+    out, start = [], 0
+    for s in np.asarray(sizes).astype(np.int64):
+        s = max(int(s), 0)
+        out.append((min(start, M), min(start + s, M)))
+        start += s
+    return out
+
+
+def grouped_matmul(lhs, rhs, sizes):
+    """lhs [M, K], rhs [G, K, N] -> float64 [M, N]; rows outside every group are zero."""
+    lhs = np.asarray(lhs, np.float64)
+    rhs = np.asarray(rhs, np.float64)
+    M, N = lhs.shape[0], rhs.shape[2]
+    out = np.zeros((M, N))
+    for g, (a, b) in enumerate(group_rows(sizes, M)):
+        out[a:b] = lhs[a:b] @ rhs[g]
+    return out
+
+
+def grouped_matmul_grads(lhs, rhs, sizes, dout):
+    """-> (d lhs [M, K], d rhs [G, K, N]) of sum(out * dout), float64."""
+    lhs = np.asarray(lhs, np.float64)
+    rhs = np.asarray(rhs, np.float64)
+    dout = np.asarray(dout, np.float64)
+    dl, dr = np.zeros_like(lhs), np.zeros_like(rhs)
+    for g, (a, b) in enumerate(group_rows(sizes, lhs.shape[0])):
+        dl[a:b] = dout[a:b] @ rhs[g].T
+        dr[g] = lhs[a:b].T @ dout[a:b]
+    return dl, dr
+
+
+def grouped_matmul_masked(lhs, rhs, counts):
+    """lhs [G, C, K], rhs [G, K, N] -> float64 [G, C, N], rows past counts[g] zero."""
+    lhs = np.asarray(lhs, np.float64)
+    rhs = np.asarray(rhs, np.float64)
+    G, C, _ = lhs.shape
+    out = np.zeros((G, C, rhs.shape[2]))
+    for g in range(G):
+        c = min(max(int(counts[g]), 0), C)
+        out[g, :c] = lhs[g, :c] @ rhs[g]
+    return out
+
+
+def dequantize_weights(data, scales):
+    """FP8 weights (data [G, N, K], scales [G, K/128, N/128]) -> float64 [G, K, N]."""
+    w = np.swapaxes(np.asarray(data).astype(np.float64), 1, 2)
+    s = np.repeat(np.repeat(np.asarray(scales, np.float64), GROUP, axis=1), GROUP, axis=2)
+    return w * s
+
+
+def dequantize_rows(q, scales):
+    """FP8 activations (q [..., K], scales [..., K/128]) -> float64."""
+    return np.asarray(q).astype(np.float64) * np.repeat(np.asarray(scales, np.float64), GROUP,
+                                                        axis=-1)

@@ -16,3 +16,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecv);
+// grouped_gemm.cc: grouped GEMMs of the experts (no communication).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemm);

@@ -13,6 +13,7 @@
 #include "ffi/group.h"
 #include "ffi/handlers.h"
 #include "kernels/high_throughput.cuh"
+#include "runtime/device.h"
 #include "transport/remote.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -27,20 +28,6 @@ namespace {
 
 constexpr int64_t kMaxInt = (int64_t{1} << 31) - 1;
 constexpr int64_t kMaxBlocks = 4096;
-
-// Multiprocessor count of a device (cached: the handler runs on every call).
-int num_sms(int device) {
-  static std::atomic<int> cache[64];
-  if (device < 0 || device >= 64) {
-    int v = 0;
-    return cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? v : 0;
-  }
-  int v = cache[device].load(std::memory_order_relaxed);
-  if (v > 0) return v;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  cache[device].store(v, std::memory_order_relaxed);
-  return v;
-}
 
 // Checks `dims == want`; on mismatch returns a message naming the op and the buffer.
 bool shape_is(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want,
@@ -196,7 +183,7 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   if (R * T > kMaxInt || C > kMaxInt || K > (1 << 20) || G > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
-  const int sms = num_sms(device);
+  const int sms = jax_ep::sm_count(device);
   if (sms <= 0) {
     cudaGetLastError();  // clear it: the launch check below must not see it
     return ffi::Error::Internal(std::string(op) + ": cannot read the multiprocessor count of device " +

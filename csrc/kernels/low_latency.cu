@@ -10,6 +10,7 @@
 
 #include "kernels/fp8.cuh"
 #include "kernels/low_latency.cuh"
+#include "runtime/device.h"
 
 namespace jax_ep {
 namespace ll {
@@ -1296,19 +1297,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   push::leave_kernel(ps, p.mode, es);
 }
 
-constexpr int kMaxDevices = 256;
-std::atomic<int> g_sms[kMaxDevices];  // SMs per device (0: not read yet)
-
-int sm_count(int device) {
-  int sms = (device >= 0 && device < kMaxDevices) ? g_sms[device].load() : 0;
-  if (sms == 0) {
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-      return 0;
-    if (device >= 0 && device < kMaxDevices) g_sms[device].store(sms);
-  }
-  return sms;
-}
-
 // Widest vector (bytes) dividing every value.
 int vec_bytes(std::initializer_list<uintptr_t> vals) {
   int vw = 16;
@@ -1341,7 +1329,7 @@ int64_t combine_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H) {
 // The dispatch: three quarters of the SMs. At R = 4 on H200 it took 26.9 us on 99 blocks and
 // 29.0 on 132 (session 8, NOTES.md).
 int dispatch_grid_size(int device) {
-  const int sms = sm_count(device);
+  const int sms = jax_ep::sm_count(device);
   return sms * 3 / 4 > 0 ? sms * 3 / 4 : (sms > 0 ? 1 : 0);
 }
 // The combine: all SMs but kCombineFreeSms (at least three quarters). More warps take more
@@ -1349,7 +1337,7 @@ int dispatch_grid_size(int device) {
 // parts where 99 gave 2, and the kernel took 37.6 us against 41.0 (session 9, NOTES.md).
 constexpr int kCombineFreeSms = 4;
 int combine_grid_size(int device) {
-  return std::max(dispatch_grid_size(device), sm_count(device) - kCombineFreeSms);
+  return std::max(dispatch_grid_size(device), jax_ep::sm_count(device) - kCombineFreeSms);
 }
 
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream) {

@@ -1,0 +1,463 @@
+"""Grouped GEMMs for the experts: `grouped_matmul` (a drop-in for `jax.lax.ragged_dot`),
+`grouped_matmul_masked` (the low-latency receive layout) and FP8 weights.
+
+The CUDA backend runs CUTLASS's SM90 grouped GEMMs (TMA, warp-specialised, persistent): group
+sizes stay on the device, a small kernel turns them into per-group problem shapes and pointers,
+and the tiles of every group are scheduled in one launch, so the time follows the rows used, not
+the buffer's size. The reference backend is `lax.ragged_dot` (float32 accumulation).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _checks, _ffi, reference as ref, runtime
+
+FP8_BLOCK = 128  # FP8 scale block: 1 x 128 for activations, 128 x 128 for weights
+_GEMM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Rows per group at or below which the kernels use 64-row tiles (else 256-row tiles).
+_SMALL_M_ROWS = 128
+
+
+class Fp8Weights(NamedTuple):
+    """Expert weights in FP8 for `grouped_matmul` / `grouped_matmul_masked`.
+
+    data:   [G, N, K] float8_e4m3fn: w[g] transposed, so both operands are K-major (the layout
+            the FP8 tensor cores read).
+    scales: [G, K // 128, N // 128] float32: one scale per 128 x 128 block of w[g] ([K, N]);
+            w[g][k, n] ~ data[g, n, k] * scales[g, k // 128, n // 128].
+    """
+    data: jax.Array
+    scales: jax.Array
+
+
+def quantize_fp8_weights(w) -> Fp8Weights:
+    """w [G, K, N] (float32 / bfloat16 / float16) -> Fp8Weights, per 128 x 128 block.
+
+    Each block's scale is its largest magnitude / 448 (the largest e4m3 value); values are
+    rounded to nearest even. K and N must be multiples of 128.
+    """
+    _checks.expect_rank("w", w, 3, "[G, K, N]")
+    _checks.expect_dtype("w", w, _GEMM_DTYPES)
+    G, K, N = w.shape
+    if K % FP8_BLOCK or N % FP8_BLOCK:
+        raise ValueError(f"w: K={K} and N={N} must be multiples of {FP8_BLOCK} for FP8 weights")
+    b = w.astype(jnp.float32).reshape(G, K // FP8_BLOCK, FP8_BLOCK, N // FP8_BLOCK, FP8_BLOCK)
+    amax = jnp.maximum(jnp.max(jnp.abs(b), axis=(2, 4)), ref.AMAX_MIN)
+    scales = amax * jnp.float32(1.0 / ref.FP8_MAX)
+    q = ref.to_e4m3_rne(jnp.clip(b * (ref.FP8_MAX / amax)[:, :, None, :, None],
+                                 -ref.FP8_MAX, ref.FP8_MAX))
+    data = jnp.swapaxes(q.reshape(G, K, N), 1, 2)
+    return Fp8Weights(data, scales)
+
+
+def dequantize_fp8_weights(w: Fp8Weights):
+    """Fp8Weights -> float32 [G, K, N]."""
+    data, scales = w
+    G, N, K = data.shape
+    x = jnp.swapaxes(data.astype(jnp.float32), 1, 2).reshape(
+        G, K // FP8_BLOCK, FP8_BLOCK, N // FP8_BLOCK, FP8_BLOCK)
+    return (x * scales[:, :, None, :, None]).reshape(G, K, N)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+def _lhs_parts(lhs, what, lead):
+    """(data, scales or None); checks rank and dtype. lead: '[M, K]' or '[G, C, K]'."""
+    ndim = lead.count(",") + 1
+    if isinstance(lhs, (tuple, list)):
+        if len(lhs) != 2:
+            raise ValueError(f"{what}: an FP8 lhs is a tuple (lhs_fp8 {lead}, "
+                             f"lhs_scales {lead[:-2]}K // 128])")
+        q, s = lhs
+        _checks.expect_rank(f"{what}[0] (lhs_fp8)", q, ndim, lead)
+        _checks.expect_dtype(f"{what}[0] (lhs_fp8)", q, (jnp.float8_e4m3fn,))
+        _checks.expect_rank(f"{what}[1] (lhs_scales)", s, ndim, lead[:-2] + "K // 128]")
+        _checks.expect_dtype(f"{what}[1] (lhs_scales)", s, (jnp.float32,))
+        K = q.shape[-1]
+        if K % FP8_BLOCK:
+            raise ValueError(f"{what}[0] (lhs_fp8): K={K} must be a multiple of {FP8_BLOCK}")
+        if tuple(s.shape) != tuple(q.shape[:-1]) + (K // FP8_BLOCK,):
+            raise ValueError(f"{what}[1] (lhs_scales): shape {tuple(s.shape)}, expected "
+                             f"{tuple(q.shape[:-1]) + (K // FP8_BLOCK,)}")
+        return q, s
+    _checks.expect_rank(what, lhs, ndim, lead)
+    _checks.expect_dtype(what, lhs, _GEMM_DTYPES)
+    return lhs, None
+
+
+def _rhs_parts(rhs, G_name="G"):
+    """(data, scales or None, K, N)."""
+    if isinstance(rhs, (tuple, list)):
+        if len(rhs) != 2:
+            raise ValueError("rhs: FP8 weights are Fp8Weights(data [G, N, K], scales "
+                             "[G, K // 128, N // 128]) from jax_ep.quantize_fp8_weights")
+        d, s = rhs
+        _checks.expect_rank("rhs.data", d, 3, "[G, N, K]")
+        _checks.expect_dtype("rhs.data", d, (jnp.float8_e4m3fn,))
+        _checks.expect_rank("rhs.scales", s, 3, "[G, K // 128, N // 128]")
+        _checks.expect_dtype("rhs.scales", s, (jnp.float32,))
+        G, N, K = d.shape
+        want = (G, K // FP8_BLOCK, N // FP8_BLOCK)
+        if K % FP8_BLOCK or N % FP8_BLOCK or tuple(s.shape) != want:
+            raise ValueError(f"rhs: FP8 weights need K, N multiples of {FP8_BLOCK} and scales "
+                             f"{want}; got data {tuple(d.shape)}, scales {tuple(s.shape)}")
+        return d, s, K, N
+    _checks.expect_rank("rhs", rhs, 3, "[G, K, N]")
+    _checks.expect_dtype("rhs", rhs, _GEMM_DTYPES)
+    return rhs, None, rhs.shape[1], rhs.shape[2]
+
+
+def _sizes(name, v, G, *, total=None, each=None):
+    """Group sizes as int32. Concrete values (not traced) are checked here, where bad ones are
+    visible: no negative entry, a sum of at most `total`, every entry at most `each`. Traced
+    values are clipped by the kernels instead (documented)."""
+    _checks.expect_rank(name, v, 1, "[G]")
+    _checks.expect_dtype(name, v, (jnp.int32, jnp.int64))
+    if v.shape[0] != G:
+        raise ValueError(f"{name}: has {v.shape[0]} entries, expected G={G} (rhs.shape[0])")
+    if isinstance(v, jax.core.Tracer):
+        return v.astype(jnp.int32)
+    host = np.asarray(v).astype(np.int64)
+    if (host < 0).any():
+        raise ValueError(f"{name}: negative entries {host[host < 0][:4].tolist()}")
+    if total is not None and host.sum() > total:
+        raise ValueError(f"{name}: the sizes sum to {int(host.sum())}, more than the {total} "
+                         "rows of lhs")
+    if each is not None and (host > each).any():
+        raise ValueError(f"{name}: entries {host[host > each][:4].tolist()} exceed the "
+                         f"capacity C={each} of lhs")
+    return v.astype(jnp.int32)
+
+
+def _out_dtype(preferred, default):
+    if preferred is None:
+        return jnp.dtype(default)
+    d = jnp.dtype(preferred)
+    if d not in [jnp.dtype(t) for t in _GEMM_DTYPES]:
+        raise TypeError(f"preferred_element_type: {d.name} is not supported; expected one of "
+                        "float32, bfloat16, float16")
+    return d
+
+
+def _cuda_ok(backend, dtype, out_dtype, shape_check, what):
+    """True when the CUDA kernels serve the call; False sends it to the reference backend.
+    backend='cuda' raises instead of falling back."""
+    b = _checks.resolve_backend(backend)
+    if b == "reference":
+        return False
+    ext = runtime.extension()
+    why = None
+    if not ext.gemm_built():
+        why = "the extension was built without CUTLASS (grouped GEMM kernels)"
+    elif jnp.dtype(dtype) == jnp.float32:
+        why = "float32 operands run on XLA (the kernels take bfloat16, float16 and FP8)"
+    elif jnp.dtype(out_dtype) != (jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype).itemsize == 1
+                                  else jnp.dtype(dtype)):
+        why = (f"preferred_element_type={jnp.dtype(out_dtype).name}: the kernels write the "
+               "operand dtype (bfloat16 for FP8)")
+    else:
+        why = shape_check() or None
+    if why is None:
+        return True
+    if backend == "cuda":
+        raise ValueError(f"{what}(backend='cuda'): {why}")
+    return False
+
+
+def _gemm_call(lhs, rhs, sizes, lhs_scales, rhs_scales, *, mode, rhs_kn, small_m, out_shape,
+               out_dtype, zero_padding=True):
+    """One jax_ep_grouped_gemm custom call (docs/ffi.md)."""
+    ext = runtime.extension()
+    dtype_code = ext.gemm_dtypes[jnp.dtype(lhs.dtype).name]
+    mode_code = ext.gemm_modes[mode]
+    if mode == "masked":
+        G, M, K = lhs.shape
+    else:
+        (M, K), G = lhs.shape, sizes.shape[0]
+    N = out_shape[-1]
+    ws = ext.grouped_gemm_workspace_bytes(mode_code, dtype_code, rhs_kn, small_m, G, M, K, N,
+                                          runtime.current_cuda_device())
+    empty = jnp.zeros((0,), jnp.float32)
+    out, _ = _ffi.call(
+        "jax_ep_grouped_gemm",
+        [lhs, rhs, sizes, empty if lhs_scales is None else lhs_scales,
+         empty if rhs_scales is None else rhs_scales],
+        [(out_shape, out_dtype), ((ws,), jnp.uint8)], pure=True,
+        mode=mode_code, rhs_kn=bool(rhs_kn), small_m=bool(small_m),
+        zero_padding=bool(zero_padding))
+    return out
+
+
+def _unsupported(mode, dtype, rhs_kn, G, M, K, N):
+    ext = runtime.extension()
+    return ext.gemm_unsupported(ext.gemm_modes[mode], ext.gemm_dtypes[jnp.dtype(dtype).name],
+                                rhs_kn, G, M, K, N)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference backend (lax.ragged_dot, float32 accumulation)
+# ---------------------------------------------------------------------------------------------
+
+def _ref_gmm(lhs, rhs, sizes, out_dtype):
+    out = jax.lax.ragged_dot(lhs, rhs, jnp.maximum(sizes, 0),
+                             preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _ref_masked(lhs, rhs, counts, out_dtype):
+    C = lhs.shape[1]
+    out = jnp.einsum("gck,gkn->gcn", lhs, rhs, preferred_element_type=jnp.float32)
+    keep = jnp.arange(C)[None, :] < counts[:, None]
+    return jnp.where(keep[..., None], out, 0).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_matmul
+# ---------------------------------------------------------------------------------------------
+
+def _gmm_core(lhs, rhs, sizes, cfg):
+    """Forward of the float path: cfg = (out_dtype, use_cuda, small_m)."""
+    out_dtype, use_cuda, small_m = cfg
+    if not use_cuda:
+        return _ref_gmm(lhs, rhs, sizes, out_dtype)
+    M, N = lhs.shape[0], rhs.shape[2]
+    return _gemm_call(lhs, rhs, sizes, None, None, mode="contiguous", rhs_kn=True,
+                      small_m=small_m, out_shape=(M, N), out_dtype=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm_diff(lhs, rhs, sizes, cfg):
+    return _gmm_core(lhs, rhs, sizes, cfg)
+
+
+def _gmm_fwd(lhs, rhs, sizes, cfg):
+    return _gmm_core(lhs, rhs, sizes, cfg), (lhs, rhs, sizes)
+
+
+def _gmm_bwd(cfg, res, g):
+    lhs, rhs, sizes = res
+    _, use_cuda, _ = cfg
+    if not use_cuda:
+        _, vjp = jax.vjp(lambda a, b: _ref_gmm(a, b, sizes, jnp.float32), lhs, rhs)
+        dlhs, drhs = vjp(g.astype(jnp.float32))
+        return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+    M, K = lhs.shape
+    G, _, N = rhs.shape
+    g = g.astype(lhs.dtype)
+    # d lhs[rows of g] = dout[rows of g] @ rhs[g]^T: rhs [G, K, N] read as [G, N', K'] (N' = K).
+    dlhs = _gemm_call(g, rhs, sizes, None, None, mode="contiguous", rhs_kn=False,
+                      small_m=False, out_shape=(M, K), out_dtype=lhs.dtype)
+    # d rhs[g] = lhs[rows of g]^T @ dout[rows of g] (zeros for groups without rows).
+    drhs = _gemm_call(lhs, g, sizes, None, None, mode="transposed", rhs_kn=True,
+                      small_m=False, out_shape=(G, K, N), out_dtype=rhs.dtype)
+    return dlhs, drhs, None
+
+
+_gmm_diff.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _fp8_core(lq, ls, rq, rs, sizes, cfg):
+    use_cuda, small_m = cfg
+    if not use_cuda:
+        a = ref.dequantize_fp8(lq, ls)
+        b = dequantize_fp8_weights(Fp8Weights(rq, rs))
+        return _ref_gmm(a, b, sizes, jnp.bfloat16)
+    M, N = lq.shape[0], rq.shape[1]
+    return _gemm_call(lq, rq, sizes, ls, rs, mode="contiguous", rhs_kn=False, small_m=small_m,
+                      out_shape=(M, N), out_dtype=jnp.bfloat16)
+
+
+def _no_fp8_grad(name):
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def f(core, *args):
+        return core(*args)
+
+    @f.defjvp
+    def _jvp(core, primals, tangents):
+        raise TypeError(f"jax_ep.{name}: FP8 operands are forward-only (no gradient); use "
+                        "bfloat16 / float16 / float32 operands to differentiate")
+    return f
+
+
+_fp8_fwd_only = _no_fp8_grad("grouped_matmul")
+_fp8_masked_fwd_only = _no_fp8_grad("grouped_matmul_masked")
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backend="auto"):
+    """Grouped matrix product, the semantics of `jax.lax.ragged_dot`.
+
+    Args:
+      lhs: `[M, K]` float32, bfloat16 or float16; or an FP8 tuple `(lhs_fp8 [M, K]
+        float8_e4m3fn, lhs_scales [M, K // 128] float32)` as `jax_ep.dispatch` and
+        `jax_ep.quantize_fp8` produce (value = fp8 * scale per row and 128 columns).
+      rhs: `[G, K, N]` in lhs's dtype; with an FP8 lhs, `Fp8Weights` from
+        `jax_ep.quantize_fp8_weights`.
+      group_sizes: `[G]` int32. Rows `[s_g, s_g + group_sizes[g])` of lhs belong to group g,
+        `s_g` the sum of the earlier sizes; rows past the sum give zeros. Under `jit` the sizes
+        stay on the device (no host sync): sizes summing past M are clipped to M and negative
+        sizes count as 0. Concrete sizes (not traced) that are negative or sum past M raise
+        ValueError.
+      preferred_element_type: output dtype; default lhs's dtype (bfloat16 for FP8).
+        Accumulation is float32 in every case.
+      backend: "auto" (CUDA kernels on GPUs, else the reference), "reference" or "cuda".
+
+    Returns:
+      `[M, N]`: row i of group g is `lhs[i] @ rhs[g]`.
+
+    Differentiable in lhs and rhs (float operands; FP8 is forward-only and raises TypeError
+    under differentiation). The CUDA kernels serve bfloat16 and float16 operands (output in the
+    operand dtype) and FP8 (bfloat16 output) with K and N multiples of 8 (128 for FP8);
+    other calls run on XLA's `ragged_dot` (`backend="cuda"` raises instead). Works under `jit`,
+    `scan`, `remat`, CUDA graphs, and inside or outside `shard_map`.
+    """
+    _checks.backend_name(backend)
+    rq, rs, K, N = _rhs_parts(rhs)
+    G = rq.shape[0]
+    if isinstance(lhs, (tuple, list)):
+        lq, ls = _lhs_parts(lhs, "lhs", "[M, K]")
+        if rs is None:
+            raise TypeError("rhs: an FP8 lhs needs FP8 weights (jax_ep.quantize_fp8_weights)")
+        if lq.shape[1] != K:
+            raise ValueError(f"lhs: K={lq.shape[1]} does not match rhs's K={K}")
+        sizes = _sizes("group_sizes", group_sizes, G, total=lq.shape[0])
+        if preferred_element_type is not None and \
+                jnp.dtype(preferred_element_type) != jnp.dtype(jnp.bfloat16):
+            raise TypeError("preferred_element_type: FP8 products are bfloat16")
+        M = lq.shape[0]
+        small = M <= _SMALL_M_ROWS * G
+        use_cuda = _cuda_ok(backend, lq.dtype, jnp.bfloat16, lambda: _unsupported(
+            "contiguous", lq.dtype, False, G, M, K, N), "grouped_matmul")
+        return _fp8_fwd_only(functools.partial(_fp8_core, cfg=(use_cuda, small)),
+                             lq, ls, rq, rs, sizes)
+    if rs is not None:
+        raise TypeError("rhs: FP8 weights need an FP8 lhs tuple (lhs_fp8, lhs_scales)")
+    a, _ = _lhs_parts(lhs, "lhs", "[M, K]")
+    if jnp.dtype(a.dtype) != jnp.dtype(rq.dtype):
+        raise TypeError(f"rhs: dtype {_checks.dtype_name(rq.dtype)} differs from lhs's "
+                        f"{_checks.dtype_name(a.dtype)}")
+    if a.shape[1] != K:
+        raise ValueError(f"lhs: K={a.shape[1]} does not match rhs [G, K, N] with K={K}")
+    sizes = _sizes("group_sizes", group_sizes, G, total=a.shape[0])
+    out_dtype = _out_dtype(preferred_element_type, a.dtype)
+    M = a.shape[0]
+    small = M <= _SMALL_M_ROWS * G
+
+    def shapes_ok():
+        return (_unsupported("contiguous", a.dtype, True, G, M, K, N)
+                or _unsupported("contiguous", a.dtype, False, G, M, N, K)
+                or _unsupported("transposed", a.dtype, True, G, M, K, N))
+    use_cuda = _cuda_ok(backend, a.dtype, out_dtype, shapes_ok, "grouped_matmul")
+    return _gmm_diff(a, rq, sizes, (out_dtype, use_cuda, small))
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_matmul_masked
+# ---------------------------------------------------------------------------------------------
+
+def _masked_core(lhs, rhs, counts, cfg):
+    out_dtype, use_cuda, zero_padding = cfg
+    if not use_cuda:
+        return _ref_masked(lhs, rhs, jnp.maximum(counts, 0), out_dtype)
+    G, C, _ = lhs.shape
+    return _gemm_call(lhs, rhs, counts, None, None, mode="masked", rhs_kn=True, small_m=True,
+                      out_shape=(G, C, rhs.shape[2]), out_dtype=out_dtype,
+                      zero_padding=zero_padding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _masked_diff(lhs, rhs, counts, cfg):
+    return _masked_core(lhs, rhs, counts, cfg)
+
+
+def _masked_fwd(lhs, rhs, counts, cfg):
+    return _masked_core(lhs, rhs, counts, cfg), (lhs, rhs, counts)
+
+
+def _masked_bwd(cfg, res, g):
+    lhs, rhs, counts = res
+    _, vjp = jax.vjp(lambda a, b: _ref_masked(a, b, jnp.maximum(counts, 0), jnp.float32),
+                     lhs, rhs)
+    dlhs, drhs = vjp(g.astype(jnp.float32))
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+
+
+_masked_diff.defvjp(_masked_fwd, _masked_bwd)
+
+
+def _fp8_masked_core(lq, ls, rq, rs, counts, cfg):
+    use_cuda, zero_padding = cfg
+    if not use_cuda:
+        a = ref.dequantize_fp8(lq, ls)
+        b = dequantize_fp8_weights(Fp8Weights(rq, rs))
+        return _ref_masked(a, b, jnp.maximum(counts, 0), jnp.bfloat16)
+    G, C, _ = lq.shape
+    return _gemm_call(lq, rq, counts, ls, rs, mode="masked", rhs_kn=False, small_m=True,
+                      out_shape=(G, C, rq.shape[1]), out_dtype=jnp.bfloat16,
+                      zero_padding=zero_padding)
+
+
+def grouped_matmul_masked(lhs, rhs, counts, *, preferred_element_type=None, zero_padding=True,
+                          backend="auto"):
+    """Per-group products in the low-latency receive layout (DeepGEMM's "masked" layout).
+
+    Args:
+      lhs: `[G, C, K]` (G groups of capacity C, e.g. `low_latency_dispatch`'s `recv_x`), or its
+        FP8 tuple `(lhs_fp8 [G, C, K], lhs_scales [G, C, K // 128])`.
+      rhs: `[G, K, N]` in lhs's dtype, or `Fp8Weights` with an FP8 lhs.
+      counts: `[G]` int32, the valid rows of each group (clipped to [0, C] under `jit`;
+        concrete counts outside [0, C] raise ValueError).
+      preferred_element_type, backend: as for `grouped_matmul`.
+      zero_padding: write zeros to the rows past each count (default). False leaves those rows
+        unspecified (on the CUDA backend they keep whatever the buffer held; the reference
+        still writes zeros): for consumers that read only the valid rows, such as
+        `low_latency_combine`. It saves writing `(C - counts[g]) * N` values per group, which
+        at decode sizes is a tenth of the call's memory traffic.
+
+    Returns:
+      `[G, C, N]`: `out[g, i] = lhs[g, i] @ rhs[g]` for `i < counts[g]`, zeros past it. The
+      products cost work in proportion to the counts; the zero rows are written, not computed.
+    """
+    if not isinstance(zero_padding, bool):
+        raise TypeError(f"zero_padding must be a bool, got {type(zero_padding).__name__}")
+    _checks.backend_name(backend)
+    rq, rs, K, N = _rhs_parts(rhs)
+    G = rq.shape[0]
+    if isinstance(lhs, (tuple, list)):
+        lq, ls = _lhs_parts(lhs, "lhs", "[G, C, K]")
+        if rs is None:
+            raise TypeError("rhs: an FP8 lhs needs FP8 weights (jax_ep.quantize_fp8_weights)")
+        if lq.shape[0] != G or lq.shape[2] != K:
+            raise ValueError(f"lhs: shape {tuple(lq.shape)} does not match G={G}, K={K} of rhs")
+        counts = _sizes("counts", counts, G, each=lq.shape[1])
+        if preferred_element_type is not None and \
+                jnp.dtype(preferred_element_type) != jnp.dtype(jnp.bfloat16):
+            raise TypeError("preferred_element_type: FP8 products are bfloat16")
+        C = lq.shape[1]
+        # The masked kernels read rhs as [G, N, K] for FP8 (Fp8Weights' layout).
+        use_cuda = _cuda_ok(backend, lq.dtype, jnp.bfloat16, lambda: _unsupported(
+            "masked", lq.dtype, False, G, C, K, N), "grouped_matmul_masked")
+        return _fp8_masked_fwd_only(functools.partial(_fp8_masked_core,
+                                                      cfg=(use_cuda, zero_padding)),
+                                    lq, ls, rq, rs, counts)
+    if rs is not None:
+        raise TypeError("rhs: FP8 weights need an FP8 lhs tuple (lhs_fp8, lhs_scales)")
+    a, _ = _lhs_parts(lhs, "lhs", "[G, C, K]")
+    if jnp.dtype(a.dtype) != jnp.dtype(rq.dtype):
+        raise TypeError(f"rhs: dtype {_checks.dtype_name(rq.dtype)} differs from lhs's "
+                        f"{_checks.dtype_name(a.dtype)}")
+    if a.shape[0] != G or a.shape[2] != K:
+        raise ValueError(f"lhs: shape {tuple(a.shape)} does not match G={G}, K={K} of rhs")
+    counts = _sizes("counts", counts, G, each=a.shape[1])
+    out_dtype = _out_dtype(preferred_element_type, a.dtype)
+    C = a.shape[1]
+    use_cuda = _cuda_ok(backend, a.dtype, out_dtype,
+                        lambda: _unsupported("masked", a.dtype, True, G, C, K, N),
+                        "grouped_matmul_masked")
+    return _masked_diff(a, rq, counts, (out_dtype, use_cuda, zero_padding))
