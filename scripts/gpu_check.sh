@@ -3,6 +3,7 @@
 #   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [mp] [ucx] [example] [bench]
 #                        [bench-quick] [bench-gemm] [bench-modes] [probe]
 #   (default: build kernel test gemm mp example bench). gemm: the grouped-GEMM GPU suite;
+#   gemm-mutations: the grouped-GEMM suite with each planted bug of tests/test_gpu_gemm.py;
 #   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS). The GPU
 #   machines have no package index: the build takes CUTLASS's headers from .cutlass/ (include/
 #   and tools/util/include/ of the nvidia-cutlass package) when that folder is there. mp: the per-process (one GPU per process,
@@ -51,6 +52,14 @@ if has gemm; then
   (cd /tmp && timeout ${GEMM_TEST_TIMEOUT:-540} $PY -m pytest -q -p no:cacheprovider -m gpu \
      "$OLDPWD/tests/test_gpu_gemm.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gemm_tests.log" \
      | tail -30) || rc=1
+fi
+if has gemm-mutations; then
+  step "grouped-GEMM mutation check: each planted bug must fail tests"
+  for m in shift_sizes drop_last_group masked_no_zero_fill; do
+    (cd /tmp && JAX_EP_GEMM_MUTATION=$m timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu \
+       "$OLDPWD/tests/test_gpu_gemm.py" -k "${GEMM_MUTATION_K:-forward or masked or gradients}" \
+       2>&1 | tail -1 | sed "s/^/  $m: /") | tee -a "$OUT/gemm_mutations.log"
+  done
 fi
 if has mp; then
   step "per-process suite (jax_ep.launch, NVSHMEM)"

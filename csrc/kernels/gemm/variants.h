@@ -17,8 +17,7 @@
   X(f16_fwd_small)              \
   X(f16_fwd_nk)                 \
   X(f16_tgrad)                  \
-  X(fp8_fwd)                    \
-  X(fp8_fwd_small)
+  X(fp8_fwd)
 
 namespace jax_ep::gemm::variants {
 #define JAX_EP_GEMM_DECLARE(name)                                  \
