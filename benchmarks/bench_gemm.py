@@ -239,13 +239,15 @@ def main():
             ("bf16", x, w, w.nbytes),
             ("FP8", jax.jit(jax_ep.quantize_fp8)(x), jax.jit(jax_ep.quantize_fp8_weights)(w),
              Gm * K * N + Gm * (K // 128) * (N // 128) * 4)):
-        t = time_op(gmm, (lhs, rhs, counts), reps=reps)
-        floor = wbytes / hbm_rate
-        r = record(f"ours masked {label} (counts mean {float(np.mean(counts)):.1f})", tag, t,
-                   useful, wbytes, impl="ours", op=f"masked-{label}",
-                   weight_read_ms=floor * 1e3, vs_weight_read=t[0] / floor)
-        print(f"  {label}: {r['ms']:.3f} ms = {t[0] / floor:.3f}x the weight read at the copy "
-              f"rate ({floor * 1e3:.3f} ms for {wbytes / 1e9:.2f} GB)")
+        for zp in (True, False):
+            t = time_op(functools.partial(gmm, zero_padding=zp), (lhs, rhs, counts), reps=reps)
+            floor = wbytes / hbm_rate
+            r = record(f"ours masked {label}, zero_padding={zp}", tag, t, useful, wbytes,
+                       impl="ours", op=f"masked-{label}", zero_padding=zp,
+                       counts_mean=float(np.mean(counts)), weight_read_ms=floor * 1e3,
+                       vs_weight_read=t[0] / floor)
+            print(f"  {label} zero_padding={zp}: {r['ms']:.3f} ms = {t[0] / floor:.3f}x the "
+                  f"weight read at the HBM rate ({floor * 1e3:.3f} ms for {wbytes / 1e9:.2f} GB)")
 
     with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
         json.dump(dict(device=dev.device_kind, jax=jax.__version__, hbm_copy_gbps=hbm_rate / 1e9,
