@@ -19,7 +19,7 @@ from jax_ep import _checks, _ffi, reference as ref, runtime
 
 FP8_BLOCK = 128  # FP8 scale block: 1 x 128 for activations, 128 x 128 for weights
 _GEMM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# Rows per group at or below which the 16-bit kernels use 64-row tiles (else 256-row tiles).
+# Rows per group at or below which the kernels use 64-row tiles (else 128 or 256 rows).
 _SMALL_M_ROWS = 128
 
 
@@ -264,13 +264,13 @@ _gmm_diff.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def _fp8_core(lq, ls, rq, rs, sizes, cfg):
-    (use_cuda,) = cfg
+    use_cuda, small_m = cfg
     if not use_cuda:
         a = ref.dequantize_fp8(lq, ls)
         b = dequantize_fp8_weights(Fp8Weights(rq, rs))
         return _ref_gmm(a, b, sizes, jnp.bfloat16)
     M, N = lq.shape[0], rq.shape[1]
-    return _gemm_call(lq, rq, sizes, ls, rs, mode="contiguous", rhs_kn=False, small_m=False,
+    return _gemm_call(lq, rq, sizes, ls, rs, mode="contiguous", rhs_kn=False, small_m=small_m,
                       out_shape=(M, N), out_dtype=jnp.bfloat16)
 
 
@@ -331,9 +331,10 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
                 jnp.dtype(preferred_element_type) != jnp.dtype(jnp.bfloat16):
             raise TypeError("preferred_element_type: FP8 products are bfloat16")
         M = lq.shape[0]
+        small = M <= _SMALL_M_ROWS * G
         use_cuda = _cuda_ok(backend, lq.dtype, jnp.bfloat16, lambda: _unsupported(
             "contiguous", lq.dtype, False, G, M, K, N), "grouped_matmul")
-        return _fp8_fwd_only(functools.partial(_fp8_core, cfg=(use_cuda,)),
+        return _fp8_fwd_only(functools.partial(_fp8_core, cfg=(use_cuda, small)),
                              lq, ls, rq, rs, sizes)
     if rs is not None:
         raise TypeError("rhs: FP8 weights need an FP8 lhs tuple (lhs_fp8, lhs_scales)")

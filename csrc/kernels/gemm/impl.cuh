@@ -103,13 +103,15 @@ template <class T>  // rhs stored [G, N, K]: the lhs gradient dout @ w^T
 using FwdNK = Cfg16<T, RowMajor, ColMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>, Coop, CoopEpi>;
 template <class T>  // lhs^T @ rhs2 per group: the weight gradient
 using Tgrad = Cfg16<T, ColMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>, Coop, CoopEpi>;
-// FP8: 64 x 128 tiles, ping-pong warp groups (one group's scale promotion and epilogue overlap
-// the other's tensor-core work), clusters along N. Same run on one H200, 32 groups of 1024 rows:
-// 1229 / 1109 / 1201 / 1219 TFLOP/s at (K, N) = (7168, 4096) / (2048, 7168) / (4096, 4096) /
-// (7168, 2048), against 1119 / 1060 / 1119 / 1106 for cooperative 128 x 128 tiles. Larger tiles
-// need twice the accumulator registers (blockwise scaling keeps a second accumulator) and spill.
-using Fp8Fwd = CfgFp8<cute::Shape<_64, _128, _128>, cute::Shape<_1, _2, _1>,
-                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise, PingpongEpi>;
+// FP8: cooperative 128 x 128 tiles (larger ones need twice the accumulator registers, since
+// blockwise scaling keeps a second accumulator, and spill); 64 x 128 ping-pong tiles for few rows
+// per group. On one H200, 32 groups of 1024 rows at (K, N) = (7168, 4096): 1063-1080 TFLOP/s
+// with the cooperative tiles, 768 with the ping-pong ones clustered along N.
+using Fp8Fwd = CfgFp8<cute::Shape<_128, _128, _128>, cute::Shape<_1, _2, _1>,
+                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, CoopEpi>;
+using Fp8FwdSmall =
+    CfgFp8<cute::Shape<_64, _128, _128>, cute::Shape<_1, _1, _1>,
+           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise, PingpongEpi>;
 
 // ---------------------------------------------------------------------------------------------
 // Argument preparation on the device

@@ -22,7 +22,7 @@ enum Variant : int {
 
 [[maybe_unused]] int select(const GemmShape& s) {
 #ifdef JAX_EP_WITH_GEMM
-  if (s.dtype == Dtype::kFP8) return k_fp8_fwd;  // one tile shape serves every FP8 call
+  if (s.dtype == Dtype::kFP8) return s.small_m ? k_fp8_fwd_small : k_fp8_fwd;
   const bool bf16 = s.dtype == Dtype::kBF16;
   if (s.mode == Mode::kTransposed) return bf16 ? k_bf16_tgrad : k_f16_tgrad;
   if (!s.rhs_kn) return bf16 ? k_bf16_fwd_nk : k_f16_fwd_nk;

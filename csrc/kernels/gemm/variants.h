@@ -17,7 +17,8 @@
   X(f16_fwd_small)              \
   X(f16_fwd_nk)                 \
   X(f16_tgrad)                  \
-  X(fp8_fwd)
+  X(fp8_fwd)                    \
+  X(fp8_fwd_small)
 
 namespace jax_ep::gemm::variants {
 #define JAX_EP_GEMM_DECLARE(name)                                  \
