@@ -42,19 +42,40 @@ def experts_per_rank(num_experts, num_ranks):
     return num_experts // num_ranks
 
 
-def topk(name, topk_idx, T):
+# Row indices and ids travel as int32 (the handles' dtype): sizes they index stay below 2^31.
+INT32_LIMIT = 2**31 - 1
+
+
+def topk(name, topk_idx, T=None):
+    """[T, K] int ids with K >= 1 (and T rows when given)."""
     expect_rank(name, topk_idx, 2, "[T, K]")
     expect_dtype(name, topk_idx, (jnp.int32, jnp.int64))
-    if topk_idx.shape[0] != T:
+    if T is not None and topk_idx.shape[0] != T:
         raise ValueError(f"{name}: has {topk_idx.shape[0]} rows, expected T={T} (one per token "
                          "of x)")
+    if topk_idx.shape[1] < 1:
+        raise ValueError(f"{name}: K = 0 top-k slots; every token needs at least one (K >= 1)")
+
+
+def hidden(name, H):
+    if H < 1:
+        raise ValueError(f"{name}: hidden size H = {H}; expected H >= 1")
 
 
 def weights(name, w, shape):
+    """Router weights in float32, bfloat16 or float16 (the ops compute in float32)."""
     expect_rank(name, w, 2, "[T, K]")
-    expect_dtype(name, w, (jnp.float32,))
+    expect_dtype(name, w, FLOAT_DTYPES)
     if tuple(w.shape) != tuple(shape):
         raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {tuple(shape)} (as topk_idx)")
+
+
+def flag(name, v, allow_none=False):
+    """A static Python bool (numpy bools too); a string such as "no" is an error, not True."""
+    if (allow_none and v is None) or isinstance(v, (bool, np.bool_)):
+        return None if v is None else bool(v)
+    raise TypeError(f"{name} must be a bool{' or None' if allow_none else ''}, got "
+                    f"{type(v).__name__} ({v!r})")
 
 
 def backend_name(backend):
@@ -63,12 +84,15 @@ def backend_name(backend):
     return backend
 
 
-def resolve_backend(backend):
-    """'reference' or 'cuda' for this trace."""
+def resolve_backend(backend, *, empty=False):
+    """'reference' or 'cuda' for this trace.
+
+    empty: the shard has no tokens (T = 0, a static shape, so the same on every shard of the
+    call): nothing moves and the reference computes the empty results on every backend."""
     from jax_ep import runtime
 
     backend = backend_name(backend)
-    if backend == "reference":
+    if backend == "reference" or empty:
         return "reference"
     ok = runtime.cuda_backend_available()
     if backend == "cuda" and not ok:

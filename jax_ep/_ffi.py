@@ -143,6 +143,19 @@ def _varying(x, axes):
     return jax.lax.pvary(x, missing)
 
 
+def varying(args, axis_name=None):
+    """args, each marked as varying along every mesh axis that any of them (or axis_name)
+    varies along: what custom calls and custom VJPs inside shard_map need their operands to
+    agree on. A no-op outside shard_map."""
+    axes = frozenset().union(*(_vma(a) for a in args))
+    if axis_name is not None:
+        try:
+            axes = axes | _vma(jax.lax.axis_index(axis_name))
+        except Exception:  # noqa: BLE001 - older jax: axis_index carries no vma
+            pass
+    return [_varying(a, axes) for a in args] if axes else list(args)
+
+
 def call(target, args, out_types, *, axis_name=None, pure=False, **attrs):
     """Bind a custom call. out_types: [(shape, dtype)]; attrs: static scalars.
 
@@ -153,14 +166,7 @@ def call(target, args, out_types, *, axis_name=None, pure=False, **attrs):
     attribute given here is kept: the two halves of a split op share it) and, for push ops
     (a `buffer_bytes` attribute), the receive buffers `bufs`.
     """
-    axes = frozenset().union(*(_vma(a) for a in args))
-    if axis_name is not None:
-        try:
-            axes = axes | _vma(jax.lax.axis_index(axis_name))
-        except Exception:  # noqa: BLE001 - older jax: axis_index carries no vma
-            pass
-    if axes:
-        args = [_varying(a, axes) for a in args]
+    args = varying(args, axis_name)
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     out_types = tuple((tuple(int(x) for x in s), np.dtype(d).name) for s, d in out_types)
     return ep_call_p.bind(*args, target=target, out_types=out_types, attrs=frozen,

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep import _checks, _ffi, reference as ref
 from jax_ep import runtime
@@ -39,7 +40,8 @@ class DispatchResult(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 
 def _to_bytes(a):
-    return ref._as_bytes(a).reshape(a.shape[0], -1)
+    b = ref._as_bytes(a)
+    return b.reshape(a.shape[0], int(np.prod(b.shape[1:], dtype=np.int64)))
 
 
 def _from_bytes(b, dtype, shape):
@@ -206,20 +208,33 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
         _checks.expect_rank("x", x, 2, "[T, H]")
         _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
         T, H = x.shape
+    _checks.hidden("x", H)
     _checks.topk("topk_idx", topk_idx, T)
     if topk_weights is not None:
         _checks.weights("topk_weights", topk_weights, topk_idx.shape)
-    be = _checks.resolve_backend(backend)
+    _checks.flag("check", check, allow_none=True)
+    be = _checks.resolve_backend(backend, empty=T == 0)
     R, _ = ref.axis_info(axis_name)
     _checks.experts_per_rank(num_experts, R)
+    if R * T > _checks.INT32_LIMIT:
+        raise ValueError(f"x: R * T = {R * T} tokens in the EP group; row ids are int32, so it "
+                         f"must be < 2^31")
     capacity = R * T if capacity is None else _checks.static_int("capacity", capacity, 1)
+    if capacity > _checks.INT32_LIMIT:
+        raise ValueError(f"capacity={capacity}: rows are indexed in int32, so it must be < 2^31 "
+                         f"(at most R * T = {R * T} rows can arrive)")
     cfg = (int(num_experts), capacity, axis_name, be)
     idx = _checks.int32_ids(topk_idx, num_experts)
-    w = (jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None else topk_weights)
+    w = (jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None
+         else topk_weights.astype(jnp.float32))
     if fp8:
         recv_xs, ridx, rw, per_expert, handle = _dispatch_fp8(tuple(x), w, idx, cfg)
         recv_x = tuple(recv_xs)
     else:
+        # Differentiable inputs varying along every axis the call varies along: a replicated
+        # x or w (a constant, or None's zeros) then gets its cotangent summed over the shards by
+        # the transpose of that cast, and the custom VJP's output types match its inputs.
+        x, w = _ffi.varying([x, w, idx], axis_name)[:2]
         recv_x, ridx, rw, per_expert, handle = _dispatch_diff(x, w, idx, cfg)
     _check_counts(check, handle, axis_name)
     return DispatchResult(recv_x, ridx, None if topk_weights is None else rw,
@@ -238,9 +253,10 @@ def combine(y, handle: DispatchHandle, *, axis_name="ep", backend="auto", check=
     if y.shape[0] != C:
         raise ValueError(f"y: has {y.shape[0]} rows, expected capacity={C} (one per recv_x row "
                          "of the dispatch)")
-    be = _checks.resolve_backend(backend)
+    be = _checks.resolve_backend(backend, empty=handle.send_rows.shape[0] == 0)
     R, _ = ref.axis_info(axis_name)
     if handle.send_rows.shape[1] != R:
         raise ValueError(f"handle: made for an EP group of {handle.send_rows.shape[1]} ranks, "
                          f"but axis {axis_name!r} has {R}")
+    (y,) = _ffi.varying([y, handle.recv_src], axis_name)[:1]
     return _combine_diff(y, handle, (0, C, axis_name, be))

@@ -216,13 +216,16 @@ def _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_
     _checks.expect_rank("x", x, 2, "[T, H]")
     _checks.expect_dtype("x", x, (jnp.bfloat16,))
     T, H = x.shape
+    _checks.hidden("x", H)
+    use_fp8 = _checks.flag("use_fp8", use_fp8)
+    round_scale = _checks.flag("round_scale", round_scale)
     M = _checks.static_int("max_tokens_per_rank", max_tokens_per_rank, 1)
     if T > M:
         raise ValueError(f"x: T={T} tokens is more than max_tokens_per_rank={M}")
     if use_fp8 and H % ref.FP8_GROUP:
         raise ValueError(f"x: hidden size H={H} must be a multiple of 128 with use_fp8=True")
     _checks.topk("topk_idx", topk_idx, T)
-    be = _checks.resolve_backend(backend)
+    be = _checks.resolve_backend(backend, empty=T == 0)
     R, _ = ref.axis_info(axis_name)
     _checks.experts_per_rank(num_experts, R)
     cfg = (int(num_experts), M, bool(use_fp8), bool(round_scale), axis_name, be)
@@ -238,10 +241,9 @@ def _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend):
     L, RM = handle.recv_src.shape
     if tuple(y.shape[:2]) != (L, RM):
         raise ValueError(f"y: shape {tuple(y.shape)}, expected ({L}, {RM}, H) like recv_x")
-    _checks.expect_rank("topk_idx", topk_idx, 2, "[T, K]")
-    _checks.expect_dtype("topk_idx", topk_idx, (jnp.int32, jnp.int64))
+    _checks.topk("topk_idx", topk_idx)
     _checks.weights("topk_weights", topk_weights, topk_idx.shape)
-    be = _checks.resolve_backend(backend)
+    be = _checks.resolve_backend(backend, empty=topk_idx.shape[0] == 0)
     R, _ = ref.axis_info(axis_name)
     if RM % R:
         raise ValueError(f"handle: made for an EP group whose size divides {RM}, but axis "
@@ -275,6 +277,7 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
                          use_fp8=True, round_scale=False, backend="auto",
                          check=None) -> LowLatencyResult:
     """Decode dispatch into the expert-major [L, R * M, H] layout (see API.md)."""
+    _checks.flag("check", check, allow_none=True)
     cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
                              round_scale, backend)
     fn = _dispatch_fp8 if use_fp8 else _dispatch_diff
@@ -286,10 +289,13 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
 def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, axis_name="ep",
                         backend="auto", check=None):
     """Weighted sum of the expert outputs of each token: [T, H] bfloat16 (see API.md)."""
-    del check
+    _checks.flag("check", check, allow_none=True)
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
-    return _combine_diff(y, topk_weights, idx, handle.recv_src, handle.recv_slot,
-                         handle.recv_count, handle.src_rows, cfg)
+    # float32 weights, and y and w varying along the call's axes: a replicated (constant) w
+    # then gets its cotangent summed over the shards (see high_throughput.dispatch).
+    y, w = _ffi.varying([y, topk_weights.astype(jnp.float32), idx], axis_name)[:2]
+    return _combine_diff(y, w, idx, handle.recv_src, handle.recv_slot, handle.recv_count,
+                         handle.src_rows, cfg)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -332,6 +338,7 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
     `low_latency_dispatch`. Forward only. At most one pending send per call site: receive it
     before the same code sends again.
     """
+    _checks.flag("check", check, allow_none=True)
     cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
                              round_scale, backend)
     if cfg[-1] == "reference":  # the reference runs the whole op in the receive half

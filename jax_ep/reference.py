@@ -39,7 +39,8 @@ def _as_bytes(a):
     """View any array as uint8 with the element bytes in a trailing axis (exact transport)."""
     if a.dtype == jnp.uint8:
         return a[..., None]
-    return lax.bitcast_convert_type(a, jnp.uint8).reshape(*a.shape, -1)
+    # The byte count spelled out: reshape(..., -1) cannot infer it for an empty array (T = 0).
+    return lax.bitcast_convert_type(a, jnp.uint8).reshape(*a.shape, jnp.dtype(a.dtype).itemsize)
 
 
 def _from_bytes(b, dtype):
