@@ -545,3 +545,30 @@ def test_ht_large_topk_direct_read_path():
     w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
     cu, rf = _ht_run(mesh, x, idx, w, E)
     _assert_ht_equal(cu, rf, 1e-5)
+
+
+def test_edge_cases_on_one_gpu():
+    """R = 1 on the CUDA backend: gradient in x with topk_weights=None, bfloat16 router
+    weights, and an empty shard, each against the reference."""
+    mesh = _mesh(1)
+    rng = np.random.default_rng(31)
+    T, H, K, E = 64, 256, 4, 8
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(-1, E, (T, K)), jnp.int32)
+    w = jnp.asarray(rng.random((T, K)), jnp.bfloat16)
+
+    def run(backend, weights, x, idx, w):
+        def body(x, idx, w):
+            r = jax_ep.dispatch(x, idx, w if weights else None, num_experts=E, backend=backend)
+            return jax_ep.combine(r.recv_x * 2, r.handle, backend=backend)
+
+        def loss(x):
+            out = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(x, idx, w)
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.jit(jax.value_and_grad(loss))(x)
+    for weights in (False, True):
+        (vc, gc), (vr, gr) = run("cuda", weights, x, idx, w), run("reference", weights, x, idx, w)
+        np.testing.assert_allclose(float(vc), float(vr), rtol=1e-3)
+        np.testing.assert_array_equal(np.asarray(gc, np.float32), np.asarray(gr, np.float32))
+    (v0, g0) = run("cuda", True, x[:0], idx[:0], w[:0])
+    assert float(v0) == 0.0 and g0.shape == (0, H)
