@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from jax_ep import runtime
+
 _CHILD_ENV = "JAX_EP_LAUNCH_CHILD"
 
 
@@ -49,7 +51,7 @@ def _parse(argv):
     n = None
     gpus = None
     port = None
-    grace = float(os.environ.get("JAX_EP_TIMEOUT_S", "30")) + 60
+    grace = runtime.timeout_ns() / 1e9 + 60
     i = 0
     while i < len(argv):
         a = argv[i]

@@ -78,8 +78,19 @@ def current_cuda_device() -> int:
 
 
 def timeout_ns() -> int:
-    """Wait limit of every in-kernel wait (JAX_EP_TIMEOUT_S, default 30 s)."""
-    return int(float(os.environ.get("JAX_EP_TIMEOUT_S", "30")) * 1e9)
+    """Wait limit of every in-kernel wait (JAX_EP_TIMEOUT_S, default 30 s).
+
+    Raises ValueError naming the variable for a value that is not a finite number of seconds
+    above 0 (a zero, negative, inf or NaN limit would make every wait fail, or none)."""
+    raw = os.environ.get("JAX_EP_TIMEOUT_S", "30")
+    try:
+        s = float(raw)
+    except ValueError:
+        s = float("nan")
+    if not (0 < s < float("inf")) or s * 1e9 >= 2**63:
+        raise ValueError(f"JAX_EP_TIMEOUT_S={raw!r}: expected a finite number of seconds > 0 "
+                         "(the in-kernel wait limit; default 30)")
+    return int(s * 1e9)
 
 
 def set_num_blocks(n: int | None) -> None:

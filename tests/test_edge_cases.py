@@ -159,3 +159,12 @@ def test_arguments_of_the_wrong_kind(mesh4):
     with pytest.raises(TypeError, match="topk_weights: dtype int32"):
         run(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E).recv_x, x, idx,
             w.astype(jnp.int32))
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan", "soon", "1e30"])
+def test_timeout_setting_must_be_finite_and_positive(monkeypatch, value):
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"JAX_EP_TIMEOUT_S='{value}': expected a finite"):
+        jax_ep.runtime.timeout_ns()
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "2.5")
+    assert jax_ep.runtime.timeout_ns() == 2_500_000_000
