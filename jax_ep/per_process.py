@@ -118,7 +118,8 @@ def initialize(ext, timeout_s: float) -> dict:
         ext.cuda_set_device(device)
         arena = arena_bytes()
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(arena + (512 << 20)))
-        # Hopper NVLink SHARP (multicast) stays off: see the GPU notes of this project.
+        # NVLink multicast (NVLS) stays off: a program that uses it can take a shared host's
+        # GPUs out of service, and the peer transport does not need it.
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         nvshmem_core = _import_nvshmem()
         if not _nvshmem_already_initialized():

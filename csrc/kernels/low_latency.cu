@@ -948,7 +948,7 @@ __device__ __forceinline__ void combine_send_weights(const CombineParams& p, int
 // Whole warp: columns [v0, v1) (vectors V) of the partial sum_k w_k * y[row_k] over the slots
 // in `has` (lane k: row_k, w_k), in k order, split into hi / lo (split24). kU vectors per lane
 // per pass, one slot's loads at a time: loading 2 or 4 slots at once (more registers, spills)
-// made the combine 4-7 us slower at R = 4 (NOTES.md, session 8).
+// made the combine 4-7 us slower at R = 4 (docs/design.md#rejected-partial-loads).
 template <typename V, int kU>
 __device__ __forceinline__ void partial_columns(const V* y, int nvec_row, unsigned has, int rr,
                                                 float w, int v0, int v1, V* hi,
@@ -1040,7 +1040,8 @@ __device__ __noinline__ void combine_send_item(const CombineParams& p, int s, in
       // The warp barrier orders every lane's stores before the release stores of the tags,
       // which makes them visible first (release is cumulative). Tags after every row: a
       // release waits for the warp's stores before it, so a tag between two rows stalls the
-      // second. A system fence before them cost ~2.5 us of the combine at R = 4 (NOTES.md).
+      // second. A system fence before them cost 2.8 us of the combine at R = 4
+      // (docs/design.md#release-tags).
       __syncwarp();
       for (int i = lane; i < __popc(leads) * upi; i += 32)
         st_release_sys_s32(combine_tag(dbuf, p, par, t, kb + __fns(leads, 0, i / upi + 1),
@@ -1327,14 +1328,14 @@ int64_t combine_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H) {
 // that XLA runs beside it (a NCCL collective on another stream) and that the peers wait on.
 // Work is taken by tickets, so blocks that are not resident only cost time.
 // The dispatch: three quarters of the SMs. At R = 4 on H200 it took 26.9 us on 99 blocks and
-// 29.0 on 132 (session 8, NOTES.md).
+// 29.0 on 132 (docs/design.md#grid-sizes).
 int dispatch_grid_size(int device) {
   const int sms = jax_ep::sm_count(device);
   return sms * 3 / 4 > 0 ? sms * 3 / 4 : (sms > 0 ? 1 : 0);
 }
 // The combine: all SMs but kCombineFreeSms (at least three quarters). More warps take more
 // column parts of a (source, token) in one round: at R = 4, M = 128 on H200, 128 blocks give 4
-// parts where 99 gave 2, and the kernel took 37.6 us against 41.0 (session 9, NOTES.md).
+// parts where 99 gave 2, and the kernel took 37.6 us against 41.0 (docs/design.md#grid-sizes).
 constexpr int kCombineFreeSms = 4;
 int combine_grid_size(int device) {
   return std::max(dispatch_grid_size(device), jax_ep::sm_count(device) - kCombineFreeSms);

@@ -59,8 +59,8 @@ __device__ __forceinline__ unsigned long long recv_epoch(const PeerSlots& ps,
 // only on the items' reads of our buffer being over (signal_freed): every load of an item feeds
 // an instruction issued before the report (a copy's stores, a row's tag test), and a warp issues
 // in order, so its loads have returned when its report is issued. This is the hardware's order,
-// not one the PTX memory model promises for relaxed accesses. Session 10 measured the fenced
-// report at +0.8 us on the LL dispatch at R = 4 (NOTES.md).
+// not one the PTX memory model promises for relaxed accesses. A fenced report measured +0.8 us
+// on the LL dispatch at R = 4 (docs/design.md#no-fences).
 struct Take {
   int it;       // the ticket: item `it` when < n
   bool closer;  // this report completed the phase
@@ -151,7 +151,7 @@ __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigne
 // counts itself out after its warps' last take returned (they left their loops on its value)
 // and after it read send_epoch, so the resets cannot overtake them; the next kernel on the
 // stream sees them by kernel order. At R = 4 the fence before the count cost the dispatch
-// ~0.3 us, the last block's two fences ~0.6 us (the combine ~1.4 us; session 10, NOTES.md).
+// ~0.3 us, the last block's two fences ~0.6 us (the combine ~1.4 us; docs/design.md#no-fences).
 __device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode,
                                              unsigned long long es) {
   __syncthreads();
