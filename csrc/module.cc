@@ -29,6 +29,20 @@ static void segv_backtrace(int) {
   _exit(139);
 }
 
+// A grouped-GEMM shape from the size queries' arguments (codes: _C.gemm_modes, gemm_dtypes).
+static jax_ep::gemm::GemmShape gemm_shape(int mode, int dtype, bool rhs_kn, int64_t G, int64_t M,
+                                          int64_t K, int64_t N) {
+  jax_ep::gemm::GemmShape s;
+  s.mode = static_cast<jax_ep::gemm::Mode>(mode);
+  s.dtype = static_cast<jax_ep::gemm::Dtype>(dtype);
+  s.rhs_kn = rhs_kn;
+  s.G = G;
+  s.M = M;
+  s.K = K;
+  s.N = N;
+  return s;
+}
+
 template <typename T>
 static nb::capsule encapsulate(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
@@ -112,15 +126,8 @@ NB_MODULE(_C, m) {
       "grouped_gemm_workspace_bytes",
       [](int mode, int dtype, bool rhs_kn, bool small_m, int64_t G, int64_t M, int64_t K,
          int64_t N, int device) {
-        jax_ep::gemm::GemmShape s;
-        s.mode = static_cast<jax_ep::gemm::Mode>(mode);
-        s.dtype = static_cast<jax_ep::gemm::Dtype>(dtype);
-        s.rhs_kn = rhs_kn;
+        jax_ep::gemm::GemmShape s = gemm_shape(mode, dtype, rhs_kn, G, M, K, N);
         s.small_m = small_m;
-        s.G = G;
-        s.M = M;
-        s.K = K;
-        s.N = N;
         if (auto why = jax_ep::gemm::unsupported(s); !why.empty())
           throw std::invalid_argument("jax_ep grouped GEMM: " + why);
         return jax_ep::gemm::workspace_bytes(s, jax_ep::sm_count(device));
@@ -132,15 +139,7 @@ NB_MODULE(_C, m) {
       "2 FP8 e4m3. Raises ValueError naming the operand when no kernel serves the shapes.");
   m.def("gemm_unsupported",
         [](int mode, int dtype, bool rhs_kn, int64_t G, int64_t M, int64_t K, int64_t N) {
-          jax_ep::gemm::GemmShape s;
-          s.mode = static_cast<jax_ep::gemm::Mode>(mode);
-          s.dtype = static_cast<jax_ep::gemm::Dtype>(dtype);
-          s.rhs_kn = rhs_kn;
-          s.G = G;
-          s.M = M;
-          s.K = K;
-          s.N = N;
-          return jax_ep::gemm::unsupported(s);
+          return jax_ep::gemm::unsupported(gemm_shape(mode, dtype, rhs_kn, G, M, K, N));
         },
         "Why no grouped-GEMM kernel serves these shapes ('' when one does).");
   m.def("debug_segv_backtrace", []() { signal(SIGSEGV, segv_backtrace); });

@@ -241,13 +241,18 @@ def _gmm_fwd(lhs, rhs, sizes, cfg):
     return _gmm_core(lhs, rhs, sizes, cfg), (lhs, rhs, sizes)
 
 
+def _ref_vjp(product, lhs, rhs, g):
+    """(d lhs, d rhs, None) of a reference product, in float32, cast to the operands' dtypes."""
+    _, vjp = jax.vjp(product, lhs, rhs)
+    dlhs, drhs = vjp(g.astype(jnp.float32))
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+
+
 def _gmm_bwd(cfg, res, g):
     lhs, rhs, sizes = res
     _, use_cuda, _ = cfg
     if not use_cuda:
-        _, vjp = jax.vjp(lambda a, b: _ref_gmm(a, b, sizes, jnp.float32), lhs, rhs)
-        dlhs, drhs = vjp(g.astype(jnp.float32))
-        return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+        return _ref_vjp(lambda a, b: _ref_gmm(a, b, sizes, jnp.float32), lhs, rhs, g)
     M, K = lhs.shape
     G, _, N = rhs.shape
     g = g.astype(lhs.dtype)
@@ -381,11 +386,10 @@ def _masked_fwd(lhs, rhs, counts, cfg):
 
 
 def _masked_bwd(cfg, res, g):
+    """The reference's gradient on every backend (the masked layout serves decoding)."""
     lhs, rhs, counts = res
-    _, vjp = jax.vjp(lambda a, b: _ref_masked(a, b, jnp.maximum(counts, 0), jnp.float32),
-                     lhs, rhs)
-    dlhs, drhs = vjp(g.astype(jnp.float32))
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+    return _ref_vjp(lambda a, b: _ref_masked(a, b, jnp.maximum(counts, 0), jnp.float32),
+                    lhs, rhs, g)
 
 
 _masked_diff.defvjp(_masked_fwd, _masked_bwd)

@@ -3,6 +3,7 @@
 // the call-site slot and the timeout. Gives the kernel-side PeerSlots of this device's group.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "transport/peer.cuh"
@@ -28,6 +29,15 @@ xla::ffi::Error decode_peer_row(const char* op, const char* what,
                                 xla::ffi::Span<const int64_t> table,
                                 xla::ffi::Span<const int64_t> groups, const GroupInfo& gi,
                                 uint8_t** out);
+
+// True when `d` is exactly `want` (shape checks of the handlers).
+inline bool dims_are(xla::ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
+  if (d.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want)
+    if (d[i++] != w) return false;
+  return true;
+}
 
 // "[d0, d1, ...]" for error messages.
 inline std::string dims_str(xla::ffi::Span<const int64_t> d) {

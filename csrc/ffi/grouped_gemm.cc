@@ -11,6 +11,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jax_ep::dims_are;
 using jax_ep::dims_str;
 namespace gemm = jax_ep::gemm;
 
@@ -18,14 +19,6 @@ namespace {
 
 ffi::Error bad(const std::string& m) {
   return ffi::Error::InvalidArgument("jax_ep_grouped_gemm: " + m);
-}
-
-bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (d[i++] != w) return false;
-  return true;
 }
 
 std::string want_str(std::initializer_list<int64_t> want) {

@@ -14,6 +14,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jax_ep::dims_are;
 using jax_ep::dims_str;
 namespace ll = jax_ep::ll;
 namespace push = jax_ep::push;
@@ -34,14 +35,6 @@ int ll_diag() {
 bool ll_prereduce() {
   const char* v = std::getenv("JAX_EP_LL_PREREDUCE");
   return v == nullptr || v[0] != '0';
-}
-
-bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (d[i++] != w) return false;
-  return true;
 }
 
 // Attributes every LL op carries (the lowering adds the first six; see jax_ep/_ffi.py).
