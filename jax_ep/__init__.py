@@ -1,6 +1,9 @@
-"""jax_ep: expert-parallel (MoE) dispatch and combine for JAX, as XLA FFI custom calls.
+"""jax_ep: expert-parallel (MoE) dispatch and combine for JAX, and the experts' grouped GEMMs,
+as XLA FFI custom calls.
 
-Public contract: API.md (shared). Ops run per shard inside `jax.shard_map` over the EP axis.
+The communication ops run per shard inside `jax.shard_map` over the EP axis; the grouped GEMMs
+run anywhere. Every public function's docstring gives its arguments and results; the full
+contract is the project's docs/API.md.
 """
 from jax_ep.high_throughput import DispatchHandle, DispatchResult, combine, dispatch
 from jax_ep.low_latency import (LowLatencyHandle, LowLatencyPending, LowLatencyResult,

@@ -187,7 +187,33 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
              backend="auto", check=None) -> DispatchResult:
     """Send each token once to every rank that holds one of its top-k experts.
 
-    Runs per shard inside `jax.shard_map` over `axis_name`. See API.md for the full contract.
+    Runs per shard inside `jax.shard_map` over `axis_name` (R ranks on that axis; expert e lives
+    on rank e // L, L = num_experts // R, as local expert e % L).
+
+    Args:
+      x: `[T, H]` float32, bfloat16 or float16; or an FP8 tuple `(x_fp8 [T, H] float8_e4m3fn,
+        x_scales [T, H // 128] float32)` (value = fp8 * scale per row and 128 columns).
+        T = 0 is allowed (every shard empty).
+      topk_idx: `[T, K]` int32 (int64 accepted) expert ids; -1 marks an unused slot, ids
+        outside [-1, E) count in `handle.num_invalid` and act as -1.
+      topk_weights: `[T, K]` float32, bfloat16 or float16 (computed in float32), or None.
+      num_experts: E, a multiple of R.
+      axis_name: the EP axis of the enclosing shard_map.
+      capacity: rows of the receive buffer (static, below 2^31). Default R * T, the worst
+        case: nothing is ever dropped. Tokens past it are dropped and counted in
+        `handle.num_dropped`.
+      backend: "auto" (CUDA kernels on GPUs, else the reference), "reference" or "cuda".
+      check: True raises when ids were invalid or tokens dropped (default: JAX_EP_CHECK).
+
+    Returns:
+      DispatchResult: `recv_x` `[capacity, H]` (same dtype or FP8 tuple as x; every token
+      with an expert here once, rows [0, recv_count) ordered by source rank then token, zeros
+      after); `recv_topk_idx` `[capacity, K]` local expert ids (-1 for other ranks' experts and
+      padding); `recv_topk_weights` `[capacity, K]` float32 (0 where the id is -1; None without
+      topk_weights); `recv_count` `[]`; `recv_tokens_per_expert` `[L]`; `handle` for `combine`.
+
+    Differentiable in x (its cotangent is `combine` of recv_x's) and topk_weights; an FP8
+    dispatch is forward-only. The contract in full: docs/API.md.
     """
     fp8 = isinstance(x, (tuple, list))
     if fp8:
@@ -242,7 +268,19 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
 
 
 def combine(y, handle: DispatchHandle, *, axis_name="ep", backend="auto", check=None):
-    """Send expert outputs back to their tokens and sum them: the transpose of `dispatch`."""
+    """Send expert outputs back to their tokens and sum them: the transpose of `dispatch`.
+
+    Args:
+      y: `[capacity, H]` float32, bfloat16 or float16, one row per `recv_x` row of the dispatch
+        (typically the weighted sum of the local experts' outputs).
+      handle: the dispatch's `handle`.
+      axis_name, backend: as for `dispatch`. `check` is accepted and has no effect.
+
+    Returns:
+      `[T, H]` in y's dtype: for each token, the sum over the ranks that received it of their
+      row, accumulated in float32; a token sent nowhere gives 0. Differentiable in y (its
+      cotangent is the dispatch of out's).
+    """
     del check  # combine cannot drop or see invalid ids; accepted for uniformity
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle: expected the DispatchHandle of a dispatch, got "

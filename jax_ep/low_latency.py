@@ -276,7 +276,28 @@ def _check_invalid(handle, axis_name, check, what):
 def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name="ep",
                          use_fp8=True, round_scale=False, backend="auto",
                          check=None) -> LowLatencyResult:
-    """Decode dispatch into the expert-major [L, R * M, H] layout (see API.md)."""
+    """Decode dispatch: each token to the ranks of its experts, into the expert-major layout.
+
+    Runs per shard inside `jax.shard_map` over `axis_name` (R ranks, L = num_experts // R local
+    experts each).
+
+    Args:
+      x: `[T, H]` bfloat16 with T <= max_tokens_per_rank (T = 0 allowed); H a multiple of 128
+        with use_fp8.
+      topk_idx: `[T, K]` int32 (int64 accepted); -1 marks an unused slot.
+      num_experts: E, a multiple of R. max_tokens_per_rank: M, static, the same on every rank.
+      use_fp8: quantise the rows to FP8 e4m3 on the fly (per 128 columns, amax / 448).
+      round_scale: with use_fp8, round each scale up to a power of two.
+      backend, check: as for `dispatch`.
+
+    Returns:
+      LowLatencyResult: `recv_x` `[L, R * M, H]` bfloat16, or `(x_fp8, scales
+      [L, R * M, H // 128])` with use_fp8; rows [0, recv_count[l]) of expert l are valid, in any
+      order, the rest unspecified. `recv_count` `[L]` int32. `handle` for
+      `low_latency_combine` (recv_src `[L, R * M]`: src_rank * M + src_token, -1 past the count).
+
+    Differentiable in x when use_fp8 is False. The contract in full: docs/API.md.
+    """
     _checks.flag("check", check, allow_none=True)
     cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
                              round_scale, backend)
@@ -288,7 +309,20 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
 
 def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, axis_name="ep",
                         backend="auto", check=None):
-    """Weighted sum of the expert outputs of each token: [T, H] bfloat16 (see API.md)."""
+    """Weighted sum of the expert outputs of each token: the decode combine.
+
+    Args:
+      y: `[L, R * M, H]` bfloat16, the expert outputs aligned with the dispatch's `recv_x` rows.
+      topk_idx, topk_weights: the dispatch's `[T, K]` ids and their weights (float32, bfloat16
+        or float16, computed in float32).
+      handle: the dispatch's `handle`.
+      axis_name, backend: as for `low_latency_dispatch`. `check` is accepted for uniformity.
+
+    Returns:
+      `[T, H]` bfloat16: `out[t] = sum_k w[t, k] * y[expert of slot k][row of (t, k)]`,
+      accumulated in float32; -1 slots contribute nothing. Differentiable in y and
+      topk_weights.
+    """
     _checks.flag("check", check, allow_none=True)
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
     # float32 weights, and y and w varying along the call's axes: a replicated (constant) w
