@@ -15,6 +15,7 @@
 
 #include "ffi/handlers.h"
 #include "kernels/gemm/grouped_gemm.h"
+#include "kernels/ht_sizes.h"
 #include "runtime/device.h"
 #include "runtime/symmetric.h"
 #include "runtime/workspace.h"
@@ -120,6 +121,8 @@ NB_MODULE(_C, m) {
   m.def("sym_arena_used", &jax_ep::sym::arena_used);
   m.def("slot_buffer_bytes", &jax_ep::slot_buffer_bytes, nb::arg("device"));
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
+  m.def("ht_scratch_words", &jax_ep::ht::ht_scratch_words, nb::arg("R"), nb::arg("T"),
+        "int32 words of jax_ep_ht_dispatch's scratch result (csrc/kernels/high_throughput.cuh).");
   m.def("gemm_built", &jax_ep::gemm::built,
         "True when the CUTLASS grouped-GEMM kernels are compiled in.");
   m.def(

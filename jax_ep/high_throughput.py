@@ -72,7 +72,7 @@ def _dispatch_core(xs, idx, w, cfg):
         [xb, scales, idx.astype(jnp.int32), w.astype(jnp.float32)],
         [((C, xb.shape[1]), jnp.uint8), ((C, G), jnp.float32), ((C, K), jnp.int32),
          ((C, K), jnp.float32), ((C,), jnp.int32), ((T, R), jnp.int32), ((L,), jnp.int32),
-         ((4,), jnp.int32), ((R * T + R * R + 64,), jnp.int32)],
+         ((4,), jnp.int32), ((runtime.extension().ht_scratch_words(R, T),), jnp.int32)],
         axis_name=axis_name, num_experts=num_experts, num_blocks=runtime.num_blocks())
     rxb, rscales, ridx, rw, recv_src, send_rows, per_expert, stats, _ = outs
     recv_x = _from_bytes(rxb, x.dtype, (C,) + x.shape[1:])

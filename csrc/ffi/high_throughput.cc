@@ -175,7 +175,7 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   JAX_EP_CHECK_SHAPE(*send_rows, op, "send_rows", T, R);
   JAX_EP_CHECK_SHAPE(*recv_tokens_per_expert, op, "recv_tokens_per_expert", L);
   JAX_EP_CHECK_SHAPE(*stats, op, "stats", 4);
-  const int64_t need = R * T + R * R + 64;
+  const int64_t need = jax_ep::ht::ht_scratch_words(R, T);
   if (static_cast<int64_t>(scratch->element_count()) < need)
     return ffi::Error::InvalidArgument(std::string(op) + ": scratch must hold R*T + R*R + 64 = " +
                                        std::to_string(need) + " int32, got " +
@@ -354,7 +354,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtDispatch, HtDispatchImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // send_rows [T, R]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // recv_tokens_per_expert [L]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // stats [4]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch [R*T + R*R + 64]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch [ht_scratch_words]
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("slot")

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kernels/ht_sizes.h"
 #include "transport/peer.cuh"
 
 namespace jax_ep {
@@ -27,7 +28,7 @@ constexpr int kCopyThreads = 512;    // row copy (dispatch / gather) and combine
 struct LayoutPlan {
   int chunk;              // tokens per block (multiple of kLayoutMinChunk)
   int nch;                // chunks per source rank; grid = R * nch
-  int64_t scratch_words;  // int32 words of scratch the kernel uses (<= R*T + R*R + 64)
+  int64_t scratch_words;  // int32 words of scratch the kernel uses (<= ht_scratch_words)
 };
 LayoutPlan plan_layout(int R, int T, int max_blocks);
 
@@ -51,7 +52,7 @@ struct DispatchArgs {
   int32_t* send_rows;          // [T, R]
   int32_t* recv_tokens_per_expert;  // [L]
   int32_t* stats;              // [4]
-  int32_t* scratch;            // [R*T + R*R + 64]
+  int32_t* scratch;            // [ht_scratch_words(R, T)]
   LayoutPlan plan;             // plan_layout(R, T, #SMs), set by the handler
 };
 
