@@ -16,6 +16,7 @@
 #include "ffi/handlers.h"
 #include "kernels/gemm/grouped_gemm.h"
 #include "kernels/ht_sizes.h"
+#include "kernels/ll_sizes.h"
 #include "runtime/device.h"
 #include "runtime/symmetric.h"
 #include "runtime/workspace.h"
@@ -121,6 +122,12 @@ NB_MODULE(_C, m) {
   m.def("sym_arena_used", &jax_ep::sym::arena_used);
   m.def("slot_buffer_bytes", &jax_ep::slot_buffer_bytes, nb::arg("device"));
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
+  m.def("ll_dispatch_buffer_bytes", &jax_ep::ll::dispatch_buffer_bytes, nb::arg("R"),
+        nb::arg("M"), nb::arg("K"), nb::arg("H"), nb::arg("L"), nb::arg("use_fp8"),
+        "Bytes of a low-latency dispatch slot's receive buffer (kernels/low_latency.cu).");
+  m.def("ll_combine_buffer_bytes", &jax_ep::ll::combine_buffer_bytes, nb::arg("R"), nb::arg("M"),
+        nb::arg("K"), nb::arg("H"),
+        "Bytes of a low-latency combine slot's receive buffer (kernels/low_latency.cu).");
   m.def("ht_scratch_words", &jax_ep::ht::ht_scratch_words, nb::arg("R"), nb::arg("T"),
         "int32 words of jax_ep_ht_dispatch's scratch result (csrc/kernels/high_throughput.cuh).");
   m.def("gemm_built", &jax_ep::gemm::built,

@@ -1,7 +1,7 @@
 """Start N local JAX processes, one GPU each, under jax.distributed.
 
     python -m jax_ep.launch -n 4 script.py [args ...]
-    python -m jax_ep.launch -n 4 -m pytest tests/test_gpu_multiprocess_worker.py
+    python -m jax_ep.launch -n 4 tests/mp_worker.py
 
 Each child sees every GPU (NVSHMEM maps its peers' memory over NVLink) but JAX uses only its own
 (`local_device_ids`), and `jax.distributed.initialize` has already run when the script starts

@@ -38,27 +38,14 @@ class LowLatencyResult(NamedTuple):
     handle: LowLatencyHandle
 
 
-def _align16(n):
-    return (n + 15) // 16 * 16
-
-
-DISPATCH_TAGS = 4  # tags per dispatch row (low_latency.cuh: kDispatchTags)
-
-
+# Receive-buffer sizes: defined once, in C++ beside the layouts they measure
+# (csrc/kernels/ll_sizes.h), and asked for here.
 def _dispatch_buffer_bytes(R, M, K, H, L, use_fp8):
-    """Receive buffer of a dispatch slot (csrc/kernels/low_latency.cu: dispatch_buffer_bytes)."""
-    payload = H + 4 * (H // ref.FP8_GROUP) if use_fp8 else 2 * H
-    row = _align16(4 * DISPATCH_TAGS + 12 * K) + _align16(payload)  # header: tags, pos, ids
-    return 2 * R * (M * row + _align16(8 * L))  # [parity][source]: M rows, then L 64-bit counts
-
-
-COMBINE_PARTS = 4  # column parts per combine row, each with its own tag (low_latency.cuh)
+    return runtime.extension().ll_dispatch_buffer_bytes(R, M, K, H, L, bool(use_fp8))
 
 
 def _combine_buffer_bytes(R, M, K, H):
-    """Receive buffer of a combine slot (csrc/kernels/low_latency.cuh: combine_buffer_bytes)."""
-    return (2 * M * K * _align16(2 * H) + _align16(2 * M * K * COMBINE_PARTS * 4)  # rows, tags
-            + _align16(2 * R * M * K * 4) + _align16(2 * R * 4))  # weights, weight flags
+    return runtime.extension().ll_combine_buffer_bytes(R, M, K, H)
 
 
 def _ll_attrs(*, num_experts, M, K, H, use_fp8, round_scale, buffer_bytes):

@@ -3,8 +3,8 @@
 One process driving all GPUs of a node: each device gets a small workspace (flags and published
 addresses, see csrc/runtime/workspace.h) and peer access to the others. High-throughput kernels
 read their peers' XLA buffers directly (no data buffers). Low-latency kernels push into per-slot
-receive buffers, which the lowering sizes from the op's static shapes (reserve_slot_buffer):
-nobody computes a buffer size by hand.
+receive buffers, which the lowering reserves from the op's static shapes (reserve_slot_buffer)
+with the sizes the extension defines (jax_ep._C.ll_dispatch_buffer_bytes and friends).
 
 One process per GPU (jax.distributed): the same kernels, with workspaces and buffers in the
 NVSHMEM symmetric heap and peers addressed through nvshmem_ptr (jax_ep/per_process.py,

@@ -1,7 +1,9 @@
 """The CUDA lowering, checked on a CPU machine: lower for platform 'cuda' and read the HLO.
 
 The CUDA extension is not needed to lower: the availability check, the peer-runtime set-up and
-the FFI target registration are patched out; nothing is compiled or run.
+the FFI target registration are patched out; nothing is compiled or run. The buffer sizes the
+extension owns come from it when it is built, else from a stand-in that only has to be positive
+(what lowers is checked here, not the sizes: the GPU suites run the real ones).
 """
 import re
 
@@ -28,6 +30,12 @@ def cuda_lowering(monkeypatch):
     monkeypatch.setattr(jax_ep.runtime, "cuda_backend_available", lambda: True)
     monkeypatch.setattr(jax_ep.runtime, "ensure_peer_runtime", lambda *a, **k: None)
     monkeypatch.setattr(jax_ep._ffi, "_register_targets", lambda: None)
+    if jax_ep.runtime.extension() is None:
+        class SizesOnly:
+            ht_scratch_words = staticmethod(lambda R, T: R * T + 64)
+            ll_dispatch_buffer_bytes = staticmethod(lambda R, M, K, H, L, fp8: 1 << 20)
+            ll_combine_buffer_bytes = staticmethod(lambda R, M, K, H: 1 << 20)
+        monkeypatch.setattr(jax_ep.runtime, "extension", lambda: SizesOnly)
     # receive buffers of the push slots: fake addresses, one per device of the table
     monkeypatch.setattr(jax_ep.runtime, "reserve_slot_buffers",
                         lambda groups, slot, n: [4096 * (slot + 1) + i

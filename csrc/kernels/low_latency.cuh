@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/ll_sizes.h"  // dispatch_buffer_bytes, combine_buffer_bytes
 #include "transport/push.cuh"
 
 namespace jax_ep {
@@ -38,8 +39,6 @@ int64_t dispatch_row_bytes(int64_t K, int64_t H, bool use_fp8);
 int64_t dispatch_count_bytes(int64_t L);
 // One (parity, source) area: M rows, then the count block.
 int64_t dispatch_area_bytes(int64_t M, int64_t K, int64_t H, int64_t L, bool use_fp8);
-int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_t L,
-                              bool use_fp8);
 // Column parts of a combine row: each is sent by its own warp and has its own tag.
 constexpr int kCombineParts = 4;
 // Stride of the combine's rows (bf16, padded to 16 bytes), and where their tags, the weights and
@@ -57,7 +56,6 @@ __host__ __device__ inline int64_t combine_wflags_offset(int64_t R, int64_t M, i
                                                          int64_t H) {
   return combine_weights_offset(M, K, H) + ((2 * R * M * K * 4 + 15) & ~int64_t{15});
 }
-int64_t combine_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H);
 
 struct DispatchParams {
   PeerSlots ps;
