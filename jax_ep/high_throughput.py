@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _checks, _ffi, reference as ref
-from jax_ep import runtime
+from jax_ep import remat, runtime
 
 
 class DispatchHandle(NamedTuple):
@@ -119,7 +119,8 @@ def _dispatch_diff(x, w, idx, cfg):
 
 
 def _dispatch_fwd(x, w, idx, cfg):
-    out = _dispatch_diff(x, w, idx, cfg)
+    # Named: under jax.checkpoint(policy=jax_ep.remat_policy) outputs and residuals are saved.
+    out = remat.named(_dispatch_diff(x, w, idx, cfg), remat.DISPATCH)
     return out, (out[1], out[4])
 
 
@@ -153,7 +154,7 @@ def _combine_diff(y, handle, cfg):
 
 
 def _combine_fwd(y, handle, cfg):
-    return _combine_core(y, handle, cfg), handle
+    return remat.named(_combine_core(y, handle, cfg), remat.COMBINE), handle
 
 
 def _combine_bwd(cfg, handle, g):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _checks, _ffi, reference as ref
-from jax_ep import runtime
+from jax_ep import remat, runtime
 
 
 class LowLatencyHandle(NamedTuple):
@@ -117,7 +117,8 @@ def _dispatch_diff(x, idx, cfg):
 
 
 def _dispatch_fwd(x, idx, cfg):
-    out = _dispatch_diff(x, idx, cfg)
+    # Named: under jax.checkpoint(policy=jax_ep.remat_policy) outputs and residuals are saved.
+    out = remat.named(_dispatch_diff(x, idx, cfg), remat.DISPATCH)
     h = out[2]
     return out, (idx, (h.recv_src, h.recv_slot, h.recv_count, h.src_rows))
 
@@ -153,7 +154,8 @@ def _combine_diff(y, w, idx, src, slot, cnt, rows, cfg):
 
 
 def _combine_fwd(y, w, idx, src, slot, cnt, rows, cfg):
-    return _combine_core(y, idx, w, (src, slot, cnt, rows), cfg), (y, w, idx, src)
+    out = remat.named(_combine_core(y, idx, w, (src, slot, cnt, rows), cfg), remat.COMBINE)
+    return out, (y, w, idx, src)
 
 
 def _combine_bwd(cfg, res, g):
