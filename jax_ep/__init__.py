@@ -15,6 +15,7 @@ from jax_ep.runtime import initialize, runtime_info, set_num_blocks
 from jax_ep.layout import get_dispatch_layout
 from jax_ep import routing
 from jax_ep.remat import remat_policy
+from jax_ep.moe import moe_ffn
 from jax_ep.grouped_gemm import (Fp8Weights, dequantize_fp8_weights, grouped_matmul,
                                  grouped_matmul_masked, quantize_fp8_weights)
 
@@ -26,6 +27,6 @@ __all__ = [
     "quantize_fp8", "dequantize_fp8", "get_dispatch_layout",
     "initialize", "runtime_info", "set_num_blocks",
     "grouped_matmul", "grouped_matmul_masked", "Fp8Weights", "quantize_fp8_weights",
-    "dequantize_fp8_weights", "routing", "remat_policy",
+    "dequantize_fp8_weights", "routing", "remat_policy", "moe_ffn",
 ]
 __version__ = "0.1.0"

@@ -213,9 +213,12 @@ def _ref_gmm(lhs, rhs, sizes, out_dtype):
 
 def _ref_masked(lhs, rhs, counts, out_dtype):
     C = lhs.shape[1]
-    out = jnp.einsum("gck,gkn->gcn", lhs, rhs, preferred_element_type=jnp.float32)
-    keep = jnp.arange(C)[None, :] < counts[:, None]
-    return jnp.where(keep[..., None], out, 0).astype(out_dtype)
+    keep = (jnp.arange(C)[None, :] < counts[:, None])[..., None]
+    # Rows past the counts are masked on the way in too: their content is unspecified (a
+    # low-latency receive buffer), and a NaN there must not reach the products or d rhs.
+    out = jnp.einsum("gck,gkn->gcn", jnp.where(keep, lhs, 0), rhs,
+                     preferred_element_type=jnp.float32)
+    return jnp.where(keep, out, 0).astype(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

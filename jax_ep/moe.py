@@ -1,0 +1,143 @@
+"""`moe_ffn`: a whole expert-parallel MoE feed-forward layer, per shard inside `shard_map`.
+
+dispatch -> expert-major rows -> grouped GEMM (gate and up) -> silu(gate) * up -> grouped GEMM
+(down) -> weighted sum per token -> combine. Each token crosses the links once per destination
+rank; each (token, local expert) pair is computed once (no expert evaluates rows that are not
+routed to it).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import _checks, grouped_gemm, reference as ref
+from jax_ep.high_throughput import combine, dispatch
+from jax_ep.low_latency import low_latency_combine, low_latency_dispatch
+
+MODES = ("high_throughput", "low_latency")
+
+
+def _weights(name, w, L, shape_tail, fp8_ok):
+    if isinstance(w, grouped_gemm.Fp8Weights):
+        if not fp8_ok:
+            raise TypeError(f"{name}: FP8 weights need use_fp8=True")
+        return w
+    _checks.expect_rank(name, w, 3, f"[L, {shape_tail}]")
+    _checks.expect_dtype(name, w, _checks.FLOAT_DTYPES)
+    if w.shape[0] != L:
+        raise ValueError(f"{name}: has {w.shape[0]} experts, expected L = num_experts // R = {L}")
+    return w
+
+
+def _act(h):
+    """silu(gate) * up of h = [gate | up] along the last axis, in float32."""
+    I = h.shape[-1] // 2
+    h = h.astype(jnp.float32)
+    return jax.nn.silu(h[..., :I]) * h[..., I:]
+
+
+def _expert_major(recv_topk_idx, L):
+    """Order of the (row, slot) pairs by local expert (stable: by row, then slot), and the rows
+    per expert. Pairs naming no local expert sort last, past the groups."""
+    C, K = recv_topk_idx.shape
+    key = jnp.where(recv_topk_idx >= 0, recv_topk_idx, L).reshape(C * K)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.zeros((L + 1,), jnp.int32).at[key].add(1)[:L]
+    return order, sizes
+
+
+def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_name="ep",
+            mode="high_throughput", capacity=None, use_fp8=False, max_tokens_per_rank=None,
+            backend="auto"):
+    """One MoE feed-forward layer, per shard inside `jax.shard_map` over `axis_name`.
+
+    `out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`, e the
+    expert of slot k (slots of -1 contribute nothing), with this rank's experts applied here
+    and the others on their ranks.
+
+    Args:
+      x: `[T, H]` float32 / bfloat16 / float16 (bfloat16 in low-latency mode).
+      topk_idx: `[T, K]` int32 expert ids (-1: unused slot), e.g. from `jax_ep.routing`.
+      topk_weights: `[T, K]` float32 / bfloat16 / float16 router weights.
+      w_gate_up: `[L, H, 2I]` this rank's experts' gate (first I columns) and up projections,
+        L = num_experts // R; `Fp8Weights` of it with use_fp8.
+      w_down: `[L, I, H]` the down projections (bfloat16 in FP8 mode).
+      num_experts: E, a multiple of R.
+      mode: "high_throughput" (training, prefill: `dispatch` / `combine`, `grouped_matmul`) or
+        "low_latency" (decoding: `low_latency_dispatch` / `low_latency_combine`,
+        `grouped_matmul_masked`; needs max_tokens_per_rank).
+      capacity: high-throughput receive rows (default R * T, nothing dropped).
+      use_fp8: dispatch FP8 activations into the FP8 GEMM of w_gate_up (an `Fp8Weights`);
+        forward only.
+      backend: "auto", "reference" or "cuda" for every op of the layer.
+
+    Returns:
+      `[T, H]` in x's dtype. Differentiable in x, topk_weights, w_gate_up and w_down (not with
+      use_fp8).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; expected one of {MODES}")
+    use_fp8 = _checks.flag("use_fp8", use_fp8)
+    if mode == "low_latency" and max_tokens_per_rank is None:
+        raise ValueError("max_tokens_per_rank: mode='low_latency' needs it (the static receive "
+                         "capacity per source rank)")
+    _checks.expect_rank("x", x, 2, "[T, H]")
+    T, H = x.shape
+    R, _ = ref.axis_info(axis_name)
+    L = _checks.experts_per_rank(num_experts, R)
+    w_gate_up = _weights("w_gate_up", w_gate_up, L, "H, 2I", use_fp8)
+    _weights("w_down", w_down, L, "I, H", False)
+    if isinstance(w_gate_up, grouped_gemm.Fp8Weights):
+        gu_shape = (L, w_gate_up.data.shape[2], w_gate_up.data.shape[1])
+    else:
+        gu_shape = tuple(w_gate_up.shape)
+    if use_fp8 and not isinstance(w_gate_up, grouped_gemm.Fp8Weights):
+        raise TypeError("w_gate_up: use_fp8=True takes FP8 weights "
+                        "(jax_ep.quantize_fp8_weights(w_gate_up))")
+    if gu_shape[1] != H or gu_shape[2] % 2:
+        raise ValueError(f"w_gate_up: shape {gu_shape}, expected [L, H={H}, 2I]")
+    I = gu_shape[2] // 2
+    if tuple(w_down.shape[1:]) != (I, H):
+        raise ValueError(f"w_down: shape {tuple(w_down.shape)}, expected [L, I={I}, H={H}]")
+    want = jnp.dtype(jnp.bfloat16) if use_fp8 or mode == "low_latency" else jnp.dtype(x.dtype)
+    for name, w in (("w_gate_up", None if use_fp8 else w_gate_up), ("w_down", w_down)):
+        if w is not None and jnp.dtype(w.dtype) != want:
+            raise TypeError(f"{name}: dtype {jnp.dtype(w.dtype).name}, expected {want.name} "
+                            "(x's dtype; bfloat16 in low-latency and FP8 modes)")
+    if mode == "low_latency":
+        return _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts,
+                                axis_name, use_fp8, max_tokens_per_rank, backend)
+    if max_tokens_per_rank is not None:
+        raise ValueError("max_tokens_per_rank is a low-latency setting (mode='low_latency')")
+    xin = ref.quantize_fp8(x) if use_fp8 else x
+    res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
+                   capacity=capacity, backend=backend)
+    C, K = res.recv_topk_idx.shape
+    order, sizes = _expert_major(res.recv_topk_idx, L)
+    rows = order // K                                     # recv row of each expert-major row
+    if use_fp8:
+        xq, xs = res.recv_x
+        h = grouped_gemm.grouped_matmul((xq[rows], xs[rows]), w_gate_up, sizes, backend=backend)
+    else:
+        h = grouped_gemm.grouped_matmul(res.recv_x[rows], w_gate_up, sizes, backend=backend)
+    a = _act(h).astype(w_down.dtype)
+    y = grouped_gemm.grouped_matmul(a, w_down, sizes, backend=backend)       # [C * K, H]
+    wk = res.recv_topk_weights.reshape(C * K)[order]
+    y_rows = jnp.zeros((C, H), jnp.float32).at[rows].add(
+        y.astype(jnp.float32) * wk[:, None])
+    return combine(y_rows.astype(x.dtype), res.handle, axis_name=axis_name, backend=backend)
+
+
+def _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts, axis_name,
+                     use_fp8, max_tokens_per_rank, backend):
+    res = low_latency_dispatch(x, topk_idx, num_experts=num_experts,
+                               max_tokens_per_rank=max_tokens_per_rank, axis_name=axis_name,
+                               use_fp8=use_fp8, backend=backend)
+    h = grouped_gemm.grouped_matmul_masked(res.recv_x, w_gate_up, res.recv_count,
+                                           zero_padding=False, backend=backend)
+    a = _act(h).astype(w_down.dtype)
+    # rows past the counts are never read by the combine: neither GEMM writes zeros there
+    y = grouped_gemm.grouped_matmul_masked(a, w_down, res.recv_count, zero_padding=False,
+                                           backend=backend)
+    return low_latency_combine(y.astype(jnp.bfloat16), topk_idx, topk_weights, res.handle,
+                               axis_name=axis_name, backend=backend)

@@ -1,0 +1,100 @@
+"""moe_ffn against a dense MoE written here (every token through each of its top-k experts),
+forward and gradients, on the reference backend."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from helpers import num_shards, spec
+
+T, H, I, K = 8, 128, 64, 3
+
+
+def _dense_moe(x, idx, w, wgu, wd):
+    """x [N, H], idx / w [N, K], wgu [E, H, 2I], wd [E, I, H] (all experts) -> [N, H]."""
+    out = jnp.zeros(x.shape, jnp.float32)
+    for k in range(idx.shape[1]):
+        e = jnp.maximum(idx[:, k], 0)
+        h = jnp.einsum("nh,nhf->nf", x.astype(jnp.float32), wgu[e].astype(jnp.float32))
+        a = jax.nn.silu(h[:, :I]) * h[:, I:]
+        y = jnp.einsum("nf,nfh->nh", a, wd[e].astype(jnp.float32))
+        out = out + jnp.where(idx[:, k:k + 1] >= 0, w[:, k:k + 1].astype(jnp.float32) * y, 0.0)
+    return out
+
+
+def _setup(mesh, dtype, seed=0):
+    S = num_shards(mesh)
+    R = mesh.shape["ep"]
+    E = 2 * R
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((S * T, H)), dtype)
+    idx = rng.integers(-1, E, (S * T, K)).astype(np.int32)
+    idx[0, :] = [1, 1, -1]  # a token naming one expert twice
+    w = jnp.asarray(rng.random((S * T, K)), dtype)
+    wgu = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), dtype)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), dtype)
+    return x, jnp.asarray(idx), w, wgu, wd, E, S
+
+
+def _run(mesh, mode, x, idx, w, wgu, wd, E):
+    sp = spec(mesh)
+    ep_only = P("ep")     # experts are sharded over the EP axis only (replicated over dp)
+    kw = dict(num_experts=E, mode=mode, backend="reference")
+    if mode == "low_latency":
+        kw["max_tokens_per_rank"] = T
+
+    def body(x, idx, w, wgu, wd):
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, **kw)
+    return jax.shard_map(body, mesh=mesh, in_specs=(sp, sp, sp, ep_only, ep_only),
+                         out_specs=sp)(x, idx, w, wgu, wd)
+
+
+@pytest.mark.parametrize("mode,dtype", [("high_throughput", np.float32),
+                                        ("high_throughput", jnp.bfloat16),
+                                        ("low_latency", jnp.bfloat16)])  # LL ops take bf16
+@pytest.mark.parametrize("mesh_name", ["ep4", "dp_ep"])
+def test_moe_ffn_matches_dense(meshes, mode, dtype, mesh_name):
+    mesh = meshes[mesh_name]
+    x, idx, w, wgu, wd, E, S = _setup(mesh, dtype)
+    got = jax.jit(functools.partial(_run, mesh, mode, E=E))(x, idx, w, wgu, wd)
+    want = _dense_moe(x, idx, w, wgu, wd)
+    tol = 1e-5 if dtype == np.float32 else 3e-2
+    assert got.dtype == jnp.dtype(dtype)
+    err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
+    assert err < tol, err
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * jnp.cos(
+            jnp.arange(S * T * H, dtype=jnp.float32).reshape(S * T, H)))
+    g = jax.jit(jax.grad(loss(functools.partial(_run, mesh, mode, E=E)),
+                         argnums=(0, 2, 3, 4)))(x, idx, w, wgu, wd)
+    gw = jax.grad(loss(_dense_moe), argnums=(0, 2, 3, 4))(x, idx, w, wgu, wd)
+    for name, a, b in zip(("x", "topk_weights", "w_gate_up", "w_down"), g, gw):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+        assert rel < (1e-4 if dtype == np.float32 else 5e-2), (name, rel)
+
+
+def test_moe_ffn_bad_arguments(mesh4):
+    x, idx, w, wgu, wd, E, _ = _setup(mesh4, np.float32)
+
+    def call(**kw):
+        args = dict(num_experts=E, backend="reference")
+        args.update(kw)
+        f = lambda x, i, w, a, b: jax_ep.moe_ffn(x, i, w, a, b, **args)  # noqa: E731
+        return jax.shard_map(f, mesh=mesh4, in_specs=P("ep"), out_specs=P("ep"))(
+            x, idx, w, wgu, wd)
+    with pytest.raises(ValueError, match="mode='fast'"):
+        call(mode="fast")
+    with pytest.raises(ValueError, match="max_tokens_per_rank: mode='low_latency' needs it"):
+        call(mode="low_latency")
+    with pytest.raises(TypeError, match="w_gate_up: use_fp8=True takes FP8 weights"):
+        call(use_fp8=True)
+    with pytest.raises(TypeError, match="use_fp8 must be a bool"):
+        call(use_fp8="yes")
