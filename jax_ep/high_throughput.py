@@ -40,7 +40,7 @@ class DispatchResult(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 
 def _to_bytes(a):
-    b = ref._as_bytes(a)
+    b = ref.as_bytes(a)
     return b.reshape(a.shape[0], int(np.prod(b.shape[1:], dtype=np.int64)))
 
 

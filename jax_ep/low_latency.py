@@ -175,8 +175,8 @@ def _combine_bwd(cfg, res, g):
                       onehot.astype(jnp.float32))
     wsum = jnp.pad(wsum, ((0, M - T), (0, 0))).reshape(M, R, L).transpose(1, 0, 2)  # [R, M, L]
     sent = src_to_row >= 0                                                      # [R(s), M, L]
-    got_w = ref._a2a(wsum, axis_name)                                           # [R(s), M, L]
-    got_g = ref._a2a(jnp.broadcast_to(g[None], (R,) + g.shape), axis_name)      # [R(s), M, H]
+    got_w = ref.a2a(wsum, axis_name)                                           # [R(s), M, L]
+    got_g = ref.a2a(jnp.broadcast_to(g[None], (R,) + g.shape), axis_name)      # [R(s), M, H]
     # dy[l, row] = wsum * g_src[t]
     rows = jnp.where(sent, src_to_row, R * M)
     coef = got_w[..., None] * got_g[:, :, None, :]                              # [R, M, L, H]
@@ -186,7 +186,7 @@ def _combine_bwd(cfg, res, g):
     # dw[t, k] = <g[t], y_q[l][row(t, k)]>
     yrows = y[jnp.arange(L)[None, None, :], jnp.where(sent, src_to_row, 0)].astype(jnp.float32)
     dots = jnp.where(sent, jnp.einsum("smlh,smh->sml", yrows, got_g), 0.0)      # [R(s), M, L]
-    back = ref._a2a(dots, axis_name)                                            # [R(q), M, L]
+    back = ref.a2a(dots, axis_name)                                            # [R(q), M, L]
     q = jnp.where(valid, clean // L, 0)
     l = jnp.where(valid, clean % L, 0)
     dw = jnp.where(valid, back[q, jnp.arange(T)[:, None], l], 0.0)

@@ -35,7 +35,7 @@ def sanitize(topk_idx, num_experts):
     return jnp.where(bad, -1, idx), jnp.sum(bad).astype(jnp.int32)
 
 
-def _as_bytes(a):
+def as_bytes(a):
     """View any array as uint8 with the element bytes in a trailing axis (exact transport)."""
     if a.dtype == jnp.uint8:
         return a[..., None]
@@ -51,7 +51,7 @@ def _from_bytes(b, dtype):
         lax.bitcast_convert_type(b[..., 0], dtype)
 
 
-def _a2a(x, axis_name):
+def a2a(x, axis_name):
     """[R, ...] -> [R, ...]: block q goes to rank q; block s of the result came from rank s."""
     return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
@@ -82,7 +82,7 @@ def ht_layout(topk_idx, *, num_experts, capacity, axis_name):
     rows = offset[None, :] + local
     send_rows = jnp.where(in_rank & (rows < C), rows, -1)
     # Receiver side: which tokens of which source come here, in order.
-    recv_mask = _a2a(in_rank.T[:, :, None], axis_name)[:, :, 0]                # [R(s), T]
+    recv_mask = a2a(in_rank.T[:, :, None], axis_name)[:, :, 0]                # [R(s), T]
     flat = recv_mask.reshape(-1)
     pos = jnp.cumsum(flat).astype(jnp.int32) - 1
     total = jnp.sum(cnt[:, r])
@@ -102,10 +102,10 @@ def ht_gather(rows, send_rows, recv_src, *, axis_name):
     """
     R, _ = axis_info(axis_name)
     T = rows.shape[0]
-    b = _as_bytes(rows)                                                       # [T, ..., nb]
+    b = as_bytes(rows)                                                       # [T, ..., nb]
     mask = (send_rows >= 0).T                                                 # [R(q), T]
     send = jnp.where(mask.reshape(R, T, *([1] * (b.ndim - 1))), b[None], 0)   # [R(q), T, ...]
-    got = _a2a(send, axis_name).reshape(R * T, *b.shape[1:])                  # [R(s)*T, ...]
+    got = a2a(send, axis_name).reshape(R * T, *b.shape[1:])                  # [R(s)*T, ...]
     valid = recv_src >= 0
     out = got[jnp.where(valid, recv_src, 0)]
     out = jnp.where(valid.reshape(-1, *([1] * (b.ndim - 1))), out, 0)
@@ -121,7 +121,7 @@ def ht_combine(y, recv_src, num_tokens, *, axis_name):
     t = jnp.where(valid, recv_src % T, 0)
     buf = jnp.zeros((R, T) + y.shape[1:], jnp.float32).at[s, t].set(
         y.astype(jnp.float32), mode="drop")
-    back = _a2a(buf, axis_name)                                               # [R(q), T, ...]
+    back = a2a(buf, axis_name)                                               # [R(q), T, ...]
     # Sum in rank order q = 0..R-1 (what the kernel does), not a tree.
     acc = back[0]
     for q in range(1, R):
@@ -253,13 +253,13 @@ def ll_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, use_fp8, round
     sel = jnp.any(match, axis=2)                                                # [R, M, L]
     kfirst = jnp.argmax(match, axis=2).astype(jnp.int32)                        # [R, M, L]
     payload = quantize_fp8(x, round_scale) if use_fp8 else (x,)
-    got_sel = _a2a(sel, axis_name)                                              # [R(s), M, L]
-    got_kf = _a2a(kfirst, axis_name)                                            # [R(s), M, L]
+    got_sel = a2a(sel, axis_name)                                              # [R(s), M, L]
+    got_kf = a2a(kfirst, axis_name)                                            # [R(s), M, L]
     moved = []
     for a in payload:
-        b = _as_bytes(a)                                                         # [M, ..., nb]
+        b = as_bytes(a)                                                         # [M, ..., nb]
         send = jnp.where(jnp.any(sel, -1).reshape(R, M, *([1] * (b.ndim - 1))), b[None], 0)
-        moved.append((_a2a(send, axis_name).reshape(R * M, *b.shape[1:]), a.dtype))
+        moved.append((a2a(send, axis_name).reshape(R * M, *b.shape[1:]), a.dtype))
     mask = got_sel.reshape(R * M, L).T                                          # [L, R*M]
     pos = jnp.cumsum(mask, axis=1).astype(jnp.int32) - 1
     recv_count = jnp.sum(mask, axis=1).astype(jnp.int32)
@@ -289,7 +289,7 @@ def ll_src_rows(recv_src, idx, rank, axis_name):
     L, RM = recv_src.shape
     R = RM // idx.shape[0]
     s2r = ll_src_to_row(recv_src, R).reshape(RM, L)                          # [R*M, L]
-    ids = _a2a(jnp.broadcast_to(idx[None], (R,) + idx.shape), axis_name)     # [R(s), M, K]
+    ids = a2a(jnp.broadcast_to(idx[None], (R,) + idx.shape), axis_name)     # [R(s), M, K]
     ids = ids.reshape(RM, idx.shape[1])
     local = (ids >= 0) & (ids // L == rank)
     l = jnp.where(local, ids % L, 0)
@@ -314,7 +314,7 @@ def ll_rows_back(y, src_to_row, *, axis_name):
     rows = jnp.where(valid, src_to_row, 0)
     back = y[jnp.arange(L)[None, None, :], rows]                                # [R, M, L, H]
     back = jnp.where(valid[..., None], back, 0)
-    return _a2a(back, axis_name)                                                # [R(q), M, L, H]
+    return a2a(back, axis_name)                                                # [R(q), M, L, H]
 
 
 def ll_combine(y, topk_idx, topk_weights, recv_src, *, num_experts, axis_name):
