@@ -1,10 +1,10 @@
 """Grouped-GEMM benchmark on one GPU: jax_ep.grouped_matmul against what JAX offers.
 
-In one run, same shapes, after warm-up, median over repetitions:
-  ours (bf16 forward, forward+backward, Zipf-skewed sizes, a quarter-used buffer, FP8), lax.ragged_dot,
-  JAX's Pallas Mosaic GPU ragged_dot_mgpu (best of a small config sweep), a dense GEMM of the same
-  FLOPs; the masked layout against the time to read the weights once at the HBM rate measured
-  by a large copy in the same run.
+In one run, same shapes, after warm-up, median over repetitions: ours (bf16 forward,
+forward+backward, Zipf-skewed sizes, a quarter-used buffer, FP8), lax.ragged_dot, JAX's Pallas
+Mosaic GPU ragged_dot_mgpu (best of a small config sweep), a dense GEMM of the same FLOPs; the
+masked layout against the time to read the weights once at the HBM rate measured in the same
+run (a 2 GiB read).
 Each figure is the slope between a jit-compiled scan of n_short calls and one of n_long calls
 (fixed per-execution costs cancel). Prints a table, writes bench_gemm.json and bench_gemm.png.
 
