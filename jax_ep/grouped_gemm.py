@@ -271,12 +271,15 @@ def _gmm_bwd(cfg, res, g):
 _gmm_diff.defvjp(_gmm_fwd, _gmm_bwd)
 
 
+def _dequantized(lq, ls, rq, rs):
+    """FP8 operands as float32 (the reference computes FP8 products this way)."""
+    return ref.dequantize_fp8(lq, ls), dequantize_fp8_weights(Fp8Weights(rq, rs))
+
+
 def _fp8_core(lq, ls, rq, rs, sizes, cfg):
     use_cuda, small_m = cfg
     if not use_cuda:
-        a = ref.dequantize_fp8(lq, ls)
-        b = dequantize_fp8_weights(Fp8Weights(rq, rs))
-        return _ref_gmm(a, b, sizes, jnp.bfloat16)
+        return _ref_gmm(*_dequantized(lq, ls, rq, rs), sizes, jnp.bfloat16)
     M, N = lq.shape[0], rq.shape[1]
     return _gemm_call(lq, rq, sizes, ls, rs, mode="contiguous", rhs_kn=False, small_m=small_m,
                       out_shape=(M, N), out_dtype=jnp.bfloat16)
@@ -401,9 +404,7 @@ _masked_diff.defvjp(_masked_fwd, _masked_bwd)
 def _fp8_masked_core(lq, ls, rq, rs, counts, cfg):
     use_cuda, zero_padding = cfg
     if not use_cuda:
-        a = ref.dequantize_fp8(lq, ls)
-        b = dequantize_fp8_weights(Fp8Weights(rq, rs))
-        return _ref_masked(a, b, jnp.maximum(counts, 0), jnp.bfloat16)
+        return _ref_masked(*_dequantized(lq, ls, rq, rs), jnp.maximum(counts, 0), jnp.bfloat16)
     G, C, _ = lq.shape
     return _gemm_call(lq, rq, counts, ls, rs, mode="masked", rhs_kn=False, small_m=True,
                       out_shape=(G, C, rq.shape[1]), out_dtype=jnp.bfloat16,
