@@ -432,8 +432,7 @@ def grouped_matmul_masked(lhs, rhs, counts, *, preferred_element_type=None, zero
       `[G, C, N]`: `out[g, i] = lhs[g, i] @ rhs[g]` for `i < counts[g]`, zeros past it. The
       products cost work in proportion to the counts; the zero rows are written, not computed.
     """
-    if not isinstance(zero_padding, bool):
-        raise TypeError(f"zero_padding must be a bool, got {type(zero_padding).__name__}")
+    zero_padding = _checks.flag("zero_padding", zero_padding)
     _checks.backend_name(backend)
     rq, rs, K, N = _rhs_parts(rhs)
     G = rq.shape[0]
