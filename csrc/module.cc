@@ -19,6 +19,7 @@
 #include "kernels/ll_sizes.h"
 #include "runtime/device.h"
 #include "runtime/symmetric.h"
+#include "runtime/virtual_ranks.h"
 #include "runtime/workspace.h"
 
 namespace nb = nanobind;
@@ -64,11 +65,26 @@ NB_MODULE(_C, m) {
     d["jax_ep_ll_combine_send"] = encapsulate(JaxEpLlCombineSend);
     d["jax_ep_ll_combine_recv"] = encapsulate(JaxEpLlCombineRecv);
     d["jax_ep_grouped_gemm"] = encapsulate(JaxEpGroupedGemm);
+    // The one-GPU multi-rank mode's twins (ffi/virtual_ranks.h).
+    d["jax_ep_ht_dispatch_vr"] = encapsulate(JaxEpHtDispatchVr);
+    d["jax_ep_ht_gather_vr"] = encapsulate(JaxEpHtGatherVr);
+    d["jax_ep_ht_combine_vr"] = encapsulate(JaxEpHtCombineVr);
+    d["jax_ep_ll_dispatch_vr"] = encapsulate(JaxEpLlDispatchVr);
+    d["jax_ep_ll_combine_vr"] = encapsulate(JaxEpLlCombineVr);
+    d["jax_ep_ll_dispatch_send_vr"] = encapsulate(JaxEpLlDispatchSendVr);
+    d["jax_ep_ll_dispatch_recv_vr"] = encapsulate(JaxEpLlDispatchRecvVr);
+    d["jax_ep_ll_combine_send_vr"] = encapsulate(JaxEpLlCombineSendVr);
+    d["jax_ep_ll_combine_recv_vr"] = encapsulate(JaxEpLlCombineRecvVr);
     return d;
   });
   m.def("init_group", &jax_ep::init_group, nb::arg("devices"),
         "Allocate the workspaces of one EP group (CUDA ordinals in axis order) and enable peer "
         "access between its devices.");
+  m.def("virtual_id", &jax_ep::virtual_id, nb::arg("device"), nb::arg("rank"),
+        "Group-table id of virtual rank `rank` on CUDA device `device` (the one-GPU "
+        "multi-rank mode, csrc/runtime/virtual_ranks.h).");
+  m.def("device_sm_count", &jax_ep::device_sm_count, nb::arg("device"),
+        "Multiprocessor count of a CUDA device (0 when it cannot be read).");
   m.def("runtime_devices", []() {
     nb::list out;
     for (int d : jax_ep::runtime_devices()) out.append(d);
@@ -90,18 +106,19 @@ NB_MODULE(_C, m) {
       "workspace on `device` (see csrc/transport/peer.cuh, phase tracer).");
   m.def(
       "reserve_slot_buffer",
-      [](nb::list group, int slot, size_t bytes) {
+      [](nb::list group, int slot, size_t bytes, const std::string& layout) {
         std::vector<int> g;
         for (nb::handle h : group) g.push_back(nb::cast<int>(h));
         if (slot < jax_ep::kFirstPushSlot || slot >= jax_ep::kNumSlots)
           throw std::invalid_argument("jax_ep: not a push slot");
         nb::list out;
-        for (unsigned long long p : jax_ep::reserve_slot_buffer(g, slot, bytes)) out.append(p);
+        for (unsigned long long p : jax_ep::reserve_slot_buffer(g, slot, bytes, layout))
+          out.append(p);
         return out;
       },
-      nb::arg("group"), nb::arg("slot"), nb::arg("bytes"),
-      "Receive buffer (>= bytes) of a push slot on every device of the group: device addresses "
-      "in group order.");
+      nb::arg("group"), nb::arg("slot"), nb::arg("bytes"), nb::arg("layout"),
+      "Receive buffer (>= bytes) of a push slot for one row layout on every device of the "
+      "group: device addresses in group order.");
   // Per-process mode (runtime/symmetric.h).
   m.def("nvshmem_built", &jax_ep::sym::built);
   m.def("sym_active", &jax_ep::sym::active);

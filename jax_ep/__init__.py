@@ -13,7 +13,7 @@ from jax_ep.low_latency import (LowLatencyHandle, LowLatencyPending, LowLatencyR
 from jax_ep.reference import dequantize_fp8, quantize_fp8
 from jax_ep.runtime import initialize, runtime_info, set_num_blocks
 from jax_ep.layout import get_dispatch_layout
-from jax_ep import routing
+from jax_ep import routing, testing
 from jax_ep.remat import remat_policy
 from jax_ep.moe import moe_ffn
 from jax_ep.grouped_gemm import (Fp8Weights, dequantize_fp8_weights, grouped_matmul,

@@ -7,13 +7,19 @@ runtime covers those devices. Push ops (attribute `buffer_bytes`, the low-latenc
 get their slot's receive buffers, reserved here from the static shapes, as device addresses
 (`bufs`, aligned with the group table). Calls are marked side-effecting so XLA never merges or
 drops them.
+
+Under `jax.vmap` over the op's EP axis (one device, no shard_map) a call becomes the one-GPU
+multi-rank mode: the same handler body over R virtual ranks (target name + "_vr", operands and
+results stacked over the ranks, docs/testing.md).
 """
 from __future__ import annotations
 
 import numpy as np
 
 import jax
+import jax.numpy as jnp
 from jax._src import core
+from jax._src.interpreters import batching
 from jax.interpreters import mlir
 
 from jax_ep import runtime
@@ -41,8 +47,8 @@ def _register_targets():
     _registered = True
 
 
-def _abstract_eval(*avals, target, out_types, attrs, axis_name, has_groups, pure):
-    del target, attrs, axis_name, has_groups, pure
+def _abstract_eval(*avals, target, out_types, attrs, axis_name, has_groups, pure, vranks):
+    del target, attrs, axis_name, has_groups, pure, vranks
     core.standard_vma_rule("jax_ep_call", *avals)
     base = avals[0]
     sharding = core.get_cur_mesh_sharding()
@@ -87,18 +93,42 @@ def _stage_bytes(avals, n: int) -> int:
     return max(total, 256)
 
 
-def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure):
+def _lowering_device(ctx) -> int:
+    """CUDA ordinal of the device a one-device computation is compiled for."""
+    assignment = getattr(ctx.module_context.axis_context, "device_assignment", None)
+    if assignment:
+        if len(assignment) != 1:
+            raise ValueError("jax_ep: the one-GPU multi-rank mode (jax.vmap over the EP axis) "
+                             f"runs on one device; this computation spans {len(assignment)}")
+        d = assignment[0]
+        return int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
+    return runtime.current_cuda_device()
+
+
+def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure, vranks):
     del out_types
     _register_targets()
     kwargs = dict(attrs)
-    if has_groups:
+    if has_groups and vranks:
+        # One-GPU multi-rank mode: the group is `vranks` virtual ranks on this device, each with
+        # its own workspace and buffers; the `_vr` handler runs them all (docs/testing.md).
+        if runtime.per_process():
+            raise ValueError("jax_ep: the one-GPU multi-rank mode (jax.vmap over the EP axis) "
+                             "runs in one process")
+        dev = _lowering_device(ctx)
+        ext = runtime.extension()
+        table = np.asarray([[ext.virtual_id(dev, r) for r in range(vranks)]], np.int64)
+        runtime.ensure_peer_runtime([], table)
+    elif has_groups:
         mesh = getattr(ctx.module_context.axis_context, "mesh", None)
         if mesh is None or not hasattr(mesh, "devices"):
             raise ValueError(
-                "jax_ep: the CUDA backend runs inside jax.shard_map over a concrete Mesh "
+                "jax_ep: the CUDA backend runs inside jax.shard_map over a concrete Mesh, or "
+                "under jax.vmap over the EP axis on one device (the one-GPU multi-rank mode) "
                 f"(no mesh found while lowering {target})")
         table = group_table(mesh, axis_name)
         runtime.ensure_peer_runtime(list(np.asarray(mesh.devices).flat), table)
+    if has_groups:
         kwargs["groups"] = table.reshape(-1)
         kwargs["group_size"] = np.int64(table.shape[1])
         push = "buffer_bytes" in kwargs
@@ -107,8 +137,15 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure)
         kwargs["slot"] = np.int64(slot)
         kwargs["timeout_ns"] = np.int64(runtime.timeout_ns())
         if push:
+            # One buffer per row layout of the slot (csrc/runtime/workspace.h): the send and
+            # receive halves of a split op name the same one.
+            kind = "dispatch" if "dispatch" in target else "combine"
+            layout = kind + ":" + ",".join(
+                f"{k}={int(kwargs[k])}" for k in ("buffer_bytes", "num_experts", "max_tokens",
+                                                  "num_topk", "hidden", "use_fp8")
+                if k in kwargs)
             kwargs["bufs"] = np.asarray(
-                runtime.reserve_slot_buffers(table, slot, int(kwargs["buffer_bytes"])),
+                runtime.reserve_slot_buffers(table, slot, int(kwargs["buffer_bytes"]), layout),
                 dtype=np.int64)
         elif target in _STAGED_OPERANDS:
             # Per-process mode: peers read our operands from a symmetric staging buffer.
@@ -117,10 +154,48 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure)
                 stage = runtime.reserve_slot_buffers(
                     table, slot, _stage_bytes(ctx.avals_in, _STAGED_OPERANDS[target]))
             kwargs["stage"] = np.asarray(stage, dtype=np.int64)
-    return jax.ffi.ffi_lowering(target, has_side_effect=not pure)(ctx, *args, **kwargs)
+    name = target + "_vr" if vranks else target
+    return jax.ffi.ffi_lowering(name, has_side_effect=not pure)(ctx, *args, **kwargs)
 
 
 mlir.register_lowering(ep_call_p, _lowering, platform="cuda")
+
+
+def _batch(axis_data, vals, dims, *, target, out_types, attrs, axis_name, has_groups, pure,
+           vranks):
+    """vmap. Over the op's own EP axis: the one-GPU multi-rank mode, one custom call running
+    every rank (operands and results stacked along a leading axis of ranks). Over any other
+    axis: one call per element, in order (a `lax.map`)."""
+    params = dict(target=target, attrs=attrs, axis_name=axis_name, has_groups=has_groups,
+                  pure=pure)
+    size = int(axis_data.size)
+
+    def stacked(v, d):
+        return jnp.moveaxis(v, d, 0) if d is not None else \
+            jnp.broadcast_to(v, (size,) + tuple(v.shape))
+
+    if has_groups and not vranks and axis_data.name == axis_name:
+        if size > runtime.max_ranks():
+            raise ValueError(f"jax_ep: {size} ranks along {axis_name!r}; the one-GPU "
+                             f"multi-rank mode runs 1 to {runtime.max_ranks()}")
+        outs = ep_call_p.bind(
+            *[stacked(v, d) for v, d in zip(vals, dims)],
+            out_types=tuple(((size,) + tuple(s), d) for s, d in out_types), vranks=size,
+            **params)
+        return outs, [0] * len(outs)
+    batched = [stacked(v, d) for v, d in zip(vals, dims) if d is not None]
+    where = [d is not None for d in dims]
+
+    def one(xs):
+        it = iter(xs)
+        args = [next(it) if b else v for v, b in zip(vals, where)]
+        return ep_call_p.bind(*args, out_types=out_types, vranks=vranks, **params)
+
+    outs = jax.lax.map(one, batched)
+    return outs, [0] * len(outs)
+
+
+batching.fancy_primitive_batchers[ep_call_p] = _batch
 
 
 def _vma(x):
@@ -170,7 +245,8 @@ def call(target, args, out_types, *, axis_name=None, pure=False, **attrs):
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     out_types = tuple((tuple(int(x) for x in s), np.dtype(d).name) for s, d in out_types)
     return ep_call_p.bind(*args, target=target, out_types=out_types, attrs=frozen,
-                          axis_name=axis_name, has_groups=axis_name is not None, pure=bool(pure))
+                          axis_name=axis_name, has_groups=axis_name is not None, pure=bool(pure),
+                          vranks=0)
 
 
 def _freeze(v):

@@ -14,6 +14,7 @@ this process's XLA buffers.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -107,7 +108,26 @@ def set_num_blocks(n: int | None) -> None:
 def num_blocks() -> int:
     if _num_blocks is not None:
         return _num_blocks
-    return int(os.environ.get("JAX_EP_NUM_SMS", "32"))
+    return int(os.environ.get("JAX_EP_NUM_SMS", str(_default_num_blocks)))
+
+
+_default_num_blocks = 32
+
+
+def num_blocks_is_default() -> bool:
+    """True when neither set_num_blocks nor JAX_EP_NUM_SMS chose the block count."""
+    return _num_blocks is None and "JAX_EP_NUM_SMS" not in os.environ
+
+
+@contextlib.contextmanager
+def default_num_blocks(n: int):
+    """The default block count of calls traced inside (the one-GPU multi-rank mode's share)."""
+    global _default_num_blocks
+    prev, _default_num_blocks = _default_num_blocks, int(n)
+    try:
+        yield
+    finally:
+        _default_num_blocks = prev
 
 
 def check_enabled(check: bool | None) -> bool:
@@ -130,6 +150,12 @@ def next_slot(push: bool = False) -> int:
     return next(_slot_counter) % first_push
 
 
+def max_ranks() -> int:
+    """The largest EP group of the one-process transport (the extension defines it)."""
+    ext = _load_extension()
+    return int(ext.max_ranks) if ext is not None else 8
+
+
 def per_process() -> bool:
     """True when JAX runs several processes: the per-process (NVSHMEM) transport is used."""
     import jax
@@ -137,13 +163,15 @@ def per_process() -> bool:
     return jax.process_count() > 1
 
 
-def reserve_slot_buffers(groups, slot: int, nbytes: int) -> list[int]:
+def reserve_slot_buffers(groups, slot: int, nbytes: int, layout: str = "") -> list[int]:
     """Data buffers (>= nbytes) of a slot for every EP group of the table.
 
     Returns device addresses aligned with the flattened group table (what the `bufs` attribute
     of the low-latency custom calls and the `stage` attribute of the high-throughput calls in
     per-process mode carry). Per-process mode: symmetric memory, addresses as this process sees
-    its own group's members, 0 for other groups.
+    its own group's members, 0 for other groups. layout: the row layout of the call site; in one
+    process every layout of a slot gets buffers of its own (csrc/runtime/workspace.h says why;
+    the per-process mode does not separate them yet).
     """
     ext = _load_extension()
     if per_process():
@@ -154,7 +182,7 @@ def reserve_slot_buffers(groups, slot: int, nbytes: int) -> list[int]:
     with _lock:
         for g in groups:
             out.extend(int(p) for p in ext.reserve_slot_buffer([int(v) for v in g], int(slot),
-                                                               int(nbytes)))
+                                                               int(nbytes), str(layout)))
     return out
 
 

@@ -4,6 +4,8 @@
 #                        [bench-quick] [bench-gemm] [bench-modes] [probe]
 #   (default: build kernel test gemm mp example bench). gemm: the grouped-GEMM GPU suite;
 #   gemm-mutations: the grouped-GEMM suite with each planted bug of tests/test_gpu_gemm.py;
+#   mutations: the multi-rank suite, built with each planted bug of csrc/transport/peer.cuh
+#   (MUTATIONS="1 2 3", MUTATION_K: the tests to run);
 #   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS). The GPU
 #   machines have no package index: the build takes CUTLASS's headers from .cutlass/ (include/
 #   and tools/util/include/ of the nvidia-cutlass package) when that folder is there. mp: the per-process (one GPU per process,
@@ -30,7 +32,8 @@ if has build; then
   step build
   nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/gpus.txt"
   nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-  if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install --no-build-isolation --no-deps -v . \
+  if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install --no-build-isolation --no-deps -v \
+      -C cmake.define.JAX_EP_MUTATION=0 . \
       > "$OUT/build.log" 2>&1; then
     tail -80 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
   fi
@@ -59,6 +62,24 @@ if has gemm-mutations; then
     (cd /tmp && JAX_EP_GEMM_MUTATION=$m timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu \
        "$OLDPWD/tests/test_gpu_gemm.py" -k "${GEMM_MUTATION_K:-forward or masked or gradients}" \
        2>&1 | tail -1 | sed "s/^/  $m: /") | tee -a "$OUT/gemm_mutations.log"
+  done
+fi
+if has mutations; then
+  step "multi-rank mutation check: each planted bug (csrc/transport/peer.cuh) must fail tests"
+  for m in ${MUTATIONS:-1 2 3}; do
+    dst=/tmp/jax_ep_mutation$m; rm -rf "$dst"
+    # A build folder of its own: the planted bug must never reach the real build's CMake cache.
+    if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install -v --no-build-isolation --no-deps \
+        --target "$dst" -C build-dir=/tmp/jax_ep_mutation_build$m \
+        -C cmake.define.JAX_EP_MUTATION=$m -C cmake.define.JAX_EP_WITH_GEMM=OFF -C build.verbose=true \
+        . > "$OUT/build_mutation$m.log" 2>&1 || ! grep -q "planted bug JAX_EP_MUTATION=$m" "$OUT/build_mutation$m.log"; then
+      echo "  mutation $m: BUILD FAILED"; tail -20 "$OUT/build_mutation$m.log"; continue
+    fi
+    (cd /tmp && PYTHONPATH="$dst" JAX_EP_TIMEOUT_S=5 timeout ${MUTATION_TIMEOUT:-150} $PY -m pytest -q \
+       -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py" \
+       -k "${MUTATION_K:-(scan_back_to_back or two_in_flight or gradients) and 4}" 2>&1 \
+       | tee "$OUT/mutation$m.log" | grep -E "passed|failed|FAILED|Fatal|timed out|error" | tail -12 \
+       | sed "s/^/  mutation $m: /")
   done
 fi
 if has mp; then

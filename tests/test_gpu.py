@@ -1,9 +1,11 @@
 """GPU suite: the CUDA kernels against the reference backend, on the same GPUs.
 
 Marked `gpu` (skipped without CUDA GPUs). Run: scripts/gpu_check.sh, or
-`pytest -m gpu tests/test_gpu.py`. Each check runs both backends inside one shard_map, poisons
-the device memory pool first (so unwritten output rows show up), and compares: layouts and
-copies bit-exact, combines within float32-accumulation tolerance.
+`pytest -m gpu tests/test_gpu.py`. Each check runs both backends in one program over R ranks,
+poisons the device memory pool first (so unwritten output rows show up), and compares: layouts
+and copies bit-exact, combines within float32-accumulation tolerance. The R ranks are R GPUs
+when the machine has them, else R virtual ranks on one GPU (jax_ep.testing; force them with
+JAX_EP_VIRTUAL_RANKS=1).
 """
 from __future__ import annotations
 
@@ -37,6 +39,27 @@ def _mesh(n, names=("ep",), order=None):
     devs = [g[i] for i in (order or range(n))]
     shape = (n,) if len(names) == 1 else (2, n // 2)
     return Mesh(np.array(devs).reshape(shape), names)
+
+
+def _ranks(body, R, ep_dim=0):
+    """body (per rank, as given to shard_map) over R ranks, on global arrays whose axis ep_dim
+    is split over the ranks (shard_map's P("ep") for ep_dim 0, P(None, "ep") for 1): on R GPUs,
+    or as R virtual ranks on one GPU."""
+    if not _gpus():
+        pytest.skip("needs a GPU")
+    f = jax_ep.testing.run_ranks(body, R)
+
+    def split(a):
+        a = jnp.asarray(a)
+        n = a.shape[ep_dim]
+        a = a.reshape(a.shape[:ep_dim] + (R, n // R) + a.shape[ep_dim + 1:])
+        return jnp.moveaxis(a, ep_dim, 0)
+
+    def merge(a):
+        a = jnp.moveaxis(a, 0, ep_dim)
+        return a.reshape(a.shape[:ep_dim] + (-1,) + a.shape[ep_dim + 2:])
+
+    return lambda *args: jax.tree.map(merge, f(*jax.tree.map(split, args)))
 
 
 def _poison():
@@ -83,9 +106,13 @@ def _ht_body(E, capacity=None, axis="ep"):
 
 
 def _ht_run(mesh, x, idx, w, E, capacity=None, axis="ep"):
-    spec = P(mesh.axis_names) if len(mesh.axis_names) > 1 else P("ep")
-    f = jax.jit(jax.shard_map(_ht_body(E, capacity, axis), mesh=mesh, in_specs=spec,
-                              out_specs=spec, check_vma=False))
+    """mesh: a Mesh, or the number of ranks R (R GPUs or R virtual ranks, _ranks)."""
+    if isinstance(mesh, int):
+        f = _ranks(_ht_body(E, capacity, axis), mesh)
+    else:
+        spec = P(mesh.axis_names) if len(mesh.axis_names) > 1 else P("ep")
+        f = jax.jit(jax.shard_map(_ht_body(E, capacity, axis), mesh=mesh, in_specs=spec,
+                                  out_specs=spec, check_vma=False))
     _poison()
     return jax.device_get(f(x, idx, w))
 
@@ -154,14 +181,14 @@ def _assert_ll_equal(cu, rf, x, T, M, use_fp8, round_scale, R, L):
     return rows_c, rows_r
 
 
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2, 3, 4, 8])
 @pytest.mark.parametrize("kind", ["random", "skewed", "masked"])
 @pytest.mark.parametrize("T,H,dtype", [(64, 2048, jnp.bfloat16), (33, 4096, jnp.float32),
                                        (1, 7168, jnp.bfloat16), (77, 7168, jnp.float16)])
 def test_ht_matches_reference(R, kind, T, H, dtype):
     rng = np.random.default_rng(hash((R, kind, T, H)) % 2**32)
     E, K = 8 * R, 4
-    mesh = _mesh(R)
+    mesh = R
     x = jnp.asarray(rng.standard_normal((R * T, H)), dtype)
     idx = jnp.asarray(_routing(kind, rng, R, T, K, E))
     w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
@@ -169,11 +196,11 @@ def test_ht_matches_reference(R, kind, T, H, dtype):
     _assert_ht_equal(cu, rf, 2e-2 if dtype != jnp.float32 else 1e-5)
 
 
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2, 4, 8])
 def test_ht_fp8_and_capacity(R):
     rng = np.random.default_rng(R)
     T, H, K, E = 96, 2048, 8, 16 * R
-    mesh = _mesh(R)
+    mesh = R
     xq, xs = jax_ep.quantize_fp8(jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32))
     idx = jnp.asarray(_routing("masked", rng, R, T, K, E))
     w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
@@ -198,32 +225,32 @@ def test_ht_dp_ep_mesh_and_permuted_devices():
     _assert_ht_equal(cu, rf, 2e-2)
 
 
-def test_ht_gradients_match_reference():
-    mesh = _mesh(2)
+@pytest.mark.parametrize("R", [2, 4])
+def test_ht_gradients_match_reference(R):
     rng = np.random.default_rng(3)
-    T, H, K, E = 48, 256, 4, 8
-    x = jnp.asarray(rng.standard_normal((2 * T, H)), jnp.float32)
-    idx = jnp.asarray(_routing("masked", rng, 2, T, K, E))
-    w = jnp.asarray(rng.random((2 * T, K)), jnp.float32)
+    T, H, K, E = 48, 256, 4, 4 * R
+    x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32)
+    idx = jnp.asarray(_routing("masked", rng, R, T, K, E))
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
 
-    def loss(be):
-        def body(x, idx, w):
-            r = jax_ep.dispatch(x, idx, w, num_experts=E, backend=be)
-            y = jnp.sin(r.recv_x) * jnp.sum(r.recv_topk_weights, axis=1, keepdims=True)
-            return jax_ep.combine(y, r.handle, backend=be)
-        f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-        return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w) ** 2), argnums=(0, 1)))
+    def grads(be):
+        def body(x, idx, w):  # each rank's gradient is that of the sum over the ranks
+            def loss(x, w):
+                r = jax_ep.dispatch(x, idx, w, num_experts=E, backend=be)
+                y = jnp.sin(r.recv_x) * jnp.sum(r.recv_topk_weights, axis=1, keepdims=True)
+                return jnp.sum(jax_ep.combine(y, r.handle, backend=be) ** 2)
+            return jax.grad(loss, argnums=(0, 1))(x, w)
+        return _ranks(body, R)(x, idx, w)
 
-    gc = loss("cuda")(x, w)
-    gr = loss("reference")(x, w)
+    gc = grads("cuda")
+    gr = grads("reference")
     for a, b in zip(gc, gr):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2, 4, 8])
 def test_ht_scan_back_to_back(R):
     """500 dispatch+combine pairs in one scan, fresh routing each step, vs the reference."""
-    mesh = _mesh(R)
     steps, T, H, K, E = 500, 32, 256, 4, 4 * R
     rng = np.random.default_rng(11)
     xs = jnp.asarray(rng.standard_normal((steps, R * T, H)), jnp.bfloat16)
@@ -237,8 +264,7 @@ def test_ht_scan_back_to_back(R):
                 out = jax_ep.combine(r.recv_x, r.handle, backend=be)
                 return c, (out, r.handle.recv_src)
             return jax.lax.scan(step, 0, (xs, idx))[1]
-        spec = P(None, "ep")
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(xs, idx)
+        return _ranks(body, R, ep_dim=1)(xs, idx)
 
     _poison()
     oc, sc = jax.device_get(run("cuda"))
@@ -288,9 +314,8 @@ def _ll_body(E, M, use_fp8, round_scale, split=False):
     return body
 
 
-def _ll_run(mesh, x, idx, w, E, M, use_fp8, round_scale, split=False):
-    f = jax.jit(jax.shard_map(_ll_body(E, M, use_fp8, round_scale, split), mesh=mesh,
-                              in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+def _ll_run(R, x, idx, w, E, M, use_fp8, round_scale, split=False):
+    f = _ranks(_ll_body(E, M, use_fp8, round_scale, split), R)
     _poison()
     return jax.device_get(f(x, idx, w))
 
@@ -340,7 +365,7 @@ def _ll_slots(cnt, src, slot, R, L):
             for q in range(R) for l in range(L) for j in range(cnt[q, l])}
 
 
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2, 3, 4, 8])
 @pytest.mark.parametrize("kind", ["random", "skewed", "masked"])
 @pytest.mark.parametrize("T,M,use_fp8,round_scale,split", [(128, 128, True, False, False),
                                                            (1, 16, True, True, False),
@@ -351,7 +376,7 @@ def test_ll_matches_reference(R, kind, T, M, use_fp8, round_scale, split):
     rng = np.random.default_rng(hash((R, kind, T, M, use_fp8)) % 2**32)
     H, K, E = 2048, 8, 8 * R
     L = E // R
-    mesh = _mesh(R)
+    mesh = R
     x = jnp.asarray(rng.standard_normal((R * T, H)) * 3, jnp.bfloat16)
     idx = jnp.asarray(_routing(kind, rng, R, T, K, E))
     w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
@@ -374,9 +399,8 @@ def test_ll_matches_reference(R, kind, T, M, use_fp8, round_scale, split):
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2, 4, 8])
 def test_ll_scan_back_to_back(R, split):
-    mesh = _mesh(R)
     steps, T, M, H, K, E = 500, 16, 16, 256, 4, 4 * R
     rng = np.random.default_rng(5)
     xs = jnp.asarray(rng.standard_normal((steps, R * T, H)), jnp.bfloat16)
@@ -393,8 +417,7 @@ def test_ll_scan_back_to_back(R, split):
                 out = _ll_combine(r.recv_x, i, ww, r.handle, sp, backend=be)
                 return c, (out, r.recv_count)
             return jax.lax.scan(step, 0, (xs, idx, w))[1]
-        spec = P(None, "ep")
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(xs, idx, w)
+        return _ranks(body, R, ep_dim=1)(xs, idx, w)
 
     _poison()
     oc, cc = jax.device_get(run("cuda"))
@@ -404,22 +427,20 @@ def test_ll_scan_back_to_back(R, split):
                                rtol=2e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2, 4, 8])
 def test_ll_split_two_in_flight(R):
     """Separately jitted halves, called from Python so that step s sends before step s - 1 is
     received: two calls of one call site in flight (both halves of its double buffer), 60
     steps with fresh routing, against the reference."""
-    mesh = _mesh(R)
     steps, T, M, H, K, E = 60, 24, 32, 512, 4, 4 * R
     rng = np.random.default_rng(7)
     xs = [jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16) for _ in range(steps)]
     idx = [jnp.asarray(_routing("random", rng, R, T, K, E)) for _ in range(steps)]
     w = [jnp.asarray(rng.random((R * T, K)), jnp.float32) for _ in range(steps)]
     kw = dict(num_experts=E, max_tokens_per_rank=M, use_fp8=False)
-    spec = P("ep")
 
     def smap(f):
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
+        return _ranks(f, R)
 
     send = smap(lambda x, i: jax_ep.low_latency_dispatch_send(x, i, backend="cuda", **kw))
 
@@ -509,7 +530,7 @@ def test_layout_kernel_matches_reference():
 def test_ll_large_topk_fallback_kernel():
     """K > 32 takes the general dispatch kernel."""
     R, T, M, H, K, E = 2, 32, 32, 512, 40, 64
-    mesh = _mesh(R)
+    mesh = R
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
     idx = jnp.asarray(_routing("masked", rng, R, T, K, E))
@@ -531,14 +552,14 @@ def test_ll_combine_without_prereduce(monkeypatch, split):
     x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
     idx = jnp.asarray(_routing("random", rng, R, T, K, E))
     w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
-    cu, rf = _ll_run(_mesh(R), x, idx, w, E, M, False, False, split)
+    cu, rf = _ll_run(R, x, idx, w, E, M, False, False, split)
     _assert_ll_equal(cu, rf, x, T, M, False, False, R, E // R)
 
 
 def test_ht_large_topk_direct_read_path():
     """K > 16: the layout kernel reads ids straight from the peer."""
     R, T, H, K, E = 2, 50, 256, 20, 32
-    mesh = _mesh(R)
+    mesh = R
     rng = np.random.default_rng(10)
     x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32)
     idx = jnp.asarray(_routing("masked", rng, R, T, K, E))
@@ -572,3 +593,53 @@ def test_edge_cases_on_one_gpu():
         np.testing.assert_array_equal(np.asarray(gc, np.float32), np.asarray(gr, np.float32))
     (v0, g0) = run("cuda", True, x[:0], idx[:0], w[:0])
     assert float(v0) == 0.0 and g0.shape == (0, H)
+
+
+def test_virtual_ranks_that_cannot_be_resident():
+    """R grids of a kernel that cannot be resident together on one GPU: a clear error before
+    anything launches (no rank is left waiting), and the next call runs normally."""
+    if not _gpus():
+        pytest.skip("needs a GPU")
+    R, T, H, K, E = 8, 16, 256, 2, 16
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((R, T, H)), jnp.bfloat16)
+    idx = jnp.asarray(_routing("random", rng, R, T, K, E).reshape(R, T, K))
+
+    def body(x, idx):
+        r = jax_ep.dispatch(x, idx, num_experts=E, backend="cuda")
+        return jax_ep.combine(r.recv_x, r.handle, backend="cuda")
+
+    jax_ep.set_num_blocks(1000)
+    try:
+        with pytest.raises(Exception, match="cannot be resident"):
+            jax.block_until_ready(jax.jit(jax_ep.testing.virtual_ranks(body, R))(x, idx))
+    finally:
+        jax_ep.set_num_blocks(None)
+    out = jax.jit(jax_ep.testing.virtual_ranks(body, R))(x, idx)
+    ref = jax.jit(jax_ep.testing.virtual_ranks(
+        lambda x, i: jax_ep.combine(*(lambda r: (r.recv_x, r.handle))(
+            jax_ep.dispatch(x, i, num_experts=E, backend="reference")), backend="reference"),
+        R))(x, idx)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_ll_call_sites_of_two_layouts_sharing_a_slot(monkeypatch):
+    """Every low-latency call site on one push slot (what the round robin gives the 65th call
+    site): programs of two row layouts alternate on it, and each must still read only rows of
+    its own call. A buffer shared by both layouts let stale payload bytes pass as row tags."""
+    from jax_ep import runtime
+    monkeypatch.setattr(runtime, "next_slot", lambda push=False: 64 if push else 0)
+    R, K = 4, 8
+    rng = np.random.default_rng(17)
+    progs = []
+    for T, M, H, E, fp8 in [(57, 64, 2048, 32, False), (100, 128, 7168, 64, True)]:
+        body = _ll_body(E, M, fp8, False)
+        progs.append((T, M, H, E, fp8, _ranks(body, R)))
+    for step in range(6):
+        T, M, H, E, fp8, f = progs[step % 2]
+        x = jnp.asarray(rng.standard_normal((R * T, H)) * 3, jnp.bfloat16)
+        idx = jnp.asarray(_routing("masked", rng, R, T, K, E))
+        w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+        cu, rf = jax.device_get(f(x, idx, w))
+        _assert_ll_equal(cu, rf, x, T, M, fp8, False, R, E // R)

@@ -38,7 +38,7 @@ def cuda_lowering(monkeypatch):
         monkeypatch.setattr(jax_ep.runtime, "extension", lambda: SizesOnly)
     # receive buffers of the push slots: fake addresses, one per device of the table
     monkeypatch.setattr(jax_ep.runtime, "reserve_slot_buffers",
-                        lambda groups, slot, n: [4096 * (slot + 1) + i
+                        lambda groups, slot, n, layout="": [4096 * (slot + 1) + i
                                                  for i in range(np.size(groups))])
 
 
@@ -226,3 +226,38 @@ def test_reference_lowering_has_no_custom_call(mesh2):
     text = f.trace(jnp.ones((2, 3, 16)), jnp.zeros((2, 3, 2), jnp.int32)).lower().as_text()
     assert "jax_ep_" not in text.replace("jit(", "")
     assert "all_to_all" in text
+
+
+def test_cuda_lowering_of_virtual_ranks(cuda_lowering, monkeypatch):
+    """vmap over the EP axis on one device: every communication op lowers to its `_vr` twin,
+    with operands and results stacked over the ranks and a group of virtual-rank ids."""
+    ext = jax_ep.runtime.extension()
+    vid = ext.virtual_id if hasattr(ext, "virtual_id") else (lambda d, r: -(1 + d * 8 + r))
+    if not hasattr(ext, "virtual_id"):
+        monkeypatch.setattr(ext, "virtual_id", staticmethod(vid), raising=False)
+    # 64 SMs: each of the 4 ranks' bandwidth kernels defaults to 16 blocks
+    monkeypatch.setattr(ext, "device_sm_count", lambda d: 64, raising=False)
+    R, T, H, K = 4, 5, 128, 2
+    args = (jnp.ones((R, T, H)), jnp.zeros((R, T, K), jnp.int32), jnp.ones((R, T, K)),
+            jnp.ones((R, 4, H), jnp.bfloat16), jnp.zeros((R, 4, K), jnp.int32),
+            jnp.ones((R, 4, K)))
+    f = jax.jit(jax_ep.testing.virtual_ranks(all_ops, R))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [(t, a) for t, a in custom_calls(text) if t.startswith("jax_ep_")]
+    targets = {t for t, _ in calls}
+    assert targets >= {t + "_vr" for t in COMM_TARGETS}, sorted(targets)
+    assert not targets & set(COMM_TARGETS), sorted(targets)
+    dev = jax.devices()[0]
+    dev = dev.local_hardware_id if dev.local_hardware_id is not None else dev.id
+    for target, a in calls:
+        if target == "jax_ep_layout":  # no communication: one call per rank (a loop)
+            continue
+        assert groups_attr(a) == [vid(dev, r) for r in range(R)], target
+        assert int_attr(a, "group_size") == R
+        if target.startswith("jax_ep_ht_"):
+            assert int_attr(a, "num_blocks") == 16, target
+    # operands and results of the twins lead with the rank axis
+    for m in re.finditer(r"stablehlo\.custom_call @(jax_ep_\w+_vr)\(([^)]*)\).*?: \((.*?)\) -> "
+                         r"(.*)$", text, re.M):
+        for ty in re.findall(r"tensor<([^>]*)>", m.group(3) + m.group(4)):
+            assert ty.startswith(f"{R}x"), (m.group(1), ty)

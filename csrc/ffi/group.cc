@@ -1,6 +1,7 @@
 #include "ffi/group.h"
 
 #include "runtime/symmetric.h"
+#include "runtime/virtual_ranks.h"
 
 #include <sstream>
 
@@ -16,8 +17,16 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
   if (slot < 0 || slot >= kNumSlots)
     return ffi::Error::InvalidArgument("jax_ep: slot out of range");
   // One process over all GPUs: the table names CUDA ordinals. Per-process mode: it names PEs.
+  // One-GPU multi-rank mode: it names the virtual ranks on this device (virtual_ranks.h).
   const bool per_process = sym::active();
-  const int64_t self = per_process ? sym::my_pe() : device;
+  const VirtualRank* vr = virtual_rank();
+  if (vr != nullptr && (per_process || vr->num_ranks != group_size))
+    return ffi::Error::InvalidArgument(
+        per_process ? "jax_ep: the one-GPU multi-rank mode runs in one process"
+                    : "jax_ep: the stacked operands name " + std::to_string(vr->num_ranks) +
+                          " virtual ranks, the EP group has " + std::to_string(group_size));
+  const int64_t self =
+      per_process ? sym::my_pe() : (vr != nullptr ? virtual_id(device, vr->rank) : device);
   const int64_t n = static_cast<int64_t>(groups.size());
   for (int64_t i = 0; i < n; ++i) {
     if (groups[i] != self) continue;
@@ -57,6 +66,10 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
   std::ostringstream os;
   if (per_process)
     os << "jax_ep: PE " << self << " is not in the EP group table of this op";
+  else if (vr != nullptr)
+    os << "jax_ep: the virtual ranks of this op were set up on device "
+       << (n > 0 ? id_device(static_cast<int>(groups[0])) : -1) << " (at lowering), but it runs on"
+       << " device " << device << "; the one-GPU multi-rank mode runs on one device";
   else
     os << "jax_ep: device " << device << " is not in the EP group table of this op";
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, os.str());

@@ -12,6 +12,7 @@
 
 #include "ffi/group.h"
 #include "ffi/handlers.h"
+#include "ffi/virtual_ranks.h"
 #include "kernels/high_throughput.cuh"
 #include "runtime/device.h"
 #include "transport/remote.h"
@@ -338,59 +339,71 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtDispatch, HtDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // x [T, Hb]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x_scales [T, G]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights [T, K]
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // recv_x [C, Hb]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_scales [C, G]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_topk_idx [C, K]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_topk_weights [C, K]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src [C]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_rows [T, R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_tokens_per_expert [L]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // stats [4]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch [ht_scratch_words]
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("slot")
-                                  .Attr<int64_t>("timeout_ns")
-                                  .Attr<int64_t>("num_blocks")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<ffi::Span<const int64_t>>("stage"),
+#define JAX_EP_BIND_HT_DISPATCH \
+  ffi::Ffi::Bind() \
+  .Ctx<ffi::PlatformStream<cudaStream_t>>() \
+  .Ctx<ffi::DeviceOrdinal>() \
+  .Arg<ffi::Buffer<ffi::U8>>()  /* x [T, Hb] */ \
+  .Arg<ffi::Buffer<ffi::F32>>()  /* x_scales [T, G] */ \
+  .Arg<ffi::Buffer<ffi::S32>>()  /* topk_idx [T, K] */ \
+  .Arg<ffi::Buffer<ffi::F32>>()  /* topk_weights [T, K] */ \
+  .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */ \
+  .Ret<ffi::Buffer<ffi::F32>>()  /* recv_scales [C, G] */ \
+  .Ret<ffi::Buffer<ffi::S32>>()  /* recv_topk_idx [C, K] */ \
+  .Ret<ffi::Buffer<ffi::F32>>()  /* recv_topk_weights [C, K] */ \
+  .Ret<ffi::Buffer<ffi::S32>>()  /* recv_src [C] */ \
+  .Ret<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */ \
+  .Ret<ffi::Buffer<ffi::S32>>()  /* recv_tokens_per_expert [L] */ \
+  .Ret<ffi::Buffer<ffi::S32>>()  /* stats [4] */ \
+  .Ret<ffi::Buffer<ffi::S32>>()  /* scratch [ht_scratch_words] */ \
+  .Attr<ffi::Span<const int64_t>>("groups") \
+  .Attr<int64_t>("group_size") \
+  .Attr<int64_t>("slot") \
+  .Attr<int64_t>("timeout_ns") \
+  .Attr<int64_t>("num_blocks") \
+  .Attr<int64_t>("num_experts") \
+  .Attr<ffi::Span<const int64_t>>("stage")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DISPATCH,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtDispatchVr, JAX_EP_VIRTUAL_RANKS(HtDispatchImpl),
+                              JAX_EP_BIND_HT_DISPATCH);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtGather, HtGatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // x [T, Hb]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_src [C]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // stats [4]
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // recv_x [C, Hb]
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("slot")
-                                  .Attr<int64_t>("timeout_ns")
-                                  .Attr<int64_t>("num_blocks")
-                                  .Attr<ffi::Span<const int64_t>>("stage"),
+#define JAX_EP_BIND_HT_GATHER \
+  ffi::Ffi::Bind() \
+  .Ctx<ffi::PlatformStream<cudaStream_t>>() \
+  .Ctx<ffi::DeviceOrdinal>() \
+  .Arg<ffi::Buffer<ffi::U8>>()  /* x [T, Hb] */ \
+  .Arg<ffi::Buffer<ffi::S32>>()  /* recv_src [C] */ \
+  .Arg<ffi::Buffer<ffi::S32>>()  /* stats [4] */ \
+  .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */ \
+  .Attr<ffi::Span<const int64_t>>("groups") \
+  .Attr<int64_t>("group_size") \
+  .Attr<int64_t>("slot") \
+  .Attr<int64_t>("timeout_ns") \
+  .Attr<int64_t>("num_blocks") \
+  .Attr<ffi::Span<const int64_t>>("stage")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtGatherVr, JAX_EP_VIRTUAL_RANKS(HtGatherImpl),
+                              JAX_EP_BIND_HT_GATHER);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtCombine, HtCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // y [C, H] f32 / bf16 / f16
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // send_rows [T, R]
-                                  .Ret<ffi::AnyBuffer>()         // out [T, H], dtype of y
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("slot")
-                                  .Attr<int64_t>("timeout_ns")
-                                  .Attr<int64_t>("num_blocks")
-                                  .Attr<ffi::Span<const int64_t>>("stage"),
+#define JAX_EP_BIND_HT_COMBINE \
+  ffi::Ffi::Bind() \
+  .Ctx<ffi::PlatformStream<cudaStream_t>>() \
+  .Ctx<ffi::DeviceOrdinal>() \
+  .Arg<ffi::AnyBuffer>()  /* y [C, H] f32 / bf16 / f16 */ \
+  .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */ \
+  .Ret<ffi::AnyBuffer>()  /* out [T, H], dtype of y */ \
+  .Attr<ffi::Span<const int64_t>>("groups") \
+  .Attr<int64_t>("group_size") \
+  .Attr<int64_t>("slot") \
+  .Attr<int64_t>("timeout_ns") \
+  .Attr<int64_t>("num_blocks") \
+  .Attr<ffi::Span<const int64_t>>("stage")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtCombineVr, JAX_EP_VIRTUAL_RANKS(HtCombineImpl),
+                              JAX_EP_BIND_HT_COMBINE);

@@ -9,6 +9,7 @@
 
 #include "ffi/group.h"
 #include "ffi/handlers.h"
+#include "ffi/virtual_ranks.h"
 #include "kernels/low_latency.cuh"
 #include "transport/remote.h"
 #include "xla/ffi/api/ffi.h"
@@ -393,65 +394,89 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 
 #define JAX_EP_LL_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatch, LlDispatchImpl,
-                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // x [T, H] bf16
-                                  .Arg<ffi::AnyBuffer>()            // topk_idx [T, K] s32
-                                  .Ret<ffi::AnyBuffer>()            // recv_x [L, R*M, H]
-                                  .Ret<ffi::AnyBuffer>()            // recv_scales [L, R*M, G]
-                                  .Ret<ffi::AnyBuffer>()            // recv_count [L]
-                                  .Ret<ffi::AnyBuffer>()            // recv_src [L, R*M]
-                                  .Ret<ffi::AnyBuffer>()            // recv_slot [L, R*M]
-                                  .Ret<ffi::AnyBuffer>()            // src_rows [R*M, K]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // stats [2]
-                                  .Attrs<LlAttrs>(),
+#define JAX_EP_BIND_LL_DISPATCH \
+  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* x [T, H] bf16 */ \
+  .Arg<ffi::AnyBuffer>()  /* topk_idx [T, K] s32 */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_x [L, R*M, H] */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_scales [L, R*M, G] */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_count [L] */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_src [L, R*M] */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_slot [L, R*M] */ \
+  .Ret<ffi::AnyBuffer>()  /* src_rows [R*M, K] */ \
+  .Ret<ffi::Buffer<ffi::S32>>()  /* stats [2] */ \
+  .Attrs<LlAttrs>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatch, LlDispatchImpl, JAX_EP_BIND_LL_DISPATCH,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchVr, JAX_EP_VIRTUAL_RANKS(LlDispatchImpl),
+                              JAX_EP_BIND_LL_DISPATCH);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSend, LlDispatchSendImpl,
-                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()            // topk_idx
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // stats [2] (the ticket)
-                                  .Attrs<LlAttrs>(),
+#define JAX_EP_BIND_LL_DISPATCH_SEND \
+  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* x */ \
+  .Arg<ffi::AnyBuffer>()  /* topk_idx */ \
+  .Ret<ffi::Buffer<ffi::S32>>()  /* stats [2] (the ticket) */ \
+  .Attrs<LlAttrs>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSend, LlDispatchSendImpl, JAX_EP_BIND_LL_DISPATCH_SEND,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendVr, JAX_EP_VIRTUAL_RANKS(LlDispatchSendImpl),
+                              JAX_EP_BIND_LL_DISPATCH_SEND);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecv, LlDispatchRecvImpl,
-                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // ticket [2]
-                                  .Ret<ffi::AnyBuffer>()            // recv_x
-                                  .Ret<ffi::AnyBuffer>()            // recv_scales
-                                  .Ret<ffi::AnyBuffer>()            // recv_count
-                                  .Ret<ffi::AnyBuffer>()            // recv_src
-                                  .Ret<ffi::AnyBuffer>()            // recv_slot
-                                  .Ret<ffi::AnyBuffer>()            // src_rows
-                                  .Attrs<LlAttrs>(),
+#define JAX_EP_BIND_LL_DISPATCH_RECV \
+  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* ticket [2] */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_x */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_scales */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_count */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_src */ \
+  .Ret<ffi::AnyBuffer>()  /* recv_slot */ \
+  .Ret<ffi::AnyBuffer>()  /* src_rows */ \
+  .Attrs<LlAttrs>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecv, LlDispatchRecvImpl, JAX_EP_BIND_LL_DISPATCH_RECV,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvVr, JAX_EP_VIRTUAL_RANKS(LlDispatchRecvImpl),
+                              JAX_EP_BIND_LL_DISPATCH_RECV);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombine, LlCombineImpl,
-                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // y [L, R*M, H] bf16
-                                  .Arg<ffi::AnyBuffer>()            // recv_src [L, R*M]
-                                  .Arg<ffi::AnyBuffer>()            // recv_slot [L, R*M]
-                                  .Arg<ffi::AnyBuffer>()            // recv_count [L]
-                                  .Arg<ffi::AnyBuffer>()            // src_rows [R*M, K]
-                                  .Arg<ffi::AnyBuffer>()            // topk_idx [T, K]
-                                  .Arg<ffi::AnyBuffer>()            // topk_weights [T, K] f32
-                                  .Ret<ffi::AnyBuffer>()            // out [T, H] bf16
-                                  .Attrs<LlAttrs>(),
+#define JAX_EP_BIND_LL_COMBINE \
+  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* y [L, R*M, H] bf16 */ \
+  .Arg<ffi::AnyBuffer>()  /* recv_src [L, R*M] */ \
+  .Arg<ffi::AnyBuffer>()  /* recv_slot [L, R*M] */ \
+  .Arg<ffi::AnyBuffer>()  /* recv_count [L] */ \
+  .Arg<ffi::AnyBuffer>()  /* src_rows [R*M, K] */ \
+  .Arg<ffi::AnyBuffer>()  /* topk_idx [T, K] */ \
+  .Arg<ffi::AnyBuffer>()  /* topk_weights [T, K] f32 */ \
+  .Ret<ffi::AnyBuffer>()  /* out [T, H] bf16 */ \
+  .Attrs<LlAttrs>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombine, LlCombineImpl, JAX_EP_BIND_LL_COMBINE,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineVr, JAX_EP_VIRTUAL_RANKS(LlCombineImpl),
+                              JAX_EP_BIND_LL_COMBINE);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSend, LlCombineSendImpl,
-                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // y
-                                  .Arg<ffi::AnyBuffer>()            // recv_src
-                                  .Arg<ffi::AnyBuffer>()            // recv_slot
-                                  .Arg<ffi::AnyBuffer>()            // recv_count
-                                  .Arg<ffi::AnyBuffer>()            // src_rows
-                                  .Arg<ffi::AnyBuffer>()            // topk_idx
-                                  .Arg<ffi::AnyBuffer>()            // topk_weights
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // ticket [1]
-                                  .Attrs<LlAttrs>(),
+#define JAX_EP_BIND_LL_COMBINE_SEND \
+  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* y */ \
+  .Arg<ffi::AnyBuffer>()  /* recv_src */ \
+  .Arg<ffi::AnyBuffer>()  /* recv_slot */ \
+  .Arg<ffi::AnyBuffer>()  /* recv_count */ \
+  .Arg<ffi::AnyBuffer>()  /* src_rows */ \
+  .Arg<ffi::AnyBuffer>()  /* topk_idx */ \
+  .Arg<ffi::AnyBuffer>()  /* topk_weights */ \
+  .Ret<ffi::Buffer<ffi::S32>>()  /* ticket [1] */ \
+  .Attrs<LlAttrs>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSend, LlCombineSendImpl, JAX_EP_BIND_LL_COMBINE_SEND,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendVr, JAX_EP_VIRTUAL_RANKS(LlCombineSendImpl),
+                              JAX_EP_BIND_LL_COMBINE_SEND);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecv, LlCombineRecvImpl,
-                              JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  // ticket [1]
-                                  .Arg<ffi::AnyBuffer>()            // topk_idx
-                                  .Arg<ffi::AnyBuffer>()            // topk_weights
-                                  .Ret<ffi::AnyBuffer>()            // out
-                                  .Attrs<LlAttrs>(),
+#define JAX_EP_BIND_LL_COMBINE_RECV \
+  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* ticket [1] */ \
+  .Arg<ffi::AnyBuffer>()  /* topk_idx */ \
+  .Arg<ffi::AnyBuffer>()  /* topk_weights */ \
+  .Ret<ffi::AnyBuffer>()  /* out */ \
+  .Attrs<LlAttrs>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecv, LlCombineRecvImpl, JAX_EP_BIND_LL_COMBINE_RECV,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvVr, JAX_EP_VIRTUAL_RANKS(LlCombineRecvImpl),
+                              JAX_EP_BIND_LL_COMBINE_RECV);

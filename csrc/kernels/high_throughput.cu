@@ -7,6 +7,7 @@
 
 #include "kernels/high_throughput.cuh"
 #include "kernels/expert_ids.cuh"
+#include "runtime/virtual_ranks.h"
 
 namespace jax_ep {
 namespace ht {
@@ -666,28 +667,40 @@ void launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
   const size_t smem = static_cast<int64_t>(kLayoutThreads) * a.K * 8 <= kLayoutSmemBytes
                           ? static_cast<size_t>(kLayoutThreads) * a.K * 8
                           : 0;
-  dispatch_layout_kernel<<<a.ps.num_ranks * a.plan.nch, kLayoutThreads, smem, stream>>>(a);
+  const int layout_grid = a.ps.num_ranks * a.plan.nch;
+  // Both gates first: in the one-GPU multi-rank mode either both kernels launch or neither.
+  const bool layout_ok = may_launch(reinterpret_cast<const void*>(dispatch_layout_kernel),
+                                    "high-throughput layout", layout_grid, kLayoutThreads, smem);
+  const bool copy_ok = may_launch(reinterpret_cast<const void*>(copy_rows_kernel<false>),
+                                  "high-throughput copy", a.num_blocks, kCopyThreads, 0);
+  if (!layout_ok || !copy_ok) return;
+  dispatch_layout_kernel<<<layout_grid, kLayoutThreads, smem, stream>>>(a);
   CopyArgs c{a.ps, a.timeout_ns, a.x, a.recv_src, a.stats, a.T, a.C, a.G, a.Hb, a.recv_x,
              a.recv_scales};
   copy_rows_kernel<false><<<a.num_blocks, kCopyThreads, 0, stream>>>(c);
 }
 
 void launch_gather(const GatherArgs& a, cudaStream_t stream) {
+  if (!may_launch(reinterpret_cast<const void*>(copy_rows_kernel<true>), "high-throughput gather",
+                  a.num_blocks, kCopyThreads, 0))
+    return;
   CopyArgs c{a.ps, a.timeout_ns, a.x, a.recv_src, a.stats, a.T, a.C, 0, a.Hb, a.recv_x, nullptr};
   copy_rows_kernel<true><<<a.num_blocks, kCopyThreads, 0, stream>>>(c);
 }
 
+template <typename V>
+void launch_combine_as(const CombineArgs& a, cudaStream_t stream) {
+  if (!may_launch(reinterpret_cast<const void*>(combine_kernel<V>), "high-throughput combine",
+                  a.num_blocks, kCopyThreads, 0))
+    return;
+  combine_kernel<V><<<a.num_blocks, kCopyThreads, 0, stream>>>(a);
+}
+
 void launch_combine(const CombineArgs& a, cudaStream_t stream) {
   switch (a.dtype) {
-    case DType::kF32:
-      combine_kernel<float><<<a.num_blocks, kCopyThreads, 0, stream>>>(a);
-      break;
-    case DType::kBF16:
-      combine_kernel<__nv_bfloat16><<<a.num_blocks, kCopyThreads, 0, stream>>>(a);
-      break;
-    case DType::kF16:
-      combine_kernel<__half><<<a.num_blocks, kCopyThreads, 0, stream>>>(a);
-      break;
+    case DType::kF32: launch_combine_as<float>(a, stream); break;
+    case DType::kBF16: launch_combine_as<__nv_bfloat16>(a, stream); break;
+    case DType::kF16: launch_combine_as<__half>(a, stream); break;
   }
 }
 

@@ -11,6 +11,7 @@
 #include "kernels/fp8.cuh"
 #include "kernels/low_latency.cuh"
 #include "runtime/device.h"
+#include "runtime/virtual_ranks.h"
 
 namespace jax_ep {
 namespace ll {
@@ -1298,6 +1299,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   push::leave_kernel(ps, p.mode, es);
 }
 
+// One kernel launch behind the gate of the one-GPU multi-rank mode (runtime/virtual_ranks.h).
+template <typename Params>
+void launch_gated(void (*kernel)(Params), const char* name, int grid, const Params& p,
+                  cudaStream_t stream) {
+  if (may_launch(reinterpret_cast<const void*>(kernel), name, grid, kThreads, 0))
+    kernel<<<grid, kThreads, 0, stream>>>(p);
+}
+
 // Widest vector (bytes) dividing every value.
 int vec_bytes(std::initializer_list<uintptr_t> vals) {
   int vw = 16;
@@ -1347,10 +1356,13 @@ cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stre
                            : vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.x),
                                         reinterpret_cast<uintptr_t>(p.recv_x)});
   switch (vw) {
-    case 16: dispatch_kernel<uint4><<<grid, kThreads, 0, stream>>>(p); break;
-    case 8: dispatch_kernel<uint2><<<grid, kThreads, 0, stream>>>(p); break;
-    case 4: dispatch_kernel<unsigned int><<<grid, kThreads, 0, stream>>>(p); break;
-    default: dispatch_kernel<unsigned short><<<grid, kThreads, 0, stream>>>(p);
+    case 16: launch_gated(dispatch_kernel<uint4>, "low-latency dispatch", grid, p, stream); break;
+    case 8: launch_gated(dispatch_kernel<uint2>, "low-latency dispatch", grid, p, stream); break;
+    case 4:
+      launch_gated(dispatch_kernel<unsigned int>, "low-latency dispatch", grid, p, stream);
+      break;
+    default:
+      launch_gated(dispatch_kernel<unsigned short>, "low-latency dispatch", grid, p, stream);
   }
   return cudaGetLastError();
 }
@@ -1359,10 +1371,13 @@ cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream
   const int vw = vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.y),
                             reinterpret_cast<uintptr_t>(p.out)});
   switch (vw) {
-    case 16: combine_kernel<uint4><<<grid, kThreads, 0, stream>>>(p); break;
-    case 8: combine_kernel<uint2><<<grid, kThreads, 0, stream>>>(p); break;
-    case 4: combine_kernel<unsigned int><<<grid, kThreads, 0, stream>>>(p); break;
-    default: combine_kernel<unsigned short><<<grid, kThreads, 0, stream>>>(p);
+    case 16: launch_gated(combine_kernel<uint4>, "low-latency combine", grid, p, stream); break;
+    case 8: launch_gated(combine_kernel<uint2>, "low-latency combine", grid, p, stream); break;
+    case 4:
+      launch_gated(combine_kernel<unsigned int>, "low-latency combine", grid, p, stream);
+      break;
+    default:
+      launch_gated(combine_kernel<unsigned short>, "low-latency combine", grid, p, stream);
   }
   return cudaGetLastError();
 }

@@ -4,9 +4,11 @@
 
 #include <atomic>
 
+#include "runtime/virtual_ranks.h"
+
 namespace jax_ep {
 
-int sm_count(int device) {
+int device_sm_count(int device) {
   constexpr int kMaxDevices = 256;
   static std::atomic<int> cache[kMaxDevices];  // 0: not read yet
   const bool cached = device >= 0 && device < kMaxDevices;
@@ -18,6 +20,13 @@ int sm_count(int device) {
   }
   if (cached) cache[device].store(sms, std::memory_order_relaxed);
   return sms;
+}
+
+int sm_count(int device) {
+  const int sms = device_sm_count(device);
+  const VirtualRank* v = virtual_rank();
+  if (v == nullptr || sms <= 0) return sms;
+  return sms / v->num_ranks > 0 ? sms / v->num_ranks : 1;
 }
 
 }  // namespace jax_ep

@@ -4,6 +4,10 @@
 namespace jax_ep {
 
 // Multiprocessor count of `device` (0 when it cannot be read). Cached per device.
+int device_sm_count(int device);
+
+// The SMs one rank's kernels size their grids for: device_sm_count, or in the one-GPU
+// multi-rank mode (runtime/virtual_ranks.h) the rank's share of them, at least 1.
 int sm_count(int device);
 
 }  // namespace jax_ep

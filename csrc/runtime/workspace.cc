@@ -1,5 +1,7 @@
 #include "runtime/workspace.h"
 
+#include "runtime/virtual_ranks.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -7,6 +9,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 
 namespace jax_ep {
 namespace {
@@ -16,7 +19,9 @@ struct SlotBuffer {
   std::vector<unsigned long long> ptrs;  // per device of the group, group order
   size_t bytes = 0;
 };
-std::map<std::pair<std::vector<int>, int>, SlotBuffer> g_slot_buffers;
+// Keyed by (group, slot, layout): a buffer only ever holds rows of one layout (see
+// reserve_slot_buffer).
+std::map<std::tuple<std::vector<int>, int, std::string>, SlotBuffer> g_slot_buffers;
 std::map<int, size_t> g_buffer_bytes;  // per device, including superseded buffers
 
 void check(cudaError_t e, const char* what, int dev) {
@@ -34,17 +39,22 @@ void init_group(const std::vector<int>& devices) {
   int prev = 0;
   cudaGetDevice(&prev);
   std::map<int, Workspace*> ws;
-  for (int d : devices) {
+  for (int id : devices) {  // a CUDA ordinal, or a virtual rank's id (virtual_ranks.h)
+    const int d = id_device(id);
     check(cudaSetDevice(d), "cudaSetDevice", d);
     void* p = nullptr;
     check(cudaMalloc(&p, sizeof(Workspace)), "cudaMalloc(workspace)", d);
     check(cudaMemset(p, 0, sizeof(Workspace)), "cudaMemset(workspace)", d);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", d);
-    ws[d] = static_cast<Workspace*>(p);
+    ws[id] = static_cast<Workspace*>(p);
   }
-  for (int a : devices) {
+  std::vector<int> devs;
+  for (int id : devices)
+    if (std::find(devs.begin(), devs.end(), id_device(id)) == devs.end())
+      devs.push_back(id_device(id));
+  for (int a : devs) {
     check(cudaSetDevice(a), "cudaSetDevice", a);
-    for (int b : devices) {
+    for (int b : devs) {
       if (a == b) continue;
       int can = 0;
       check(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer", a);
@@ -80,7 +90,8 @@ std::vector<int> runtime_devices() {
   std::vector<int> out;
   for (auto& g : g_groups)
     for (auto& kv : g.second)
-      if (std::find(out.begin(), out.end(), kv.first) == out.end()) out.push_back(kv.first);
+      if (std::find(out.begin(), out.end(), id_device(kv.first)) == out.end())
+        out.push_back(id_device(kv.first));
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -110,7 +121,7 @@ std::vector<unsigned long long> read_traces(const std::vector<int>& group, int d
   int prev = 0;
   check(cudaGetDevice(&prev), "cudaGetDevice", device);
   std::vector<unsigned long long> out(static_cast<size_t>(kNumSlots) * kTraceSlots, 0ull);
-  cudaError_t err = cudaSetDevice(device);
+  cudaError_t err = cudaSetDevice(id_device(device));
   for (int s = 0; s < kNumSlots && err == cudaSuccess; ++s)
     err = cudaMemcpy(out.data() + static_cast<size_t>(s) * kTraceSlots, ws->slots[s].trace,
                      sizeof(unsigned long long) * kTraceSlots, cudaMemcpyDeviceToHost);
@@ -120,15 +131,16 @@ std::vector<unsigned long long> read_traces(const std::vector<int>& group, int d
 }
 
 std::vector<unsigned long long> reserve_slot_buffer(const std::vector<int>& group, int slot,
-                                                    size_t bytes) {
+                                                    size_t bytes, const std::string& layout) {
   std::lock_guard<std::mutex> lock(g_mu);
-  SlotBuffer& sb = g_slot_buffers[{group, slot}];
+  SlotBuffer& sb = g_slot_buffers[{group, slot, layout}];
   if (sb.bytes >= bytes && sb.ptrs.size() == group.size()) return sb.ptrs;
   // Superseded buffers are kept: a compiled executable (or CUDA graph) may still name them.
   int prev = 0;
   cudaGetDevice(&prev);
   std::vector<unsigned long long> ptrs;
-  for (int d : group) {
+  for (int id : group) {
+    const int d = id_device(id);
     void* p = nullptr;
     cudaError_t e = cudaSetDevice(d);
     if (e == cudaSuccess) e = cudaMalloc(&p, bytes);

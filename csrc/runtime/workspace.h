@@ -54,7 +54,9 @@ struct Workspace {
 
 // Host side registry. Every EP group (its devices in axis order) owns one Workspace on each of
 // its devices: slot epochs count the calls of that group only, so groups that share a device
-// (a 2-GPU mesh and a 4-GPU mesh in one process, say) never see each other's epochs.
+// (a 2-GPU mesh and a 4-GPU mesh in one process, say) never see each other's epochs. The
+// entries of a group are CUDA ordinals, or the ids of virtual ranks on one device
+// (runtime/virtual_ranks.h): each id gets its own workspace and receive buffers.
 // init_group allocates them (once, zeroed) and enables peer access between the group's devices
 // ("already enabled" counts as success). Idempotent; thread-safe.
 void init_group(const std::vector<int>& devices);
@@ -71,8 +73,14 @@ std::vector<unsigned long long> read_traces(const std::vector<int>& group, int d
 // `bytes` each: allocated on first use, reallocated larger when a call site needs more (old
 // buffers stay allocated until exit, so executables compiled earlier keep valid addresses).
 // Returns the device addresses (UVA). Throws std::runtime_error naming the size on failure.
+//
+// `layout` names the row layout the call site writes (kind and shapes). Call sites of other
+// layouts that share the slot get buffers of their own: the row waits compare epoch tags, and a
+// buffer last written in another layout holds payload bytes where this layout reads its tags,
+// which can look like a newer epoch (rows read before they arrive). Within one layout every
+// stale tag is an older epoch of the slot.
 std::vector<unsigned long long> reserve_slot_buffer(const std::vector<int>& group, int slot,
-                                                    size_t bytes);
+                                                    size_t bytes, const std::string& layout);
 // Total bytes of receive buffers allocated on one device (all groups and slots).
 size_t slot_buffer_bytes(int device);
 

@@ -9,6 +9,14 @@
 //      our buffers any more, so XLA may reuse them, and the next call may publish again.
 // Every wait stops after timeout_ns and traps with a message naming the rank and the phase.
 #pragma once
+
+// Planted bugs for the mutation check of the multi-rank suites (scripts/gpu_check.sh
+// mutations, CMake variable JAX_EP_MUTATION): 1, a data wait that accepts the previous use of
+// its buffer half (push.cuh); 2, an address wait that accepts the previous call; 3, no fence
+// between published addresses and their flag. 0 (every real build) changes no code.
+#ifndef JAX_EP_MUTATION
+#define JAX_EP_MUTATION 0
+#endif
 #include <cstdint>
 #include <cstdio>
 
@@ -156,13 +164,18 @@ __device__ __forceinline__ void publish(const PeerSlots& ps, const void* const* 
                                         unsigned long long e) {
   Slot* me = ps.slot[ps.rank];
   for (int i = 0; i < n; ++i) me->ptrs[i] = reinterpret_cast<unsigned long long>(ptrs[i]);
+#if JAX_EP_MUTATION != 3  // planted bug 3: no fence between the addresses and the flag
   __threadfence_system();
+#endif
   st_release_sys(&me->ready, e);
 }
 
 // Step 2 (one thread per block is enough; call from threadIdx.x == 0 then __syncthreads).
 __device__ __forceinline__ void wait_ready(const PeerSlots& ps, unsigned long long e,
                                            int64_t timeout_ns, const char* phase) {
+#if JAX_EP_MUTATION == 2  // planted bug 2: accept the addresses of the previous call
+  e = e > 1 ? e - 1 : e;
+#endif
   for (int s = 0; s < ps.num_ranks; ++s)
     if (!is_remote(ps, s)) wait_flag_geq(&ps.slot[s]->ready, e, timeout_ns, ps.rank, s, phase);
 }

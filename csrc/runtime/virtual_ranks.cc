@@ -1,0 +1,109 @@
+#include "runtime/virtual_ranks.h"
+
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <sstream>
+
+#include "runtime/device.h"
+
+namespace jax_ep {
+namespace {
+thread_local const VirtualRank* t_virtual = nullptr;
+}  // namespace
+
+const VirtualRank* virtual_rank() { return t_virtual; }
+
+VirtualRankScope::VirtualRankScope(VirtualRank* v) : prev_(t_virtual) { t_virtual = v; }
+VirtualRankScope::~VirtualRankScope() { t_virtual = prev_; }
+
+bool may_launch(const void* kernel, const char* name, int grid, int threads, size_t smem) {
+  const VirtualRank* v = t_virtual;
+  if (v == nullptr) return true;
+  VirtualRank* mv = const_cast<VirtualRank*>(v);
+  int per_sm = 0;
+  const int sms = device_sm_count(v->device);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    per_sm = 0;
+  }
+  const long long need = static_cast<long long>(grid) * v->num_ranks;
+  const long long have = static_cast<long long>(per_sm) * sms;
+  if (need > have) {
+    if (mv->error.empty()) {
+      std::ostringstream os;
+      os << "the one-GPU multi-rank mode runs all " << v->num_ranks << " ranks' grids at once, "
+         << "and " << v->num_ranks << " x " << grid << " blocks of the " << name
+         << " kernel cannot be resident on device " << v->device << " (" << sms << " SMs x "
+         << per_sm << " blocks each = " << have
+         << "); use fewer ranks or fewer blocks (jax_ep.set_num_blocks)";
+      mv->error = os.str();
+    }
+    return false;
+  }
+  return !v->dry_run;
+}
+
+struct RankStreams {
+  cudaStream_t streams[kMaxRanks];
+  cudaEvent_t fork;
+  cudaEvent_t join[kMaxRanks];
+};
+
+namespace {
+std::mutex g_mu;
+RankStreams* g_streams[256] = {};
+}  // namespace
+
+std::string fork_ranks(int device, int num_ranks, void* stream, RankStreams** out) {
+  if (device < 0 || device >= 256 || num_ranks < 1 || num_ranks > kMaxRanks)
+    return "bad device or rank count";
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_streams[device] == nullptr) {
+      int prev = 0;
+      cudaGetDevice(&prev);
+      auto* rs = new RankStreams{};
+      cudaError_t e = cudaSetDevice(device);
+      for (int r = 0; r < kMaxRanks && e == cudaSuccess; ++r) {
+        e = cudaStreamCreateWithFlags(&rs->streams[r], cudaStreamNonBlocking);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&rs->join[r], cudaEventDisableTiming);
+      }
+      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&rs->fork, cudaEventDisableTiming);
+      cudaSetDevice(prev);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return std::string("creating the rank streams: ") + cudaGetErrorString(e);
+      }
+      g_streams[device] = rs;
+    }
+  }
+  RankStreams* rs = g_streams[device];
+  cudaError_t e = cudaEventRecord(rs->fork, static_cast<cudaStream_t>(stream));
+  for (int r = 0; r < num_ranks && e == cudaSuccess; ++r)
+    e = cudaStreamWaitEvent(rs->streams[r], rs->fork, 0);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("forking the rank streams: ") + cudaGetErrorString(e);
+  }
+  *out = rs;
+  return "";
+}
+
+void* rank_stream(RankStreams* rs, int rank) { return rs->streams[rank]; }
+
+std::string join_ranks(RankStreams* rs, int num_ranks, void* stream) {
+  cudaError_t e = cudaSuccess;
+  for (int r = 0; r < num_ranks && e == cudaSuccess; ++r) {
+    e = cudaEventRecord(rs->join[r], rs->streams[r]);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), rs->join[r], 0);
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("joining the rank streams: ") + cudaGetErrorString(e);
+  }
+  return "";
+}
+
+}  // namespace jax_ep
