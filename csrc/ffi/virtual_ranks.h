@@ -91,8 +91,7 @@ struct Ranks<xla::ffi::Error (*)(cudaStream_t, int32_t, Ts...), impl> {
     v.dry_run = true;
     {
       probe.rank = 0;
-      // The rank count comes from the stacked buffers; run the probe twice at most: once to
-      // learn it (checks that need it fail with a clear message), once with it.
+      // The rank count is the leading dimension of the stacked buffers (all must agree).
       Slices learn;
       (void)std::initializer_list<int>{(Slicer<Ts>::apply(learn, xs), 0)...};
       if (!learn.error.empty()) return fail(learn.error);

@@ -97,7 +97,8 @@ std::string join_ranks(RankStreams* rs, int num_ranks, void* stream) {
   cudaError_t e = cudaSuccess;
   for (int r = 0; r < num_ranks && e == cudaSuccess; ++r) {
     e = cudaEventRecord(rs->join[r], rs->streams[r]);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), rs->join[r], 0);
+    if (e == cudaSuccess)
+      e = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), rs->join[r], 0);
   }
   if (e != cudaSuccess) {
     cudaGetLastError();
