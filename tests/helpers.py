@@ -8,6 +8,9 @@ that tests reuse compilations.
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -146,3 +149,14 @@ def ll_fn(mesh, num_experts, max_tokens, use_fp8, round_scale=False, check=None,
 def stack(arrs, dtype=None):
     a = np.stack([np.asarray(x) for x in arrs])
     return jnp.asarray(a if dtype is None else a.astype(dtype))
+
+
+def run_with_command_buffers(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python with XLA command buffers (CUDA graphs) on for fusions and
+    custom calls, from one op up: the custom calls are captured and replayed."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                        " --xla_gpu_graph_min_graph_size=1")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)

@@ -10,7 +10,6 @@ JAX_EP_VIRTUAL_RANKS=1).
 from __future__ import annotations
 
 import functools
-import os
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
+from helpers import run_with_command_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -470,9 +470,6 @@ def test_ll_split_two_in_flight(R):
 
 def test_ll_under_command_buffers():
     """XLA command buffers (CUDA graphs) on: the custom calls are captured and replayed."""
-    import os
-    import subprocess
-    import sys
     g = _gpus()
     if len(g) < 2:
         pytest.skip("needs 2 GPUs")
@@ -502,12 +499,7 @@ def test_ll_under_command_buffers():
         "for be in ('cuda', 'split'):\n"
         "    np.testing.assert_allclose(res[be], res['reference'], rtol=2e-2, atol=5e-2)\n"
         "print('OK command buffers')\n")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
-                        " --xla_gpu_graph_min_graph_size=1")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = run_with_command_buffers(code)
     assert p.returncode == 0 and "OK command buffers" in p.stdout, p.stdout + p.stderr
 
 

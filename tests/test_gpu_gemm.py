@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
+from helpers import run_with_command_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -331,10 +330,5 @@ def test_under_command_buffers():
         "err = np.linalg.norm(res['cuda'] - res['reference']) / np.linalg.norm(res['reference'])\n"
         "assert err < 1e-2, err\n"
         "print('OK command buffers', err)\n")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
-                        " --xla_gpu_graph_min_graph_size=1")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = run_with_command_buffers(code)
     assert p.returncode == 0 and "OK command buffers" in p.stdout, p.stdout + p.stderr

@@ -1355,30 +1355,22 @@ cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stre
   const int vw = p.use_fp8 ? 16
                            : vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.x),
                                         reinterpret_cast<uintptr_t>(p.recv_x)});
-  switch (vw) {
-    case 16: launch_gated(dispatch_kernel<uint4>, "low-latency dispatch", grid, p, stream); break;
-    case 8: launch_gated(dispatch_kernel<uint2>, "low-latency dispatch", grid, p, stream); break;
-    case 4:
-      launch_gated(dispatch_kernel<unsigned int>, "low-latency dispatch", grid, p, stream);
-      break;
-    default:
-      launch_gated(dispatch_kernel<unsigned short>, "low-latency dispatch", grid, p, stream);
-  }
+  launch_gated(vw == 16  ? dispatch_kernel<uint4>
+               : vw == 8 ? dispatch_kernel<uint2>
+               : vw == 4 ? dispatch_kernel<unsigned int>
+                         : dispatch_kernel<unsigned short>,
+               "low-latency dispatch", grid, p, stream);
   return cudaGetLastError();
 }
 
 cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream) {
   const int vw = vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.y),
                             reinterpret_cast<uintptr_t>(p.out)});
-  switch (vw) {
-    case 16: launch_gated(combine_kernel<uint4>, "low-latency combine", grid, p, stream); break;
-    case 8: launch_gated(combine_kernel<uint2>, "low-latency combine", grid, p, stream); break;
-    case 4:
-      launch_gated(combine_kernel<unsigned int>, "low-latency combine", grid, p, stream);
-      break;
-    default:
-      launch_gated(combine_kernel<unsigned short>, "low-latency combine", grid, p, stream);
-  }
+  launch_gated(vw == 16  ? combine_kernel<uint4>
+               : vw == 8 ? combine_kernel<uint2>
+               : vw == 4 ? combine_kernel<unsigned int>
+                         : combine_kernel<unsigned short>,
+               "low-latency combine", grid, p, stream);
   return cudaGetLastError();
 }
 
