@@ -53,6 +53,10 @@ def _from_bytes(b, dtype):
 
 def a2a(x, axis_name):
     """[R, ...] -> [R, ...]: block q goes to rank q; block s of the result came from rank s."""
+    # Under vmap over axis_name (the one-GPU multi-rank mode), all_to_all of a value that is
+    # the same on every rank (unbatched, e.g. a cotangent of ones) returns a wrong shape
+    # (JAX 0.10): make it per rank first. In shard_map, XLA folds the select away.
+    x = jnp.where(lax.axis_index(axis_name) >= 0, x, x)
     return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
 
