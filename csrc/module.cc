@@ -22,6 +22,10 @@
 #include "runtime/virtual_ranks.h"
 #include "runtime/workspace.h"
 
+#ifndef JAX_EP_MUTATION
+#define JAX_EP_MUTATION 0  // transport/peer.cuh
+#endif
+
 namespace nb = nanobind;
 
 // JAX_EP_DEBUG: native backtrace on SIGSEGV (Python's faulthandler shows Python frames only).
@@ -85,6 +89,9 @@ NB_MODULE(_C, m) {
         "multi-rank mode, csrc/runtime/virtual_ranks.h).");
   m.def("device_sm_count", &jax_ep::device_sm_count, nb::arg("device"),
         "Multiprocessor count of a CUDA device (0 when it cannot be read).");
+  m.def("planted_bug", []() { return JAX_EP_MUTATION; },
+        "The planted bug this build carries for the mutation check (csrc/transport/peer.cuh); "
+        "0 in every real build.");
   m.def("runtime_devices", []() {
     nb::list out;
     for (int d : jax_ep::runtime_devices()) out.append(d);

@@ -4,8 +4,9 @@
 #                        [bench-quick] [bench-gemm] [bench-modes] [probe]
 #   (default: build kernel test gemm mp example bench). gemm: the grouped-GEMM GPU suite;
 #   gemm-mutations: the grouped-GEMM suite with each planted bug of tests/test_gpu_gemm.py;
-#   mutations: the multi-rank suite, built with each planted bug of csrc/transport/peer.cuh
-#   (MUTATIONS="1 2 3", MUTATION_K: the tests to run);
+#   mutations: tests of the multi-rank suite, each in its own process, built with each planted
+#   bug of csrc/transport/peer.cuh (MUTATIONS="1 2 3 4", MUTATION_K: the tests to run); a table
+#   of which tests catch which bug goes to $OUT/mutations.log;
 #   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS). The GPU
 #   machines have no package index: the build takes CUTLASS's headers from .cutlass/ (include/
 #   and tools/util/include/ of the nvidia-cutlass package) when that folder is there. mp: the per-process (one GPU per process,
@@ -66,7 +67,10 @@ if has gemm-mutations; then
 fi
 if has mutations; then
   step "multi-rank mutation check: each planted bug (csrc/transport/peer.cuh) must fail tests"
-  for m in ${MUTATIONS:-1 2 3}; do
+  # Each selected test in a process of its own: a planted bug may end its process (a wait that
+  # times out traps), and the rest must still run. Table: $OUT/mutations.log.
+  sel="${MUTATION_K:-(scan_back_to_back or two_in_flight or gradients or fresh_buffers or (ll_matches_reference and 128-128-True and random)) and 4}"
+  for m in ${MUTATIONS:-1 2 3 4}; do
     dst=/tmp/jax_ep_mutation$m; rm -rf "$dst"
     # A build folder of its own: the planted bug must never reach the real build's CMake cache.
     if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install -v --no-build-isolation --no-deps \
@@ -75,11 +79,26 @@ if has mutations; then
         . > "$OUT/build_mutation$m.log" 2>&1 || ! grep -q "planted bug JAX_EP_MUTATION=$m" "$OUT/build_mutation$m.log"; then
       echo "  mutation $m: BUILD FAILED"; tail -20 "$OUT/build_mutation$m.log"; continue
     fi
-    (cd /tmp && PYTHONPATH="$dst" JAX_EP_TIMEOUT_S=5 timeout ${MUTATION_TIMEOUT:-150} $PY -m pytest -q \
-       -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py" \
-       -k "${MUTATION_K:-(scan_back_to_back or two_in_flight or gradients) and 4}" 2>&1 \
-       | tee "$OUT/mutation$m.log" | grep -E "passed|failed|FAILED|Fatal|timed out|error" | tail -12 \
-       | sed "s/^/  mutation $m: /")
+    if ! (cd /tmp && PYTHONPATH="$dst" $PY -c "import jax_ep, sys; from jax_ep import _C
+sys.exit(_C.planted_bug() != $m or not jax_ep.__file__.startswith('$dst'))"); then
+      echo "  mutation $m: the tests would not import the build with the planted bug"; continue
+    fi
+    ids=$(cd /tmp && PYTHONPATH="$dst" $PY -m pytest -q --collect-only -p no:cacheprovider -m gpu \
+          "$OLDPWD/tests/test_gpu.py" -k "$sel" 2>/dev/null | grep "::" | sed 's/^.*:://')
+    caught=0; n=0
+    for id in $ids; do
+      n=$((n + 1))
+      (cd /tmp && PYTHONPATH="$dst" JAX_EP_TIMEOUT_S=5 timeout ${MUTATION_TIMEOUT:-120} $PY -m pytest -q \
+         -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py::$id" > "$OUT/mutation${m}_$n.log" 2>&1)
+      r=$?
+      if [ $r -eq 0 ]; then v="missed (passed)"
+      elif [ $r -eq 124 ]; then v="caught (timed out)"; caught=$((caught + 1))
+      elif grep -q "timed out after" "$OUT/mutation${m}_$n.log"; then v="caught (a wait timed out)"; caught=$((caught + 1))
+      elif grep -q " failed" "$OUT/mutation${m}_$n.log"; then v="caught (wrong result)"; caught=$((caught + 1))
+      else v="caught (process ended, rc $r)"; caught=$((caught + 1)); fi
+      echo "  mutation $m: $id: $v" | tee -a "$OUT/mutations.log"
+    done
+    echo "  mutation $m: caught by $caught of $n tests" | tee -a "$OUT/mutations.log"
   done
 fi
 if has mp; then

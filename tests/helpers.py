@@ -160,3 +160,41 @@ def run_with_command_buffers(code: str) -> subprocess.CompletedProcess:
                         " --xla_gpu_graph_min_graph_size=1")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
+
+
+def gpu_devices():
+    try:
+        return [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return []
+
+
+def gpu_ranks(body, R, ep_dim=0):
+    """body (per rank, as given to shard_map) over R ranks, on global arrays whose axis ep_dim
+    is split over the ranks (shard_map's P("ep") for ep_dim 0, P(None, "ep") for 1): on R GPUs,
+    or as R virtual ranks on one GPU (jax_ep.testing.run_ranks). Skips without a GPU."""
+    import pytest
+    if not gpu_devices():
+        pytest.skip("needs a GPU")
+    f = jax_ep.testing.run_ranks(body, R)
+
+    def split(a):
+        a = jnp.asarray(a)
+        n = a.shape[ep_dim]
+        a = a.reshape(a.shape[:ep_dim] + (R, n // R) + a.shape[ep_dim + 1:])
+        return jnp.moveaxis(a, ep_dim, 0)
+
+    def merge(a):
+        a = jnp.moveaxis(a, 0, ep_dim)
+        return a.reshape(a.shape[:ep_dim] + (-1,) + a.shape[ep_dim + 2:])
+
+    return lambda *args: jax.tree.map(merge, f(*jax.tree.map(split, args)))
+
+
+def poison_gpu_memory(mib=64):
+    """Fill and free a large buffer of NaN bytes on every GPU, so that reused memory is not
+    zero and unwritten output rows show up."""
+    for d in gpu_devices():
+        a = jax.device_put(jnp.full((mib << 20,), 0xFF, jnp.uint8), d)
+        a.block_until_ready()
+        del a

@@ -20,16 +20,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
+from helpers import gpu_devices as _gpus, gpu_ranks as _ranks, poison_gpu_memory as _poison
 from helpers import run_with_command_buffers
 
 pytestmark = pytest.mark.gpu
-
-
-def _gpus():
-    try:
-        return [d for d in jax.devices() if d.platform == "gpu"]
-    except RuntimeError:
-        return []
 
 
 def _mesh(n, names=("ep",), order=None):
@@ -39,35 +33,6 @@ def _mesh(n, names=("ep",), order=None):
     devs = [g[i] for i in (order or range(n))]
     shape = (n,) if len(names) == 1 else (2, n // 2)
     return Mesh(np.array(devs).reshape(shape), names)
-
-
-def _ranks(body, R, ep_dim=0):
-    """body (per rank, as given to shard_map) over R ranks, on global arrays whose axis ep_dim
-    is split over the ranks (shard_map's P("ep") for ep_dim 0, P(None, "ep") for 1): on R GPUs,
-    or as R virtual ranks on one GPU."""
-    if not _gpus():
-        pytest.skip("needs a GPU")
-    f = jax_ep.testing.run_ranks(body, R)
-
-    def split(a):
-        a = jnp.asarray(a)
-        n = a.shape[ep_dim]
-        a = a.reshape(a.shape[:ep_dim] + (R, n // R) + a.shape[ep_dim + 1:])
-        return jnp.moveaxis(a, ep_dim, 0)
-
-    def merge(a):
-        a = jnp.moveaxis(a, 0, ep_dim)
-        return a.reshape(a.shape[:ep_dim] + (-1,) + a.shape[ep_dim + 2:])
-
-    return lambda *args: jax.tree.map(merge, f(*jax.tree.map(split, args)))
-
-
-def _poison():
-    """Fill and free a large device buffer with NaN bytes, so reused memory is not zero."""
-    for d in _gpus():
-        a = jax.device_put(jnp.full((64 << 20,), 0xFF, jnp.uint8), d)
-        a.block_until_ready()
-        del a
 
 
 def _routing(kind, rng, R, T, K, E):
@@ -272,6 +237,34 @@ def test_ht_scan_back_to_back(R):
     np.testing.assert_array_equal(sc, srf)
     np.testing.assert_allclose(np.asarray(oc, np.float32), np.asarray(orf, np.float32),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_ht_calls_on_fresh_buffers(R):
+    """One call site called 40 times from Python on inputs that all stay alive, so every call
+    publishes new addresses (inside a scan they repeat): a rank that read a late peer's
+    addresses of the previous call would copy that call's rows. Against the reference."""
+    steps, T, H, K, E = 40, 24, 512, 4, 4 * R
+    rng = np.random.default_rng(13)
+    xs = [jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16) for _ in range(steps)]
+    idx = [jnp.asarray(_routing("masked", rng, R, T, K, E)) for _ in range(steps)]
+
+    def body(be):
+        def f(x, i):
+            r = jax_ep.dispatch(x, i, num_experts=E, backend=be)
+            return r.recv_x, r.handle.recv_src, jax_ep.combine(r.recv_x, r.handle, backend=be)
+        return _ranks(f, R)
+
+    cuda, ref = body("cuda"), body("reference")
+    _poison()
+    got = [cuda(xs[s], idx[s]) for s in range(steps)]
+    for s in range(steps):
+        want = ref(xs[s], idx[s])
+        for name, a, b in zip(("recv_x", "recv_src"), got[s][:2], want[:2]):
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"step {s}: {name}")
+        np.testing.assert_allclose(np.asarray(got[s][2], np.float32),
+                                   np.asarray(want[2], np.float32), rtol=2e-2, atol=2e-2,
+                                   err_msg=f"step {s}: combine")
 
 
 def _ll_dispatch(x, idx, split, **kw):

@@ -60,6 +60,9 @@ __device__ __forceinline__ void publish_and_wait(const PeerSlots& ps, const void
   if (threadIdx.x < 32) {
     if (threadIdx.x == 0) publish(ps, ptrs, n, e);
     __syncwarp();
+#if JAX_EP_MUTATION == 2  // planted bug 2 (transport/peer.cuh): the previous call's addresses
+    e = e > 1 ? e - 1 : e;
+#endif
     if (static_cast<int>(threadIdx.x) < ps.num_ranks && !is_remote(ps, threadIdx.x))
       wait_flag_geq(&ps.slot[threadIdx.x]->ready, e, timeout_ns, ps.rank, threadIdx.x, phase);
   }

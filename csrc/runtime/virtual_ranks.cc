@@ -49,11 +49,31 @@ struct RankStreams {
   cudaStream_t streams[kMaxRanks];
   cudaEvent_t fork;
   cudaEvent_t join[kMaxRanks];
+  unsigned int* calls;  // device: the calls so far, which pick each call's stagger
 };
 
 namespace {
 std::mutex g_mu;
 RankStreams* g_streams[256] = {};
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Rank `rank`'s start of call c is held back by ((rank + c) mod R) / (R - 1) x kStaggerNs:
+// every call has its ranks arrive in a different order, so every rank is early and late in turn,
+// and the waits on a late peer (flags, epochs, addresses) are exercised rather than left to the
+// launch order. A timed sleep: it ends on its own.
+__global__ void stagger_kernel(const unsigned int* calls, int rank, int num_ranks) {
+  const unsigned long long ns =
+      (rank + *calls) % num_ranks * kStaggerNs / static_cast<unsigned long long>(num_ranks - 1);
+  const unsigned long long start = globaltimer();
+  while (globaltimer() - start < ns) __nanosleep(1000);
+}
+
+__global__ void count_call_kernel(unsigned int* calls) { *calls += 1; }
 }  // namespace
 
 std::string fork_ranks(int device, int num_ranks, void* stream, RankStreams** out) {
@@ -71,6 +91,9 @@ std::string fork_ranks(int device, int num_ranks, void* stream, RankStreams** ou
         if (e == cudaSuccess) e = cudaEventCreateWithFlags(&rs->join[r], cudaEventDisableTiming);
       }
       if (e == cudaSuccess) e = cudaEventCreateWithFlags(&rs->fork, cudaEventDisableTiming);
+      if (e == cudaSuccess) e = cudaMalloc(&rs->calls, sizeof(unsigned int));
+      if (e == cudaSuccess) e = cudaMemset(rs->calls, 0, sizeof(unsigned int));
+      if (e == cudaSuccess) e = cudaDeviceSynchronize();
       cudaSetDevice(prev);
       if (e != cudaSuccess) {
         cudaGetLastError();
@@ -81,8 +104,13 @@ std::string fork_ranks(int device, int num_ranks, void* stream, RankStreams** ou
   }
   RankStreams* rs = g_streams[device];
   cudaError_t e = cudaEventRecord(rs->fork, static_cast<cudaStream_t>(stream));
-  for (int r = 0; r < num_ranks && e == cudaSuccess; ++r)
+  for (int r = 0; r < num_ranks && e == cudaSuccess; ++r) {
     e = cudaStreamWaitEvent(rs->streams[r], rs->fork, 0);
+    if (e == cudaSuccess && num_ranks > 1) {
+      stagger_kernel<<<1, 1, 0, rs->streams[r]>>>(rs->calls, r, num_ranks);
+      e = cudaGetLastError();
+    }
+  }
   if (e != cudaSuccess) {
     cudaGetLastError();
     return std::string("forking the rank streams: ") + cudaGetErrorString(e);
@@ -99,6 +127,10 @@ std::string join_ranks(RankStreams* rs, int num_ranks, void* stream) {
     e = cudaEventRecord(rs->join[r], rs->streams[r]);
     if (e == cudaSuccess)
       e = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), rs->join[r], 0);
+  }
+  if (e == cudaSuccess) {
+    count_call_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(rs->calls);
+    e = cudaGetLastError();
   }
   if (e != cudaSuccess) {
     cudaGetLastError();

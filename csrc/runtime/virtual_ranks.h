@@ -44,8 +44,14 @@ class VirtualRankScope {
 // in a dry run.
 bool may_launch(const void* kernel, const char* name, int grid, int threads, size_t smem);
 
+// The start of the ranks is staggered on purpose: call c holds rank r back by
+// ((r + c) mod R) / (R - 1) x kStaggerNs (a timed sleep on its stream), so that the ranks arrive
+// in a different order every call and each is the late peer in turn (docs/testing.md).
+constexpr unsigned long long kStaggerNs = 40000;
+
 // One stream per virtual rank on `device`, and the events that fork them from and join them
-// to the caller's stream; created once. Returns an error message, empty on success.
+// to the caller's stream; created once. fork_ranks also queues each rank's stagger. Returns an
+// error message, empty on success.
 struct RankStreams;
 std::string fork_ranks(int device, int num_ranks, void* stream, RankStreams** out);
 void* rank_stream(RankStreams* rs, int rank);

@@ -2,7 +2,7 @@
 // Every op follows the same protocol on its call-site slot, with epoch e = slot.epoch + 1:
 //   1. publish: rank r writes the addresses its peers will read into its own slot, then
 //      ready = e (system-scope release).
-//   2. wait_ready: wait until every peer's ready >= e (acquire), then read their addresses.
+//   2. wait until every peer's ready >= e (acquire), then read their addresses (peer_ptr).
 //   3. the op's work: loads from peer buffers (pull), stores to local outputs only.
 //   4. end barrier (last block of the last kernel): write done[r] = e into every peer's slot,
 //      wait until our own done[s] >= e for all s, then slot.epoch = e. After it nobody reads
@@ -11,9 +11,13 @@
 #pragma once
 
 // Planted bugs for the mutation check of the multi-rank suites (scripts/gpu_check.sh
-// mutations, CMake variable JAX_EP_MUTATION): 1, a data wait that accepts the previous use of
-// its buffer half (push.cuh); 2, an address wait that accepts the previous call; 3, no fence
-// between published addresses and their flag. 0 (every real build) changes no code.
+// mutations, CMake variable JAX_EP_MUTATION), each in code every one-process run executes:
+// 1, low-latency dispatch: a count or position word of the buffer half's previous use passes
+// as this call's (word_older, kernels/low_latency.cu); 2, high-throughput: the wait for the
+// peers' addresses accepts those of the previous call (publish_and_wait,
+// kernels/high_throughput.cu); 3, the ready flag stored relaxed, with no fence after the
+// addresses it publishes (publish, below); 4, low-latency: a row tag of the half's previous use
+// passes (tag_older). 0 (every real build) changes no code.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0
 #endif
@@ -164,23 +168,15 @@ __device__ __forceinline__ void publish(const PeerSlots& ps, const void* const* 
                                         unsigned long long e) {
   Slot* me = ps.slot[ps.rank];
   for (int i = 0; i < n; ++i) me->ptrs[i] = reinterpret_cast<unsigned long long>(ptrs[i]);
-#if JAX_EP_MUTATION != 3  // planted bug 3: no fence between the addresses and the flag
+#if JAX_EP_MUTATION == 3  // planted bug 3: the flag unordered with the addresses before it
+  st_relaxed_sys(&me->ready, e);
+#else
   __threadfence_system();
-#endif
   st_release_sys(&me->ready, e);
-}
-
-// Step 2 (one thread per block is enough; call from threadIdx.x == 0 then __syncthreads).
-__device__ __forceinline__ void wait_ready(const PeerSlots& ps, unsigned long long e,
-                                           int64_t timeout_ns, const char* phase) {
-#if JAX_EP_MUTATION == 2  // planted bug 2: accept the addresses of the previous call
-  e = e > 1 ? e - 1 : e;
 #endif
-  for (int s = 0; s < ps.num_ranks; ++s)
-    if (!is_remote(ps, s)) wait_flag_geq(&ps.slot[s]->ready, e, timeout_ns, ps.rank, s, phase);
 }
 
-// Address number i that rank s published for this call (valid after wait_ready).
+// Address number i that rank s published for this call (valid once its ready >= e).
 template <typename T>
 __device__ __forceinline__ T* peer_ptr(const PeerSlots& ps, int s, int i) {
   if (ps.stage[s] != nullptr) return reinterpret_cast<T*>(ps.stage[s] + ps.stage_off[i]);

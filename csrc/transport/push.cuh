@@ -97,9 +97,6 @@ __device__ __forceinline__ unsigned int wait_data(const PeerSlots& ps, int s, in
                                                   unsigned long long e, int64_t timeout_ns,
                                                   const char* phase) {
   const unsigned long long* f = &ps.slot[ps.rank]->data_flag[p][s];
-#if JAX_EP_MUTATION == 1  // planted bug 1 (peer.cuh): accept the half's previous use
-  e = e > 2 ? e - 2 : e;
-#endif
   unsigned long long v = ld_acquire_sys(f);
   if ((v >> 32) < e) {
     const uint64_t start = global_timer_ns();
