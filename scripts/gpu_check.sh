@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
-#   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [mp] [ucx] [example] [bench]
+#   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [moe] [mp] [ucx] [example] [bench]
 #                        [bench-quick] [bench-gemm] [bench-modes] [probe]
-#   (default: build kernel test gemm mp example bench). gemm: the grouped-GEMM GPU suite;
+#   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
+#   moe: the MoE layer (moe_ffn) GPU suite;
 #   gemm-mutations: the grouped-GEMM suite with each planted bug of tests/test_gpu_gemm.py;
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
 #   bug of csrc/transport/peer.cuh (MUTATIONS="1 2 3 4", MUTATION_K: the tests to run); a table
@@ -23,7 +24,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-stages=${*:-build kernel test gemm mp example bench}
+stages=${*:-build kernel test gemm moe mp example bench}
 [ -d .cutlass/include ] && export JAX_EP_CUTLASS_DIR=${JAX_EP_CUTLASS_DIR:-$PWD/.cutlass}
 rc=0
 step() { echo; echo "=== $1 ($(date +%T))"; }
@@ -55,6 +56,12 @@ if has gemm; then
   step "grouped-GEMM GPU suite"
   (cd /tmp && timeout ${GEMM_TEST_TIMEOUT:-540} $PY -m pytest -q -p no:cacheprovider -m gpu \
      "$OLDPWD/tests/test_gpu_gemm.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gemm_tests.log" \
+     | tail -30) || rc=1
+fi
+if has moe; then
+  step "MoE layer GPU suite"
+  (cd /tmp && timeout ${MOE_TEST_TIMEOUT:-540} $PY -m pytest -q -p no:cacheprovider -m gpu \
+     "$OLDPWD/tests/test_gpu_moe.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/moe_tests.log" \
      | tail -30) || rc=1
 fi
 if has gemm-mutations; then
