@@ -64,3 +64,48 @@ def ragged_dispatch(x, topk_idx, *, num_experts, axis_name):
     recv = lax.ragged_all_to_all(operand, out, input_offsets, send_sizes, output_offsets,
                                  recv_sizes, axis_name=axis_name)
     return recv, recv_sizes
+
+
+def _act(h):
+    I = h.shape[-1] // 2
+    h = h.astype(jnp.float32)
+    return jax.nn.silu(h[..., :I]) * h[..., I:]
+
+
+def ragged_dot_moe(x, topk_idx, topk_weights, w_gate_up, w_down):
+    """One rank's MoE FFN as JAX users write it today (MaxText's GPU path without the
+    communication): the (token, slot) pairs sorted by expert, lax.ragged_dot twice, unsorted,
+    weighted sum per token. Slots of -1 are sorted last and get weight 0."""
+    T, K = topk_idx.shape
+    L = w_gate_up.shape[0]
+    flat = jnp.where(topk_idx >= 0, topk_idx, L).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros((L + 1,), jnp.int32).at[flat].add(1)[:L]
+    xs = x[order // K]
+    h = lax.ragged_dot(xs, w_gate_up, sizes, preferred_element_type=jnp.float32)
+    y = lax.ragged_dot(_act(h).astype(x.dtype), w_down, sizes,
+                       preferred_element_type=jnp.float32)
+    wk = jnp.where(flat < L, topk_weights.reshape(-1), 0).astype(jnp.float32)[order]
+    out = jnp.zeros((T, x.shape[1]), jnp.float32).at[order // K].add(y * wk[:, None])
+    return out.astype(x.dtype)
+
+
+def capacity_einsum_moe(x, topk_idx, topk_weights, w_gate_up, w_down, capacity_factor=1.25):
+    """One rank's MoE FFN with a fixed capacity per expert (the all_to_all + padded batched
+    einsum pattern, without the communication): [L, C, H] buffers, pairs past C dropped."""
+    T, K = topk_idx.shape
+    L, H = w_gate_up.shape[0], x.shape[1]
+    C = int(-(-T * K * capacity_factor // L))
+    flat = topk_idx.reshape(-1)
+    onehot = (flat[:, None] == jnp.arange(L)[None, :]).astype(jnp.int32)        # [T*K, L]
+    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)            # [T*K]
+    keep = (flat >= 0) & (pos < C)
+    e = jnp.where(keep, flat, L)                                                # L: dropped
+    buf = jnp.zeros((L + 1, C, H), x.dtype).at[e, jnp.where(keep, pos, 0)].set(
+        jnp.repeat(x, K, axis=0), mode="drop")[:L]
+    h = jnp.einsum("lch,lhf->lcf", buf, w_gate_up, preferred_element_type=jnp.float32)
+    y = jnp.einsum("lci,lih->lch", _act(h).astype(x.dtype), w_down,
+                   preferred_element_type=jnp.float32)
+    got = y[jnp.minimum(e, L - 1), jnp.where(keep, pos, 0)]                     # [T*K, H]
+    wk = jnp.where(keep, topk_weights.reshape(-1), 0).astype(jnp.float32)
+    return jnp.sum((got * wk[:, None]).reshape(T, K, H), axis=1).astype(x.dtype)

@@ -22,25 +22,13 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
+from harness import time_op  # noqa: E402
 
 G_DEFAULT = 32
-
-
-def time_op(fn, args, n_short=2, n_long=8, reps=5):
-    """(median, min, max) seconds per call: the slope between a jit-compiled scan of n_short
-    calls and one of n_long (harness.py: calls chained through optimization barriers, so they
-    neither merge nor overlap), over `reps` interleaved pairs of runs."""
-    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
-    fs = harness.scan_fn(mesh, fn, n_short)
-    fl = harness.scan_fn(mesh, fn, n_long)
-    med, lo, hi, _ = harness.time_slope(fs, fl, n_short, n_long, args, reps)
-    return med, lo, hi
 
 
 def zipf_sizes(rng, M, G):
@@ -189,7 +177,7 @@ def main():
         f8 = jax.jit(gm)(aq, wq, s_uni)
         err8 = rel_err(f8, dense_ref)
         print(f"  check: FP8 vs the bf16 einsum (quantization error) rel err {err8:.2e}")
-        fp8 = record("ours FP8 fwd (1x128 / 128x128 scales)", tag,
+        record("ours FP8 fwd (1x128 / 128x128 scales)", tag,
                      time_op(gm, (aq, wq, s_uni), reps=reps), flops, impl="ours", op="fp8",
                      dist="uniform", K=K, N=N, rel_err=err8)
         del aq, wq, f8

@@ -11,7 +11,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 
 def _smallest(tree):
@@ -82,3 +82,15 @@ def time_slope(f_short, f_long, n_short, n_long, args, reps):
 def timed_scan(mesh, body, args, iters, reps):
     """(median, min, max) seconds per call of body(*args), `iters` calls in one lax.scan."""
     return time_fn(scan_fn(mesh, body, iters), args, iters, reps)
+
+
+def time_op(fn, args, n_short=2, n_long=8, reps=5):
+    """(median, min, max) seconds per call of fn(*args) on the first device: the slope between
+    a jit-compiled scan of n_short calls and one of n_long (scan_fn: calls chained through
+    optimization barriers, so they neither merge nor overlap), over `reps` interleaved pairs of
+    runs."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    fs = scan_fn(mesh, fn, n_short)
+    fl = scan_fn(mesh, fn, n_long)
+    med, lo, hi, _ = time_slope(fs, fl, n_short, n_long, args, reps)
+    return med, lo, hi

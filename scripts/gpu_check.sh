@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
 #   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [moe] [mp] [ucx] [example] [bench]
-#                        [bench-quick] [bench-gemm] [bench-modes] [probe]
+#                        [bench-quick] [bench-gemm] [bench-moe] [bench-modes] [probe]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
 #   moe: the MoE layer (moe_ffn) GPU suite;
-#   gemm-mutations: the grouped-GEMM suite with each planted bug of tests/test_gpu_gemm.py;
+#   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
 #   bug of csrc/transport/peer.cuh (MUTATIONS="1 2 3 4", MUTATION_K: the tests to run); a table
 #   of which tests catch which bug goes to $OUT/mutations.log;
-#   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS). The GPU
+#   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS);
+#   bench-moe: the MoE layer benchmark (benchmarks/bench_moe.py; MOE_BENCH_ARGS). The GPU
 #   machines have no package index: the build takes CUTLASS's headers from .cutlass/ (include/
 #   and tools/util/include/ of the nvidia-cutlass package) when that folder is there. mp: the per-process (one GPU per process,
 #   NVSHMEM) suite, 2 and 4 processes, also with every peer forced remote (NVSHMEM puts / gets),
@@ -70,6 +71,9 @@ if has gemm-mutations; then
     (cd /tmp && JAX_EP_GEMM_MUTATION=$m timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu \
        "$OLDPWD/tests/test_gpu_gemm.py" -k "${GEMM_MUTATION_K:-forward or masked or gradients}" \
        2>&1 | tail -1 | sed "s/^/  $m: /") | tee -a "$OUT/gemm_mutations.log"
+    (cd /tmp && JAX_EP_GEMM_MUTATION=$m timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu \
+       "$OLDPWD/tests/test_gpu_moe.py" 2>&1 | tail -1 | sed "s/^/  $m (moe_ffn): /") \
+       | tee -a "$OUT/gemm_mutations.log"
   done
 fi
 if has mutations; then
@@ -143,6 +147,11 @@ if has bench-gemm; then
   step "grouped-GEMM benchmark"
   (cd /tmp && timeout ${GEMM_BENCH_TIMEOUT:-580} $PY "$OLDPWD/benchmarks/bench_gemm.py" --out "$OUT" \
      ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gemm.log" | tail -45) || rc=1
+fi
+if has bench-moe; then
+  step "MoE layer benchmark (one GPU)"
+  (cd /tmp && timeout ${MOE_BENCH_TIMEOUT:-580} $PY "$OLDPWD/benchmarks/bench_moe.py" --out "$OUT" \
+     ${MOE_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_moe.log" | tail -30) || rc=1
 fi
 if has bench-modes; then
   step "benchmark: one process vs one process per GPU"

@@ -56,3 +56,31 @@ def mesh_dp_ep_permuted():
 def meshes(mesh2, mesh4, mesh_dp_ep, mesh_permuted, mesh_dp_ep_permuted):
     return {"ep2": mesh2, "ep4": mesh4, "dp_ep": mesh_dp_ep, "ep4_perm": mesh_permuted,
             "dp_ep_perm": mesh_dp_ep_permuted}
+
+
+# Mutation check: JAX_EP_GEMM_MUTATION=<name> plants a bug between the op and its kernels; the
+# GEMM suites (test_gpu_gemm.py, test_gpu_moe.py) must then fail (scripts/gpu_check.sh
+# gemm-mutations runs each and counts the failures).
+_MUTATIONS = {
+    # every group's rows shifted to the next group's weights
+    "shift_sizes": lambda sizes, kw: (jax.numpy.roll(sizes, 1), kw),
+    # the last group's rows never computed (left to the zero fill)
+    "drop_last_group": lambda sizes, kw: (sizes.at[-1].set(0), kw),
+    # the masked layout's rows past each count never written
+    "masked_no_zero_fill": lambda sizes, kw: (
+        sizes, dict(kw, zero_padding=False) if kw.get("mode") == "masked" else kw),
+}
+
+
+@pytest.fixture(autouse=True)
+def _planted_bug(monkeypatch):
+    name = os.environ.get("JAX_EP_GEMM_MUTATION")
+    if not name:
+        return
+    from jax_ep import grouped_gemm as gg
+    real, plant = gg._gemm_call, _MUTATIONS[name]
+
+    def planted(lhs, rhs, sizes, *args, **kw):
+        sizes, kw = plant(sizes, kw)
+        return real(lhs, rhs, sizes, *args, **kw)
+    monkeypatch.setattr(gg, "_gemm_call", planted)

@@ -1,0 +1,233 @@
+"""MoE layer benchmark on one GPU (R = 1): jax_ep.moe_ffn against what JAX users run today.
+
+Shapes (per rank): T tokens, hidden H, intermediate I, L experts, top-K, bf16. In one run,
+after warm-up, median over repetitions:
+- moe_ffn forward and forward + backward (the gradients of x, topk_weights, w_gate_up and
+  w_down);
+- its own grouped GEMMs alone, at the layer's group sizes: forward (gate/up and down) and
+  backward (d lhs and d rhs of each);
+- its parts, forward: dispatch, expert-major reorder, gate/up GEMM, activation, down GEMM,
+  weighted sum, combine;
+- baselines: sort by expert + lax.ragged_dot (MaxText's GPU path), and a fixed capacity per
+  expert (1.25) + padded batched einsum; forward and forward + backward.
+Each figure is the slope between a jit-compiled scan of n_short calls and one of n_long calls.
+Prints a table and the same-run ratios, writes bench_moe.json and bench_moe.png.
+
+  python benchmarks/bench_moe.py --out DIR [--quick] [--backend reference --tokens 64 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+import jax_ep
+from jax_ep import moe as _moe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
+from harness import time_op  # noqa: E402
+
+
+def rel_err(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def keep(*trees):
+    """A scalar that depends on all of every leaf: XLA drops the work of an unused result, and
+    may shrink the work behind a slice of one (a sum reads each leaf once)."""
+    leaves = jax.tree_util.tree_leaves(trees)
+    return sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in leaves)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
+    ap.add_argument("--skip-ragged-dot", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}, jax {jax.__version__}, backend {args.backend}")
+    reps = 3 if args.quick else 5
+    T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
+    be = args.backend
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((T, L)), jnp.float32)
+    w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(logits)
+    w = w.astype(jnp.bfloat16)
+    wgu = jnp.asarray(rng.standard_normal((L, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((L, I, H)) / np.sqrt(I), jnp.bfloat16)
+    M = T * K
+    flops_fwd = 2.0 * M * H * 2 * I + 2.0 * M * I * H
+    tag = f"T={T} H={H} I={I} L={L} K={K}"
+    print(f"== {tag}, R = 1, {flops_fwd / 1e12:.2f} TFLOP forward")
+    results = []
+
+    def record(name, secs, flops=None, **extra):
+        med, lo, hi = secs
+        r = dict(name=name, shape=tag, ms=med * 1e3, ms_min=lo * 1e3, ms_max=hi * 1e3,
+                 tflops=(flops / med / 1e12) if flops else None, **extra)
+        results.append(r)
+        tf = f"{r['tflops']:8.1f} TFLOP/s" if r["tflops"] else ""
+        print(f"  {name:<52} {r['ms']:9.3f} ms  [{r['ms_min']:.3f}, {r['ms_max']:.3f}] {tf}",
+              flush=True)
+        return r
+
+    mesh = jax.sharding.Mesh(np.array([dev]), ("ep",))
+
+    def once(f):
+        """f called once, per shard over the one-device EP axis (as time_op runs it)."""
+        spec = jax.sharding.PartitionSpec("ep")
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec,
+                                     check_vma=False))
+
+    def layer(x, idx, w, wgu, wd):
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, backend=be)
+
+    def layer_fb(x, idx, w, wgu, wd, fn=layer):
+        def loss(x, w, wgu, wd):
+            return jnp.sum(fn(x, idx, w, wgu, wd).astype(jnp.float32))
+        v, g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+        return v + keep(g)
+
+    lay_args = (x, idx, w, wgu, wd)
+
+    # correctness before timing: ours against the ragged_dot layer
+    ours = once(layer)(*lay_args)
+    base = once(baselines.ragged_dot_moe)(*lay_args)
+    err = rel_err(ours, base)
+    print(f"  check: moe_ffn vs sort + ragged_dot rel err {err:.2e}")
+    assert err < 2e-2, err
+
+    fwd = record("moe_ffn forward", time_op(layer, lay_args, reps=reps), flops_fwd,
+                 impl="ours", op="fwd", rel_err=err)
+    fb = record("moe_ffn forward + backward", time_op(layer_fb, lay_args, reps=reps),
+                3 * flops_fwd, impl="ours", op="fwd+bwd")
+
+    # the layer's own grouped GEMMs alone, at its group sizes (uniform routing: as drawn)
+    flat = jnp.where(idx >= 0, idx, L).reshape(-1)
+    sizes = jnp.zeros((L + 1,), jnp.int32).at[flat].add(1)[:L]
+    xr = jnp.asarray(rng.standard_normal((M, H)), jnp.bfloat16)
+    ar = jnp.asarray(rng.standard_normal((M, I)), jnp.bfloat16)
+    gm = functools.partial(jax_ep.grouped_matmul, backend=be)
+    g1 = record("  grouped GEMM gate/up forward", time_op(gm, (xr, wgu, sizes), reps=reps),
+                2.0 * M * H * 2 * I, impl="ours", op="gemm-fwd")
+    g2 = record("  grouped GEMM down forward", time_op(gm, (ar, wd, sizes), reps=reps),
+                2.0 * M * I * H, impl="ours", op="gemm-fwd")
+
+    def gemm_bwd(a, b, s, ct):
+        _, vjp = jax.vjp(lambda a, b: gm(a, b, s), a, b)
+        return keep(vjp(ct))
+    ct1 = jnp.asarray(rng.standard_normal((M, 2 * I)), jnp.bfloat16)
+    ct2 = jnp.asarray(rng.standard_normal((M, H)), jnp.bfloat16)
+    b1 = record("  grouped GEMM gate/up backward (d lhs + d rhs)",
+                time_op(gemm_bwd, (xr, wgu, sizes, ct1), reps=reps), 2 * 2.0 * M * H * 2 * I,
+                impl="ours", op="gemm-bwd")
+    b2 = record("  grouped GEMM down backward (d lhs + d rhs)",
+                time_op(gemm_bwd, (ar, wd, sizes, ct2), reps=reps), 2 * 2.0 * M * I * H,
+                impl="ours", op="gemm-bwd")
+    gemm_fwd_ms = g1["ms"] + g2["ms"]
+    gemm_fb_ms = gemm_fwd_ms + b1["ms"] + b2["ms"]
+
+    # the forward's parts
+    # (each timed function returns one whole array: the harness keeps its smallest output)
+    def p_dispatch(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=L, backend=be).recv_x
+    record("  part: dispatch", time_op(p_dispatch, (x, idx, w), reps=reps), impl="ours",
+           op="part")
+    res = once(lambda x, idx, w: (lambda r: (r.recv_x, r.recv_topk_idx))(
+        jax_ep.dispatch(x, idx, w, num_experts=L, backend=be)))(x, idx, w)
+
+    def p_reorder(recv_x, recv_idx):
+        order, inv, _ = _moe._expert_major(recv_idx, L)
+        return _moe._expand(recv_x, order, inv, K)
+    record("  part: expert-major order and rows (argsort + gather)",
+           time_op(p_reorder, res, reps=reps), impl="ours", op="part")
+    h = jnp.asarray(rng.standard_normal((M, 2 * I)), jnp.bfloat16)
+    record("  part: silu(gate) * up", time_op(lambda h: _moe._act(h).astype(jnp.bfloat16),
+                                                (h,), reps=reps), impl="ours", op="part")
+
+    def p_wsum(y, wk, order, inv):
+        return _moe._reduce(y, wk, order, inv, K)
+    order = jnp.asarray(rng.permutation(M), jnp.int32)
+    inv = jnp.zeros((M,), jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))
+    wk = jnp.asarray(rng.random((T, K)), jnp.float32)
+    record("  part: weighted sum per row", time_op(p_wsum, (ct2, wk, order, inv), reps=reps),
+           impl="ours", op="part")
+
+    def p_combine(x, idx, w):
+        r = jax_ep.dispatch(x, idx, w, num_experts=L, backend=be)
+        return jax_ep.combine(r.recv_x, r.handle, backend=be)
+    dc = record("  part: dispatch + combine", time_op(p_combine, (x, idx, w), reps=reps),
+                impl="ours", op="part")
+
+    # baselines
+    cap = record("capacity 1.25 + padded einsum forward",
+                 time_op(baselines.capacity_einsum_moe, lay_args, reps=reps), flops_fwd,
+                 impl="capacity-einsum", op="fwd")
+    capb = record("capacity 1.25 + padded einsum forward + backward",
+                  time_op(functools.partial(layer_fb, fn=baselines.capacity_einsum_moe),
+                          lay_args, reps=reps), 3 * flops_fwd, impl="capacity-einsum",
+                  op="fwd+bwd")
+    rd = rdb = None
+    if not args.skip_ragged_dot:
+        rd = record("sort + lax.ragged_dot forward",
+                    time_op(baselines.ragged_dot_moe, lay_args, 1, 3, reps=3), flops_fwd,
+                    impl="ragged_dot", op="fwd")
+        rdb = record("sort + lax.ragged_dot forward + backward",
+                     time_op(functools.partial(layer_fb, fn=baselines.ragged_dot_moe),
+                             lay_args, 1, 2, reps=3), 3 * flops_fwd, impl="ragged_dot",
+                     op="fwd+bwd")
+
+    ratios = dict(fwd_vs_own_gemms=fwd["ms"] / gemm_fwd_ms,
+                  fwd_bwd_vs_own_gemms=fb["ms"] / gemm_fb_ms,
+                  dispatch_combine_share_of_fwd=dc["ms"] / fwd["ms"],
+                  capacity_einsum_fwd_vs_ours=cap["ms"] / fwd["ms"],
+                  capacity_einsum_fwd_bwd_vs_ours=capb["ms"] / fb["ms"])
+    if rd:
+        ratios.update(ragged_dot_fwd_vs_ours=rd["ms"] / fwd["ms"],
+                      ragged_dot_fwd_bwd_vs_ours=rdb["ms"] / fb["ms"])
+    print(f"\n  own grouped GEMMs alone: forward {gemm_fwd_ms:.3f} ms, forward + backward "
+          f"{gemm_fb_ms:.3f} ms")
+    print("  same-run ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+
+    with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
+        json.dump(dict(device=dev.device_kind, jax=jax.__version__, shape=tag, ranks=1,
+                       gemm_fwd_ms=gemm_fwd_ms, gemm_fwd_bwd_ms=gemm_fb_ms, ratios=ratios,
+                       results=results), f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        rs = [r for r in results if r["op"] in ("fwd", "fwd+bwd")]
+        fig, ax = plt.subplots(figsize=(10, 4))
+        ax.barh([r["name"] for r in rs], [r["ms"] for r in rs])
+        ax.set_xscale("log")
+        ax.set_xlabel(f"ms per layer, {tag}, one {dev.device_kind} (log scale)")
+        ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_moe.png"), dpi=90)
+    except Exception as e:  # noqa: BLE001
+        print(f"plot skipped: {e}")
+    print("\nwrote", os.path.join(args.out, "bench_moe.json"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
