@@ -1,8 +1,9 @@
 """A complete MoE layer trained with jax_ep inside shard_map.
 
-Router -> top-k -> jax_ep.dispatch -> per-expert MLP (grouped matmul over the received rows)
--> jax_ep.combine, in a training step with gradients and an optax optimizer. Runs unchanged on
-CPU (fake devices) and on GPUs:
+Router (jax_ep.routing.softmax_topk) -> jax_ep.moe_ffn (dispatch, grouped GEMMs of the local
+experts with a silu-gated activation, combine) under jax.checkpoint with jax_ep.remat_policy,
+plus the auxiliary load-balance loss, in a training step with an optax optimizer. Runs
+unchanged on CPU (fake devices) and on GPUs:
 
     python examples/moe_layer.py                 # CPU: 4 fake devices, reference backend
     python examples/moe_layer.py --steps 50      # on a GPU node: all local GPUs, CUDA kernels
@@ -18,11 +19,14 @@ _p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTe
 _p.add_argument("--steps", type=int, default=30)
 _p.add_argument("--tokens", type=int, default=64, help="tokens per device")
 _p.add_argument("--hidden", type=int, default=64)
-_p.add_argument("--ffn", type=int, default=128)
+_p.add_argument("--ffn", type=int, default=128, help="intermediate size I of each expert")
 _p.add_argument("--experts-per-device", type=int, default=2)
 _p.add_argument("--topk", type=int, default=2)
 _p.add_argument("--cpu-devices", type=int, default=4, help="fake CPU devices when no GPU")
 _p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
+_p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                help="compute dtype (auto: bfloat16 on GPUs, where the grouped GEMMs run, "
+                     "float32 on CPUs)")
 args = _p.parse_args()
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.cpu_devices}")
 
@@ -40,48 +44,43 @@ mesh = Mesh(np.array(devices), ("ep",))
 E = R * args.experts_per_device
 L = args.experts_per_device
 T, H, F, K = args.tokens, args.hidden, args.ffn, args.topk
+if args.dtype == "auto":
+    DTYPE = jnp.dtype(jnp.bfloat16 if devices[0].platform == "gpu" else jnp.float32)
+else:
+    DTYPE = jnp.dtype(args.dtype)
+AUX = 1e-2   # weight of the load-balance loss
 
 
 def init_params(key):
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    return {
+    return {   # float32 master weights; the layer computes in DTYPE
         "router": jax.random.normal(k1, (H, E)) / np.sqrt(H),
         # expert weights: global [E, ...], sharded over ep (each rank holds its L experts)
-        "w_in": jax.random.normal(k2, (E, H, F)) / np.sqrt(H),
-        "w_out": jax.random.normal(k3, (E, F, H)) / np.sqrt(F),
+        "w_gate_up": jax.random.normal(k2, (E, H, 2 * F)) / np.sqrt(H),
+        "w_down": jax.random.normal(k3, (E, F, H)) / np.sqrt(F),
         "proj": jax.random.normal(k4, (H, H)) / np.sqrt(H),
     }
 
 
 def moe_layer(params, x):
-    """Per shard: x [T, H] tokens of this rank; params['w_in'] [L, H, F] local experts."""
+    """Per shard: x [T, H] tokens of this rank; params['w_gate_up'] [L, H, 2F] local experts.
+    Returns the layer's output and the load-balance loss."""
     logits = x @ params["router"]
-    weights, topk_idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), K)
-    res = jax_ep.dispatch(x, topk_idx.astype(jnp.int32), weights.astype(jnp.float32),
-                          num_experts=E, axis_name="ep", backend=args.backend)
-    # Expand each received row into one row per (row, local expert slot), sort by expert and
-    # run a grouped matmul (ragged_dot) over the L local experts.
-    C = res.recv_x.shape[0]
-    slot_expert = res.recv_topk_idx.reshape(-1)                        # [C*K], -1 = not here
-    order = jnp.argsort(jnp.where(slot_expert < 0, L, slot_expert), stable=True)
-    rows = jnp.repeat(res.recv_x, K, axis=0)[order]                    # [C*K, H]
-    group_sizes = jnp.sum(slot_expert[:, None] == jnp.arange(L)[None, :], axis=0)
-    h = jax.nn.gelu(jax.lax.ragged_dot(rows, params["w_in"], group_sizes.astype(jnp.int32)))
-    y = jax.lax.ragged_dot(h, params["w_out"], group_sizes.astype(jnp.int32))
-    w_sorted = res.recv_topk_weights.reshape(-1)[order]                 # 0 for unused slots
-    y = y * w_sorted[:, None]
-    y_rows = jnp.zeros((C * K, H), y.dtype).at[order].set(y).reshape(C, K, H).sum(axis=1)
-    out = jax_ep.combine(y_rows.astype(x.dtype), res.handle, axis_name="ep",
+    weights, topk_idx = jax_ep.routing.softmax_topk(logits, K)
+    aux = jax_ep.routing.load_balance_loss(logits, topk_idx, axis_name="ep")
+    out = jax_ep.moe_ffn(x.astype(DTYPE), topk_idx, weights, params["w_gate_up"].astype(DTYPE),
+                         params["w_down"].astype(DTYPE), num_experts=E, axis_name="ep",
                          backend=args.backend)
-    return out @ params["proj"]
+    return out.astype(jnp.float32) @ params["proj"], aux
 
 
 def loss_fn(params, x, target):
     def shard(params, x, target):
-        y = moe_layer(params, x)
-        return jax.lax.pmean(jnp.mean((y - target) ** 2), "ep")
+        # Recompute the experts in the backward pass, never the communication.
+        y, aux = jax.checkpoint(moe_layer, policy=jax_ep.remat_policy)(params, x)
+        return jax.lax.pmean(jnp.mean((y - target) ** 2), "ep") + AUX * aux
 
-    specs = {"router": P(), "w_in": P("ep"), "w_out": P("ep"), "proj": P()}
+    specs = {"router": P(), "w_gate_up": P("ep"), "w_down": P("ep"), "proj": P()}
     return jax.shard_map(shard, mesh=mesh, in_specs=(specs, P("ep"), P("ep")),
                          out_specs=P())(params, x, target)
 
@@ -106,7 +105,7 @@ def main():
     x = put(jax.random.normal(kx, (R * T, H)), P("ep"))
     target = put(jnp.tanh(x @ jax.random.normal(kt, (H, H)) / np.sqrt(H)), P("ep"))
     print(f"jax_ep MoE layer: {R} devices ({devices[0].platform}), {E} experts ({L} per device), "
-          f"top-{K}, {T} tokens/device, hidden {H}, ffn {F}; backend "
+          f"top-{K}, {T} tokens/device, hidden {H}, ffn {F}, {DTYPE.name}; backend "
           f"{jax_ep.runtime_info()['default_backend'] if args.backend == 'auto' else args.backend}")
     losses, times = [], []
     for step in range(args.steps):
