@@ -132,6 +132,16 @@ if has example; then
      --hidden 1024 --ffn 2048 --experts-per-device 4 --topk 4 2>&1 | tail -6) || rc=1
   (cd /tmp && timeout 300 $PY "$OLDPWD/examples/decode_step.py" --steps 50 --tokens 128 \
      --hidden 7168 --ffn 512 --experts-per-device 8 --topk 8 2>&1 | tail -3) || rc=1
+  # Flax (the [flax] extra): from wheels carried in .whl/flax/ when the machine lacks it, each
+  # installed only when its module is missing.
+  if ! $PY -c "import flax.nnx" 2>/dev/null && [ -d .whl/flax ]; then
+    for w in .whl/flax/*.whl; do
+      mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z' | sed 's/^pyyaml$/yaml/; s/^markdown_it_py$/markdown_it/')
+      $PY -c "import $mod" 2>/dev/null || $PY -m pip install -q --no-deps --no-index "$w"
+    done
+  fi
+  (cd /tmp && timeout 300 $PY "$OLDPWD/examples/flax_moe_block.py" --steps 30 --batch 16 \
+     --seq 64 --hidden 512 --ffn 512 2>&1 | tail -4) || rc=1
 fi
 if has bench; then
   step benchmark

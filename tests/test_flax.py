@@ -1,0 +1,119 @@
+"""jax_ep.flax.MoE (Flax NNX) against a dense MoE written here with the module's own
+parameters: forward, gradients, both routers, the expert-load statistics, the sown
+load-balance loss, and argument errors. Flax comes with the [flax] and [examples] extras."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+nnx = pytest.importorskip("flax.nnx")
+
+import jax_ep  # noqa: E402
+from jax_ep.flax import MoE  # noqa: E402
+
+H, I, K = 32, 24, 2
+
+
+def _dense(x, idx, w, wgu, wd):
+    """Every token through each of its top-k experts: x [N, H] -> [N, H] float32."""
+    out = jnp.zeros(x.shape, jnp.float32)
+    for k in range(idx.shape[1]):
+        e = jnp.maximum(idx[:, k], 0)
+        h = jnp.einsum("nh,nhf->nf", x, wgu[e])
+        y = jnp.einsum("nf,nfh->nh", jax.nn.silu(h[:, :I]) * h[:, I:], wd[e])
+        out = out + jnp.where(idx[:, k:k + 1] >= 0, w[:, k:k + 1] * y, 0.0)
+    return out
+
+
+def _dense_layer(x, router, wgu, wd, bias=None, router_kind="softmax"):
+    xt = x.reshape(-1, H)
+    logits = xt @ router
+    if router_kind == "softmax":
+        w, idx = jax_ep.routing.softmax_topk(logits, K)
+    else:
+        w, idx = jax_ep.routing.grouped_topk(logits, K, n_groups=4, topk_groups=2, bias=bias,
+                                             scaling_factor=2.5)
+    return _dense(xt, idx, w, wgu, wd).reshape(x.shape), idx, logits
+
+
+def _module(mesh, E, **kw):
+    return MoE(H, I, E, K, mesh=mesh, dtype=jnp.float32, backend="reference",
+               rngs=nnx.Rngs(0), **kw)
+
+
+@pytest.mark.parametrize("mesh_name", ["ep4", "dp_ep"])
+def test_forward_load_and_aux_loss_match_dense(meshes, mesh_name):
+    mesh = meshes[mesh_name]
+    E = 2 * mesh.shape["ep"]
+    m = _module(mesh, E)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, H)), jnp.float32)
+    call = nnx.jit(nnx.capture(lambda m, x: m(x), nnx.Intermediate))
+    y, inter = call(m, x)
+    want, idx, logits = _dense_layer(x, m.router[...], m.w_gate_up[...], m.w_down[...])
+    assert y.shape == x.shape
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=2e-5, atol=2e-5)
+    counts = np.bincount(np.asarray(idx).reshape(-1), minlength=E)
+    np.testing.assert_array_equal(np.asarray(m.expert_load[...]), counts)
+    aux = inter["load_balance_loss"][0]
+    np.testing.assert_allclose(float(aux), float(jax_ep.routing.load_balance_loss(logits, idx)),
+                               rtol=1e-6)
+    call(m, x)     # the statistics accumulate over calls
+    np.testing.assert_array_equal(np.asarray(m.expert_load[...]), 2 * counts)
+
+
+def test_gradients_match_dense(mesh_dp_ep):
+    E = 4
+    m = _module(mesh_dp_ep, E)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((32, H)), jnp.float32)
+    proj = jnp.asarray(rng.standard_normal((32, H)), jnp.float32)
+
+    @nnx.jit
+    def grads(m, x):
+        def loss(m, x):   # the sown load-balance loss is part of it, as in training
+            y, inter = nnx.capture(m, nnx.Intermediate)(x)
+            return jnp.sum(y * proj) + 0.1 * inter["load_balance_loss"][0]
+        return nnx.grad(loss, argnums=(0, 1))(m, x)
+    gm, gx = grads(m, x)
+    params = (m.router[...], m.w_gate_up[...], m.w_down[...])
+
+    def dense_loss(x, r, a, b):
+        y, idx, logits = _dense_layer(x, r, a, b)
+        return jnp.sum(y * proj) + 0.1 * jax_ep.routing.load_balance_loss(logits, idx)
+    want = jax.grad(dense_loss, argnums=(0, 1, 2, 3))(x, *params)
+    got = (gx, gm["router"][...], gm["w_gate_up"][...], gm["w_down"][...])
+    for name, a, b in zip(("x", "router", "w_gate_up", "w_down"), got, want):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-30), name
+    assert "expert_load" not in gm and "router_bias" not in gm     # not trained
+
+
+def test_deepseek_router_with_bias(mesh4):
+    E = 8
+    m = _module(mesh4, E, router="deepseek", n_groups=4, topk_groups=2, scaling_factor=2.5)
+    bias = jnp.asarray(np.linspace(-0.5, 0.5, E), jnp.float32)
+    m.router_bias[...] = bias
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((16, H)), jnp.float32)
+    y = nnx.jit(lambda m, x: m(x))(m, x)
+    want, idx, _ = _dense_layer(x, m.router[...], m.w_gate_up[...], m.w_down[...], bias,
+                                "deepseek")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(m.expert_load[...]),
+                                  np.bincount(np.asarray(idx).reshape(-1), minlength=E))
+
+
+def test_bad_arguments(mesh4):
+    with pytest.raises(ValueError, match="num_experts=6 must be a multiple"):
+        _module(mesh4, 6)
+    with pytest.raises(ValueError, match="axis_name='model'"):
+        _module(mesh4, 8, axis_name="model")
+    with pytest.raises(ValueError, match="router='top1'"):
+        _module(mesh4, 8, router="top1")
+    m = _module(mesh4, 8)
+    with pytest.raises(ValueError, match=r"x: shape \(8, 16\), expected \[..., H=32\]"):
+        m(jnp.zeros((8, 16)))
+    with pytest.raises(ValueError, match="x: 6 tokens cannot be split over the 4 devices"):
+        m(jnp.zeros((6, H)))
