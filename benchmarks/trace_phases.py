@@ -19,8 +19,6 @@ of the LL slots. Read them with --absolute (each column in us since the device's
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import numpy as np

@@ -27,6 +27,6 @@ __all__ = [
     "quantize_fp8", "dequantize_fp8", "get_dispatch_layout",
     "initialize", "runtime_info", "set_num_blocks",
     "grouped_matmul", "grouped_matmul_masked", "Fp8Weights", "quantize_fp8_weights",
-    "dequantize_fp8_weights", "routing", "remat_policy", "moe_ffn",
+    "dequantize_fp8_weights", "routing", "testing", "remat_policy", "moe_ffn",
 ]
 __version__ = "0.1.0"

@@ -4,7 +4,6 @@ every backend): empty shards, differentiating with replicated weights, router we
 model dtype, and arguments of the wrong kind."""
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

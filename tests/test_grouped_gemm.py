@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 import numpy_oracle as npo
-from helpers import BF16, FP8
 
 REF = "reference"
 TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}

@@ -288,7 +288,7 @@ def test_scan_over_layers_fresh_routing(mesh4):
     """lax.scan over layers, new routing each layer, under jit: x <- x + combine(expert(recv))."""
     rng = np.random.default_rng(9)
     n, T, K, H, layers = 4, 5, 2, 16, 3
-    R, L = 4, E // 4
+    L = E // 4
     x0 = [rng.standard_normal((T, H)).astype(np.float32) for _ in range(n)]
     idx = np.stack([np.stack(routing(rng, n, T, K, E, "masked")) for _ in range(layers)], 1)
     w = rng.random((n, layers, T, K)).astype(np.float32)

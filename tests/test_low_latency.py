@@ -195,7 +195,7 @@ def test_decode_scan_fresh_routing(mesh4):
     """lax.scan over decode steps, new routing every step, x <- combine(scale * dispatch(x))."""
     rng = np.random.default_rng(12)
     n, T, K, H, M, steps = 4, 3, 2, 32, 4, 3
-    R, L = 4, E // 4
+    L = E // 4
     x0 = [(rng.standard_normal((T, H))).astype(BF16) for _ in range(n)]
     idx = np.stack([np.stack(routing(rng, n, T, K, E, "masked")) for _ in range(steps)], 1)
     w = (rng.random((n, steps, T, K)) + 0.5).astype(np.float32)

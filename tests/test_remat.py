@@ -2,7 +2,6 @@
 saved outputs of the communication ops and never replays a dispatch or combine."""
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
