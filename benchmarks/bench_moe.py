@@ -6,8 +6,8 @@ after warm-up, median over repetitions:
   w_down);
 - its own grouped GEMMs alone, at the layer's group sizes: forward (gate/up and down) and
   backward (d lhs and d rhs of each);
-- its parts, forward: dispatch, expert-major reorder, gate/up GEMM, activation, down GEMM,
-  weighted sum, combine;
+- its forward's other parts, each alone: dispatch, the expert-major order and rows, the
+  activation, the weighted sum per row, dispatch + combine;
 - baselines: sort by expert + lax.ragged_dot (MaxText's GPU path), and a fixed capacity per
   expert (1.25) + padded batched einsum; forward and forward + backward.
 Each figure is the slope between a jit-compiled scan of n_short calls and one of n_long calls.

@@ -26,7 +26,9 @@ ROUTERS = ("softmax", "deepseek")
 
 class ExpertLoad(nnx.Variable):
     """Tokens routed to each expert `[E]` int32, summed over every call (and every token of the
-    mesh) since the module was made: the statistic a load-balancing rule reads. Not trained."""
+    mesh) since the module was made or the statistic was last reset
+    (`model.expert_load[...] = 0`): what a load-balancing rule reads. Not trained. int32 holds
+    2**31 - 1 per expert: reset it after each balancing update in long runs."""
 
 
 class RouterBias(nnx.Variable):

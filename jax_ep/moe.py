@@ -66,7 +66,7 @@ def _expand_fwd(x, order, inv, K):
 
 def _expand_bwd(K, inv, g):
     C = inv.shape[0] // K
-    dx = jnp.sum(g[inv].reshape(C, K, -1).astype(jnp.float32), axis=1)
+    dx = jnp.sum(g[inv].reshape(C, K, g.shape[-1]).astype(jnp.float32), axis=1)
     return dx.astype(g.dtype), None, None
 
 
@@ -80,7 +80,7 @@ def _reduce(y, w, order, inv, K):
     C = w.shape[0]
     # a product and a sum (not an einsum, which XLA would make a batched dot of the gathered
     # rows): one fusion that reads each row of y once
-    yg = y[inv].reshape(C, K, -1).astype(jnp.float32)
+    yg = y[inv].reshape(C, K, y.shape[-1]).astype(jnp.float32)
     return jnp.sum(yg * w.astype(jnp.float32)[:, :, None], axis=1)
 
 
@@ -93,7 +93,8 @@ def _reduce_bwd(K, res, g):
     C = w.shape[0]
     wp = w.reshape(C * K).astype(jnp.float32)[order]
     dy = (g[order // K] * wp[:, None]).astype(y.dtype)
-    dw = jnp.sum(g[:, None, :] * y[inv].reshape(C, K, -1).astype(jnp.float32), axis=-1)
+    dw = jnp.sum(g[:, None, :] * y[inv].reshape(C, K, y.shape[-1]).astype(jnp.float32),
+                 axis=-1)
     return dy, dw.astype(w.dtype), None, None
 
 

@@ -6,7 +6,8 @@
 #   moe: the MoE layer (moe_ffn) GPU suite;
 #   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
-#   bug of csrc/transport/peer.cuh (MUTATIONS="1 2 3 4", MUTATION_K: the tests to run); a table
+#   bug of csrc/transport/peer.cuh (MUTATIONS="1 2 3 4", MUTATION_K: the tests to run,
+#   MUTATION_R: their rank count, 4); a table
 #   of which tests catch which bug goes to $OUT/mutations.log;
 #   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS);
 #   bench-moe: the MoE layer benchmark (benchmarks/bench_moe.py; MOE_BENCH_ARGS). The GPU
@@ -78,9 +79,11 @@ if has gemm-mutations; then
 fi
 if has mutations; then
   step "multi-rank mutation check: each planted bug (csrc/transport/peer.cuh) must fail tests"
-  # Each selected test in a process of its own: a planted bug may end its process (a wait that
-  # times out traps), and the rest must still run. Table: $OUT/mutations.log.
-  sel="${MUTATION_K:-(scan_back_to_back or two_in_flight or gradients or fresh_buffers or (ll_matches_reference and 128-128-True and random)) and 4}"
+  # Each selected test at R = MUTATION_R in a process of its own: a planted bug may end its
+  # process (a wait that times out traps), and the rest must still run. Table: mutations.log.
+  sel="${MUTATION_K:-scan_back_to_back or two_in_flight or gradients or fresh_buffers or (ll_matches_reference and 128-128-True and random)}"
+  : > "$OUT/mutations.log"
+  set -f   # test ids hold [...]: no globbing of them
   for m in ${MUTATIONS:-1 2 3 4}; do
     dst=/tmp/jax_ep_mutation$m; rm -rf "$dst"
     # A build folder of its own: the planted bug must never reach the real build's CMake cache.
@@ -88,29 +91,36 @@ if has mutations; then
         --target "$dst" -C build-dir=/tmp/jax_ep_mutation_build$m \
         -C cmake.define.JAX_EP_MUTATION=$m -C cmake.define.JAX_EP_WITH_GEMM=OFF -C build.verbose=true \
         . > "$OUT/build_mutation$m.log" 2>&1 || ! grep -q "planted bug JAX_EP_MUTATION=$m" "$OUT/build_mutation$m.log"; then
-      echo "  mutation $m: BUILD FAILED"; tail -20 "$OUT/build_mutation$m.log"; continue
+      echo "  mutation $m: BUILD FAILED"; tail -20 "$OUT/build_mutation$m.log"; rc=1; continue
     fi
     if ! (cd /tmp && PYTHONPATH="$dst" $PY -c "import jax_ep, sys; from jax_ep import _C
 sys.exit(_C.planted_bug() != $m or not jax_ep.__file__.startswith('$dst'))"); then
-      echo "  mutation $m: the tests would not import the build with the planted bug"; continue
+      echo "  mutation $m: the tests would not import the build with the planted bug"; rc=1; continue
     fi
     ids=$(cd /tmp && PYTHONPATH="$dst" $PY -m pytest -q --collect-only -p no:cacheprovider -m gpu \
-          "$OLDPWD/tests/test_gpu.py" -k "$sel" 2>/dev/null | grep "::" | sed 's/^.*:://')
+          "$OLDPWD/tests/test_gpu.py" -k "$sel" 2>"$OUT/mutation${m}_collect.log" | grep "::" \
+          | sed 's/^.*:://' | grep -E "[-[]${MUTATION_R:-4}(-(True|False))?\]$")
     caught=0; n=0
     for id in $ids; do
       n=$((n + 1))
+      log="$OUT/mutation${m}_$n.log"
       (cd /tmp && PYTHONPATH="$dst" JAX_EP_TIMEOUT_S=5 timeout ${MUTATION_TIMEOUT:-120} $PY -m pytest -q \
-         -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py::$id" > "$OUT/mutation${m}_$n.log" 2>&1)
+         -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py::$id" > "$log" 2>&1)
       r=$?
+      # pytest: 0 passed, 1 failures, 2-5 usage / collection errors; 124 the timeout; > 128 a
+      # signal (a trap can end the process that way)
       if [ $r -eq 0 ]; then v="missed (passed)"
-      elif [ $r -eq 124 ]; then v="caught (timed out)"; caught=$((caught + 1))
-      elif grep -q "timed out after" "$OUT/mutation${m}_$n.log"; then v="caught (a wait timed out)"; caught=$((caught + 1))
-      elif grep -q " failed" "$OUT/mutation${m}_$n.log"; then v="caught (wrong result)"; caught=$((caught + 1))
-      else v="caught (process ended, rc $r)"; caught=$((caught + 1)); fi
+      elif [ $r -ge 2 ] && [ $r -le 5 ]; then v="ERROR (pytest exit $r: see $log)"; rc=1
+      elif grep -q "timed out after" "$log"; then v="caught (a wait timed out)"; caught=$((caught + 1))
+      elif [ $r -eq 124 ]; then v="caught (hung until the timeout)"; caught=$((caught + 1))
+      elif [ $r -eq 1 ]; then v="caught (wrong result)"; caught=$((caught + 1))
+      else v="caught (process ended, exit $r)"; caught=$((caught + 1)); fi
       echo "  mutation $m: $id: $v" | tee -a "$OUT/mutations.log"
     done
+    [ "$n" -gt 0 ] || { echo "  mutation $m: no test selected"; rc=1; }
     echo "  mutation $m: caught by $caught of $n tests" | tee -a "$OUT/mutations.log"
   done
+  set +f
 fi
 if has mp; then
   step "per-process suite (jax_ep.launch, NVSHMEM)"

@@ -23,6 +23,7 @@ from helpers import run_with_command_buffers
 
 pytestmark = pytest.mark.gpu
 
+
 def _gpu():
     try:
         g = [d for d in jax.devices() if d.platform == "gpu"]

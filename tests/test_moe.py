@@ -98,3 +98,24 @@ def test_moe_ffn_bad_arguments(mesh4):
         call(use_fp8=True)
     with pytest.raises(TypeError, match="use_fp8 must be a bool"):
         call(use_fp8="yes")
+
+
+@pytest.mark.parametrize("mode", ["high_throughput", "low_latency"])
+def test_moe_ffn_with_empty_shards(mesh4, mode):
+    """T = 0 on every rank: an empty output, and zero gradients of the weights."""
+    x, idx, w, wgu, wd, E, _ = _setup(mesh4, jnp.bfloat16)
+    x, idx, w = x[:0], idx[:0], w[:0]
+    kw = dict(num_experts=E, mode=mode, backend="reference")
+    if mode == "low_latency":
+        kw["max_tokens_per_rank"] = 1
+
+    def loss(x, w, wgu, wd):
+        f = lambda x, i, w, a, b: jax_ep.moe_ffn(x, i, w, a, b, **kw)  # noqa: E731
+        out = jax.shard_map(f, mesh=mesh4, in_specs=P("ep"), out_specs=P("ep"))(
+            x, idx, w, wgu, wd)
+        return jnp.sum(out.astype(jnp.float32)), out
+    (_, out), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        x, w, wgu, wd)
+    assert out.shape == (0, H)
+    assert float(jnp.abs(g[2].astype(jnp.float32)).sum()) == 0.0
+    assert float(jnp.abs(g[3].astype(jnp.float32)).sum()) == 0.0

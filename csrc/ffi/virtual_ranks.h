@@ -82,8 +82,8 @@ struct Ranks;
 template <typename... Ts, xla::ffi::Error (*impl)(cudaStream_t, int32_t, Ts...)>
 struct Ranks<xla::ffi::Error (*)(cudaStream_t, int32_t, Ts...), impl> {
   static xla::ffi::Error call(cudaStream_t stream, int32_t device, Ts... xs) {
-    static std::mutex mu;  // the rank streams and events of a device are shared
-    std::lock_guard<std::mutex> lock(mu);
+    // the device's rank streams, events and call counter are shared by every op
+    std::lock_guard<std::mutex> lock(rank_streams_mutex(device));
     // Dry run of rank 0: shapes, attributes and the residency of every launch; nothing runs.
     Slices probe;
     VirtualRank v;

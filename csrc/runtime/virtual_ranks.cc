@@ -49,12 +49,14 @@ struct RankStreams {
   cudaStream_t streams[kMaxRanks];
   cudaEvent_t fork;
   cudaEvent_t join[kMaxRanks];
-  unsigned int* calls;  // device: the calls so far, which pick each call's stagger
+  unsigned int* calls;  // device: the virtual-rank calls so far, which pick each one's stagger
 };
 
 namespace {
+constexpr int kMaxDevices = 256;
 std::mutex g_mu;
-RankStreams* g_streams[256] = {};
+RankStreams* g_streams[kMaxDevices] = {};
+std::mutex g_call_mu[kMaxDevices];
 
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
@@ -63,9 +65,9 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 }
 
 // Rank `rank`'s start of call c is held back by ((rank + c) mod R) / (R - 1) x kStaggerNs:
-// every call has its ranks arrive in a different order, so every rank is early and late in turn,
-// and the waits on a late peer (flags, epochs, addresses) are exercised rather than left to the
-// launch order. A timed sleep: it ends on its own.
+// the ranks arrive in a rotated order each call, and the waits on a late peer (flags, epochs,
+// addresses) are exercised rather than left to the launch order. A timed sleep: it ends on its
+// own.
 __global__ void stagger_kernel(const unsigned int* calls, int rank, int num_ranks) {
   const unsigned long long ns =
       (rank + *calls) % num_ranks * kStaggerNs / static_cast<unsigned long long>(num_ranks - 1);
@@ -76,33 +78,46 @@ __global__ void stagger_kernel(const unsigned int* calls, int rank, int num_rank
 __global__ void count_call_kernel(unsigned int* calls) { *calls += 1; }
 }  // namespace
 
+std::string prepare_rank_streams(int device) {
+  if (device < 0 || device >= kMaxDevices) return "bad device";
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_streams[device] != nullptr) return "";
+  int prev = 0;
+  cudaGetDevice(&prev);
+  auto* rs = new RankStreams{};
+  cudaError_t e = cudaSetDevice(device);
+  for (int r = 0; r < kMaxRanks && e == cudaSuccess; ++r) {
+    e = cudaStreamCreateWithFlags(&rs->streams[r], cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&rs->join[r], cudaEventDisableTiming);
+  }
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&rs->fork, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaMalloc(&rs->calls, sizeof(unsigned int));
+  if (e == cudaSuccess) e = cudaMemset(rs->calls, 0, sizeof(unsigned int));
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  cudaSetDevice(prev);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("creating the rank streams: ") + cudaGetErrorString(e);
+  }
+  g_streams[device] = rs;
+  return "";
+}
+
+std::mutex& rank_streams_mutex(int device) {
+  return g_call_mu[device >= 0 && device < kMaxDevices ? device : 0];
+}
+
 std::string fork_ranks(int device, int num_ranks, void* stream, RankStreams** out) {
-  if (device < 0 || device >= 256 || num_ranks < 1 || num_ranks > kMaxRanks)
+  if (device < 0 || device >= kMaxDevices || num_ranks < 1 || num_ranks > kMaxRanks)
     return "bad device or rank count";
+  RankStreams* rs = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (g_streams[device] == nullptr) {
-      int prev = 0;
-      cudaGetDevice(&prev);
-      auto* rs = new RankStreams{};
-      cudaError_t e = cudaSetDevice(device);
-      for (int r = 0; r < kMaxRanks && e == cudaSuccess; ++r) {
-        e = cudaStreamCreateWithFlags(&rs->streams[r], cudaStreamNonBlocking);
-        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&rs->join[r], cudaEventDisableTiming);
-      }
-      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&rs->fork, cudaEventDisableTiming);
-      if (e == cudaSuccess) e = cudaMalloc(&rs->calls, sizeof(unsigned int));
-      if (e == cudaSuccess) e = cudaMemset(rs->calls, 0, sizeof(unsigned int));
-      if (e == cudaSuccess) e = cudaDeviceSynchronize();
-      cudaSetDevice(prev);
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        return std::string("creating the rank streams: ") + cudaGetErrorString(e);
-      }
-      g_streams[device] = rs;
-    }
+    rs = g_streams[device];
   }
-  RankStreams* rs = g_streams[device];
+  if (rs == nullptr)
+    return "the rank streams of device " + std::to_string(device) +
+           " were never set up (the jax_ep lowering of a virtual-rank call does it)";
   cudaError_t e = cudaEventRecord(rs->fork, static_cast<cudaStream_t>(stream));
   for (int r = 0; r < num_ranks && e == cudaSuccess; ++r) {
     e = cudaStreamWaitEvent(rs->streams[r], rs->fork, 0);

@@ -4,6 +4,7 @@
 // checked first: ffi/virtual_ranks.h) differ from a real group. Plain C++: host code only.
 #pragma once
 #include <cstddef>
+#include <mutex>
 #include <string>
 
 #include "runtime/workspace.h"
@@ -45,14 +46,22 @@ class VirtualRankScope {
 bool may_launch(const void* kernel, const char* name, int grid, int threads, size_t smem);
 
 // The start of the ranks is staggered on purpose: call c holds rank r back by
-// ((r + c) mod R) / (R - 1) x kStaggerNs (a timed sleep on its stream), so that the ranks arrive
-// in a different order every call and each is the late peer in turn (docs/testing.md).
+// ((r + c) mod R) / (R - 1) x kStaggerNs (a timed sleep on its stream), c counting the
+// virtual-rank calls of the device (on the device, so scans and CUDA graphs advance it too).
+// The ranks thus arrive in a rotated order; an op that is every n-th call of its program sees
+// every n-th rotation (docs/testing.md).
 constexpr unsigned long long kStaggerNs = 40000;
 
-// One stream per virtual rank on `device`, and the events that fork them from and join them
-// to the caller's stream; created once. fork_ranks also queues each rank's stagger. Returns an
-// error message, empty on success.
+// One stream per virtual rank on a device, the events that fork them from and join them to the
+// caller's stream, and the call counter: made by prepare_rank_streams, at set-up (init_group of
+// a group with virtual ids), never while a handler runs (which may be recorded into a command
+// buffer). Each returns an error message, empty on success.
 struct RankStreams;
+std::string prepare_rank_streams(int device);
+// The lock a virtual-rank call holds from fork_ranks to join_ranks: the device's streams,
+// events and counter are shared by every op.
+std::mutex& rank_streams_mutex(int device);
+// fork_ranks also queues each rank's stagger; join_ranks counts the call.
 std::string fork_ranks(int device, int num_ranks, void* stream, RankStreams** out);
 void* rank_stream(RankStreams* rs, int rank);
 std::string join_ranks(RankStreams* rs, int num_ranks, void* stream);

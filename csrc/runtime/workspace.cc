@@ -73,6 +73,11 @@ void init_group(const std::vector<int>& devices) {
     }
   }
   cudaSetDevice(prev);
+  for (int id : devices)  // the one-GPU multi-rank mode: the device's rank streams, once
+    if (id < 0) {
+      const std::string m = prepare_rank_streams(id_device(id));
+      if (!m.empty()) throw std::runtime_error("jax_ep: " + m);
+    }
   g_groups[devices] = ws;
 }
 
