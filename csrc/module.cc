@@ -184,14 +184,6 @@ NB_MODULE(_C, m) {
       throw std::runtime_error(std::string("jax_ep: cudaSetDevice: ") + cudaGetErrorString(e));
     }
   });
-  m.def("cuda_device_count", []() {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    return n;
-  });
   m.attr("max_ranks") = jax_ep::kMaxRanks;
   m.attr("num_slots") = jax_ep::kNumSlots;
   m.attr("first_push_slot") = jax_ep::kFirstPushSlot;

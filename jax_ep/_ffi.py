@@ -24,10 +24,7 @@ from jax.interpreters import mlir
 
 from jax_ep import runtime
 
-try:  # jax >= 0.4.36
-    from jax.extend.core import Primitive
-except ImportError:  # pragma: no cover
-    from jax.core import Primitive  # type: ignore
+from jax.extend.core import Primitive
 
 ep_call_p = Primitive("jax_ep_call")
 ep_call_p.multiple_results = True

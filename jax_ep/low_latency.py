@@ -162,35 +162,9 @@ def _combine_bwd(cfg, res, g):
     """Pure-JAX collectives on the handle (both backends): decode rarely needs this path."""
     y, w, idx, recv_src = res
     num_experts, _, axis_name, _ = cfg
-    R, r = ref.axis_info(axis_name)
-    src_to_row = ref.ll_src_to_row(recv_src, R)
-    _, M, L = src_to_row.shape
-    T, K = idx.shape
-    clean, _ = ref.sanitize(idx, num_experts)
-    valid = clean >= 0
-    g = jnp.pad(g.astype(jnp.float32), ((0, M - T), (0, 0)))                   # [M, H]
-    # per (rank q, token t, local expert l): summed weight of the slots naming that expert
-    onehot = (clean[:, :, None] == jnp.arange(R * L)[None, None, :]) & valid[:, :, None]
-    wsum = jnp.einsum("tk,tke->te", jnp.where(valid, w, 0.0).astype(jnp.float32),
-                      onehot.astype(jnp.float32))
-    wsum = jnp.pad(wsum, ((0, M - T), (0, 0))).reshape(M, R, L).transpose(1, 0, 2)  # [R, M, L]
-    sent = src_to_row >= 0                                                      # [R(s), M, L]
-    got_w = ref.a2a(wsum, axis_name)                                           # [R(s), M, L]
-    got_g = ref.a2a(jnp.broadcast_to(g[None], (R,) + g.shape), axis_name)      # [R(s), M, H]
-    # dy[l, row] = wsum * g_src[t]
-    rows = jnp.where(sent, src_to_row, R * M)
-    coef = got_w[..., None] * got_g[:, :, None, :]                              # [R, M, L, H]
-    dy = jnp.zeros(y.shape, jnp.float32)
-    lidx = jnp.broadcast_to(jnp.arange(L)[None, None, :], sent.shape)
-    dy = dy.at[lidx, rows].add(jnp.where(sent[..., None], coef, 0.0), mode="drop")
-    # dw[t, k] = <g[t], y_q[l][row(t, k)]>
-    yrows = y[jnp.arange(L)[None, None, :], jnp.where(sent, src_to_row, 0)].astype(jnp.float32)
-    dots = jnp.where(sent, jnp.einsum("smlh,smh->sml", yrows, got_g), 0.0)      # [R(s), M, L]
-    back = ref.a2a(dots, axis_name)                                            # [R(q), M, L]
-    q = jnp.where(valid, clean // L, 0)
-    l = jnp.where(valid, clean % L, 0)
-    dw = jnp.where(valid, back[q, jnp.arange(T)[:, None], l], 0.0)
-    return dy.astype(y.dtype), dw.astype(w.dtype), None, None, None, None, None
+    dy, dw = ref.ll_combine_vjp(y, w, idx, recv_src, g, num_experts=num_experts,
+                                axis_name=axis_name)
+    return dy, dw, None, None, None, None, None
 
 
 _combine_diff.defvjp(_combine_fwd, _combine_bwd)

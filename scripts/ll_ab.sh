@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Same-run A/B of low-latency kernel variants that environment variables select, on one machine:
-#   scripts/ll_ab.sh "base:" "blocks132:JAX_EP_LL_GRID=132" "base2:" ...
+#   scripts/ll_ab.sh "base:" "noprereduce:JAX_EP_LL_PREREDUCE=0" "base2:" ...
 # Each argument NAME:VAR=VALUE... runs benchmarks/bench.py --mode ll --ll-fused-only
 # --kernel-times once with those variables set (run from /tmp, so the installed jax_ep is used),
 # and the table rows of every run are printed together at the end. Repeat the base first and

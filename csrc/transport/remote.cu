@@ -198,8 +198,6 @@ int debug() {
 
 }  // namespace
 
-bool built() { return true; }
-
 cudaError_t pull_prologue(const PeerSlots& ps, size_t bytes, int64_t timeout_ns,
                           cudaStream_t stream) {
   const size_t chunks = (bytes + kGetChunk - 1) / kGetChunk * count_remote(ps);

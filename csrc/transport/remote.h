@@ -24,9 +24,6 @@
 namespace jax_ep {
 namespace remote {
 
-// True when this build has the NVSHMEM kernels.
-bool built();
-
 // Pull, before the op kernels. ps.stage[rank]: this rank's staging buffer (symmetric);
 // ps.stage[q] of a remote q: this rank's mirror of q's, which the prologue fills; bytes: the
 // staged size (the same on every rank).

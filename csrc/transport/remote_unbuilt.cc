@@ -4,7 +4,6 @@
 namespace jax_ep {
 namespace remote {
 
-bool built() { return false; }
 cudaError_t pull_prologue(const PeerSlots&, size_t, int64_t, cudaStream_t) {
   return cudaErrorNotSupported;
 }
