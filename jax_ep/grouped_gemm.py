@@ -9,7 +9,7 @@ the buffer's size. The reference backend is `lax.ragged_dot` (float32 accumulati
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -225,9 +225,18 @@ def _ref_masked(lhs, rhs, counts, out_dtype):
 # grouped_matmul
 # ---------------------------------------------------------------------------------------------
 
+class _Config(NamedTuple):
+    """The static settings of one grouped GEMM. small_m (contiguous layout): 64-row tiles;
+    zero_padding (masked layout): zero the rows past each count."""
+    out_dtype: Any
+    use_cuda: bool
+    small_m: bool = False
+    zero_padding: bool = True
+
+
 def _gmm_core(lhs, rhs, sizes, cfg):
-    """Forward of the float path: cfg = (out_dtype, use_cuda, small_m)."""
-    out_dtype, use_cuda, small_m = cfg
+    """Forward of the float path."""
+    out_dtype, use_cuda, small_m = cfg.out_dtype, cfg.use_cuda, cfg.small_m
     if not use_cuda:
         return _ref_gmm(lhs, rhs, sizes, out_dtype)
     M, N = lhs.shape[0], rhs.shape[2]
@@ -253,7 +262,7 @@ def _ref_vjp(product, lhs, rhs, g):
 
 def _gmm_bwd(cfg, res, g):
     lhs, rhs, sizes = res
-    _, use_cuda, _ = cfg
+    use_cuda = cfg.use_cuda
     if not use_cuda:
         return _ref_vjp(lambda a, b: _ref_gmm(a, b, sizes, jnp.float32), lhs, rhs, g)
     M, K = lhs.shape
@@ -277,7 +286,7 @@ def _dequantized(lq, ls, rq, rs):
 
 
 def _fp8_core(lq, ls, rq, rs, sizes, cfg):
-    use_cuda, small_m = cfg
+    use_cuda, small_m = cfg.use_cuda, cfg.small_m
     if not use_cuda:
         return _ref_gmm(*_dequantized(lq, ls, rq, rs), sizes, jnp.bfloat16)
     M, N = lq.shape[0], rq.shape[1]
@@ -345,8 +354,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
         small = M <= _SMALL_M_ROWS * G
         use_cuda = _cuda_ok(backend, lq.dtype, jnp.bfloat16, lambda: _unsupported(
             "contiguous", lq.dtype, False, G, M, K, N), "grouped_matmul")
-        return _fp8_fwd_only(functools.partial(_fp8_core, cfg=(use_cuda, small)),
-                             lq, ls, rq, rs, sizes)
+        cfg = _Config(jnp.dtype(jnp.bfloat16), use_cuda, small_m=small)
+        return _fp8_fwd_only(functools.partial(_fp8_core, cfg=cfg), lq, ls, rq, rs, sizes)
     if rs is not None:
         raise TypeError("rhs: FP8 weights need an FP8 lhs tuple (lhs_fp8, lhs_scales)")
     a, _ = _lhs_parts(lhs, "lhs", "[M, K]")
@@ -365,7 +374,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
                 or _unsupported("contiguous", a.dtype, False, G, M, N, K)
                 or _unsupported("transposed", a.dtype, True, G, M, K, N))
     use_cuda = _cuda_ok(backend, a.dtype, out_dtype, shapes_ok, "grouped_matmul")
-    return _gmm_diff(a, rq, sizes, (out_dtype, use_cuda, small))
+    return _gmm_diff(a, rq, sizes, _Config(out_dtype, use_cuda, small_m=small))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +382,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
 # ---------------------------------------------------------------------------------------------
 
 def _masked_core(lhs, rhs, counts, cfg):
-    out_dtype, use_cuda, zero_padding = cfg
+    out_dtype, use_cuda, zero_padding = cfg.out_dtype, cfg.use_cuda, cfg.zero_padding
     if not use_cuda:
         return _ref_masked(lhs, rhs, jnp.maximum(counts, 0), out_dtype)
     G, C, _ = lhs.shape
@@ -402,7 +411,7 @@ _masked_diff.defvjp(_masked_fwd, _masked_bwd)
 
 
 def _fp8_masked_core(lq, ls, rq, rs, counts, cfg):
-    use_cuda, zero_padding = cfg
+    use_cuda, zero_padding = cfg.use_cuda, cfg.zero_padding
     if not use_cuda:
         return _ref_masked(*_dequantized(lq, ls, rq, rs), jnp.maximum(counts, 0), jnp.bfloat16)
     G, C, _ = lq.shape
@@ -450,8 +459,8 @@ def grouped_matmul_masked(lhs, rhs, counts, *, preferred_element_type=None, zero
         # The masked kernels read rhs as [G, N, K] for FP8 (Fp8Weights' layout).
         use_cuda = _cuda_ok(backend, lq.dtype, jnp.bfloat16, lambda: _unsupported(
             "masked", lq.dtype, False, G, C, K, N), "grouped_matmul_masked")
-        return _fp8_masked_fwd_only(functools.partial(_fp8_masked_core,
-                                                      cfg=(use_cuda, zero_padding)),
+        cfg = _Config(jnp.dtype(jnp.bfloat16), use_cuda, zero_padding=zero_padding)
+        return _fp8_masked_fwd_only(functools.partial(_fp8_masked_core, cfg=cfg),
                                     lq, ls, rq, rs, counts)
     if rs is not None:
         raise TypeError("rhs: FP8 weights need an FP8 lhs tuple (lhs_fp8, lhs_scales)")
@@ -467,4 +476,5 @@ def grouped_matmul_masked(lhs, rhs, counts, *, preferred_element_type=None, zero
     use_cuda = _cuda_ok(backend, a.dtype, out_dtype,
                         lambda: _unsupported("masked", a.dtype, True, G, C, K, N),
                         "grouped_matmul_masked")
-    return _masked_diff(a, rq, counts, (out_dtype, use_cuda, zero_padding))
+    return _masked_diff(a, rq, counts, _Config(out_dtype, use_cuda,
+                                               zero_padding=zero_padding))

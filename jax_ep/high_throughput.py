@@ -50,6 +50,14 @@ def _from_bytes(b, dtype, shape):
     return jax.lax.bitcast_convert_type(b if dtype.itemsize > 1 else b[..., 0], dtype)
 
 
+class _Config(NamedTuple):
+    """The static settings of one dispatch and of the combine of its handle."""
+    num_experts: int
+    capacity: int
+    axis_name: str
+    backend: str      # "cuda" or "reference"
+
+
 def _dispatch_core(xs, idx, w, cfg):
     """-> (recv_xs tuple, recv_topk_idx, recv_topk_weights, per_expert, handle)."""
     num_experts, capacity, axis_name, backend = cfg
@@ -83,7 +91,7 @@ def _dispatch_core(xs, idx, w, cfg):
 
 def _gather_core(rows, handle, cfg):
     """Rows [T, ...] to their receivers along an existing layout: [C, ...] (combine's VJP)."""
-    _, _, axis_name, backend = cfg
+    axis_name, backend = cfg.axis_name, cfg.backend
     if backend == "reference":
         return ref.ht_gather(rows, handle.send_rows, handle.recv_src, axis_name=axis_name)
     C = handle.recv_src.shape[0]
@@ -98,7 +106,7 @@ def _gather_core(rows, handle, cfg):
 
 def _combine_core(y, handle, cfg):
     """y [C, N] -> [T, N] in y's dtype, summed in float32 over the ranks that hold each token."""
-    _, _, axis_name, backend = cfg
+    axis_name, backend = cfg.axis_name, cfg.backend
     T = handle.send_rows.shape[0]
     if backend == "reference":
         return ref.ht_combine(y, handle.recv_src, T, axis_name=axis_name).astype(y.dtype)
@@ -250,7 +258,7 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
     if capacity > _checks.INT32_LIMIT:
         raise ValueError(f"capacity={capacity}: rows are indexed in int32, so it must be < 2^31 "
                          f"(at most R * T = {R * T} rows can arrive)")
-    cfg = (int(num_experts), capacity, axis_name, be)
+    cfg = _Config(int(num_experts), capacity, axis_name, be)
     idx = _checks.int32_ids(topk_idx, num_experts)
     w = (jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None
          else topk_weights.astype(jnp.float32))
@@ -298,4 +306,4 @@ def combine(y, handle: DispatchHandle, *, axis_name="ep", backend="auto", check=
         raise ValueError(f"handle: made for an EP group of {handle.send_rows.shape[1]} ranks, "
                          f"but axis {axis_name!r} has {R}")
     (y,) = _ffi.varying([y, handle.recv_src], axis_name)[:1]
-    return _combine_diff(y, handle, (0, C, axis_name, be))
+    return _combine_diff(y, handle, _Config(0, C, axis_name, be))

@@ -63,6 +63,24 @@ def _combine_attrs(num_experts, R, M, K, H):
 # dispatch
 # ----------------------------------------------------------------------------------------------
 
+class _DispatchConfig(NamedTuple):
+    """The static settings of one low-latency dispatch."""
+    num_experts: int
+    max_tokens: int   # M, max_tokens_per_rank
+    use_fp8: bool
+    round_scale: bool
+    axis_name: str
+    backend: str      # "cuda" or "reference"
+
+
+class _CombineConfig(NamedTuple):
+    """The static settings of one low-latency combine."""
+    num_experts: int
+    max_tokens: int
+    axis_name: str
+    backend: str
+
+
 def _dispatch_cuda_args(cfg, K, H):
     num_experts, M, use_fp8, round_scale, axis_name, _ = cfg
     R, _ = ref.axis_info(axis_name)
@@ -125,12 +143,12 @@ def _dispatch_fwd(x, idx, cfg):
 
 def _dispatch_bwd(cfg, res, g):
     idx, handle_arrays = res
-    num_experts, M, _, _, axis_name, backend = cfg
     g_rx = g[0]
-    clean, _ = ref.sanitize(idx, num_experts)
+    clean, _ = ref.sanitize(idx, cfg.num_experts)
     unit = ref.first_occurrence(clean).astype(jnp.float32)
     dx = _combine_core(g_rx.astype(jnp.bfloat16), idx, unit, handle_arrays,
-                       (num_experts, M, axis_name, backend))
+                       _CombineConfig(cfg.num_experts, cfg.max_tokens, cfg.axis_name,
+                                      cfg.backend))
     return dx, None
 
 
@@ -161,9 +179,8 @@ def _combine_fwd(y, w, idx, src, slot, cnt, rows, cfg):
 def _combine_bwd(cfg, res, g):
     """Pure-JAX collectives on the handle (both backends): decode rarely needs this path."""
     y, w, idx, recv_src = res
-    num_experts, _, axis_name, _ = cfg
-    dy, dw = ref.ll_combine_vjp(y, w, idx, recv_src, g, num_experts=num_experts,
-                                axis_name=axis_name)
+    dy, dw = ref.ll_combine_vjp(y, w, idx, recv_src, g, num_experts=cfg.num_experts,
+                                axis_name=cfg.axis_name)
     return dy, dw, None, None, None, None, None
 
 
@@ -191,7 +208,7 @@ def _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_
     be = _checks.resolve_backend(backend, empty=T == 0)
     R, _ = ref.axis_info(axis_name)
     _checks.experts_per_rank(num_experts, R)
-    cfg = (int(num_experts), M, bool(use_fp8), bool(round_scale), axis_name, be)
+    cfg = _DispatchConfig(int(num_experts), M, bool(use_fp8), bool(round_scale), axis_name, be)
     return cfg, _checks.int32_ids(topk_idx, num_experts)
 
 
@@ -218,7 +235,7 @@ def _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend):
                          f"({RM}, {K}) for topk_idx of {K} slots (the dispatch's handle?)")
     if topk_idx.shape[0] > M:
         raise ValueError(f"topk_idx: T={topk_idx.shape[0]} is more than max_tokens_per_rank={M}")
-    cfg = (L * R, M, axis_name, be)
+    cfg = _CombineConfig(L * R, M, axis_name, be)
     return cfg, _checks.int32_ids(topk_idx, L * R)
 
 
@@ -338,7 +355,7 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
     _checks.flag("check", check, allow_none=True)
     cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
                              round_scale, backend)
-    if cfg[-1] == "reference":  # the reference runs the whole op in the receive half
+    if cfg.backend == "reference":  # the reference runs the whole op in the receive half
         meta = ("dispatch", cfg, tuple(x.shape), idx.shape[1], None, check)
         return LowLatencyPending(_no_grad(lambda a, b: (a, b), "low_latency_dispatch_send")(
             x, idx), meta)
@@ -384,15 +401,14 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     returns the same [T, H] output as `low_latency_combine`. Forward only.
     """
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
-    num_experts, M, _, be = cfg
     w = topk_weights.astype(jnp.float32)
-    if be == "reference":
+    if cfg.backend == "reference":
         arrays = _no_grad(lambda *a: a, "low_latency_combine_send")(
             y, idx, w, handle.recv_src, handle.recv_slot, handle.recv_count, handle.src_rows)
         return LowLatencyPending(arrays, ("combine", cfg, tuple(y.shape), None))
     R, _ = ref.axis_info(axis_name)
     K, H = idx.shape[1], y.shape[-1]
-    attrs = _combine_attrs(num_experts, R, M, K, H)
+    attrs = _combine_attrs(cfg.num_experts, R, cfg.max_tokens, K, H)
     slot = runtime.next_slot(push=True)
 
     def send(yy, src, sl, cnt, rows, ii, ww):
