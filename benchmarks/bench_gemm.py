@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import time_op  # noqa: E402
+from harness import barh_plot, time_op  # noqa: E402
 
 G_DEFAULT = 32
 
@@ -240,20 +240,10 @@ def main():
     with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
         json.dump(dict(device=dev.device_kind, jax=jax.__version__, hbm_copy_gbps=hbm_rate / 1e9,
                        results=results), f, indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        tf = [r for r in results if r["tflops"] and r.get("op") in ("fwd", "fwd+bwd", "fp8")]
-        fig, ax = plt.subplots(figsize=(11, 5))
-        ax.barh([f"{r['name']} | {r['shape'].split(' K=')[-1]}" for r in tf],
-                [r["tflops"] for r in tf])
-        ax.set_xlabel("TFLOP/s (one H200)")
-        ax.invert_yaxis()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_gemm.png"), dpi=90)
-    except Exception as e:  # noqa: BLE001
-        print(f"plot skipped: {e}")
+    tf = [r for r in results if r["tflops"] and r.get("op") in ("fwd", "fwd+bwd", "fp8")]
+    barh_plot(os.path.join(args.out, "bench_gemm.png"),
+              [f"{r['name']} | {r['shape'].split(' K=')[-1]}" for r in tf],
+              [r["tflops"] for r in tf], "TFLOP/s (one H200)")
     print("\nwrote", os.path.join(args.out, "bench_gemm.json"))
 
 

@@ -33,7 +33,7 @@ from jax_ep import moe as _moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
-from harness import time_op  # noqa: E402
+from harness import barh_plot, time_op  # noqa: E402
 
 
 def rel_err(a, b):
@@ -212,20 +212,10 @@ def main():
         json.dump(dict(device=dev.device_kind, jax=jax.__version__, shape=tag, ranks=1,
                        gemm_fwd_ms=gemm_fwd_ms, gemm_fwd_bwd_ms=gemm_fb_ms, ratios=ratios,
                        results=results), f, indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        rs = [r for r in results if r["op"] in ("fwd", "fwd+bwd")]
-        fig, ax = plt.subplots(figsize=(10, 4))
-        ax.barh([r["name"] for r in rs], [r["ms"] for r in rs])
-        ax.set_xscale("log")
-        ax.set_xlabel(f"ms per layer, {tag}, one {dev.device_kind} (log scale)")
-        ax.invert_yaxis()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_moe.png"), dpi=90)
-    except Exception as e:  # noqa: BLE001
-        print(f"plot skipped: {e}")
+    rs = [r for r in results if r["op"] in ("fwd", "fwd+bwd")]
+    barh_plot(os.path.join(args.out, "bench_moe.png"), [r["name"] for r in rs],
+              [r["ms"] for r in rs], f"ms per layer, {tag}, one {dev.device_kind} (log scale)",
+              log=True, figsize=(10, 4))
     print("\nwrote", os.path.join(args.out, "bench_moe.json"))
 
 

@@ -94,3 +94,23 @@ def time_op(fn, args, n_short=2, n_long=8, reps=5):
     fl = scan_fn(mesh, fn, n_long)
     med, lo, hi, _ = time_slope(fs, fl, n_short, n_long, args, reps)
     return med, lo, hi
+
+
+def barh_plot(path, labels, values, xlabel, *, log=False, figsize=(11, 5)):
+    """A horizontal bar chart (first label on top) saved to path; says so and returns when
+    matplotlib is missing (the JSON beside it has every figure)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"plot skipped: {e}")
+        return
+    fig, ax = plt.subplots(figsize=figsize)
+    ax.barh(labels, values)
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)

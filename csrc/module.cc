@@ -59,26 +59,22 @@ NB_MODULE(_C, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_ep_layout"] = encapsulate(JaxEpLayout);
-    d["jax_ep_ht_dispatch"] = encapsulate(JaxEpHtDispatch);
-    d["jax_ep_ht_gather"] = encapsulate(JaxEpHtGather);
-    d["jax_ep_ht_combine"] = encapsulate(JaxEpHtCombine);
-    d["jax_ep_ll_dispatch"] = encapsulate(JaxEpLlDispatch);
-    d["jax_ep_ll_combine"] = encapsulate(JaxEpLlCombine);
-    d["jax_ep_ll_dispatch_send"] = encapsulate(JaxEpLlDispatchSend);
-    d["jax_ep_ll_dispatch_recv"] = encapsulate(JaxEpLlDispatchRecv);
-    d["jax_ep_ll_combine_send"] = encapsulate(JaxEpLlCombineSend);
-    d["jax_ep_ll_combine_recv"] = encapsulate(JaxEpLlCombineRecv);
     d["jax_ep_grouped_gemm"] = encapsulate(JaxEpGroupedGemm);
-    // The one-GPU multi-rank mode's twins (ffi/virtual_ranks.h).
-    d["jax_ep_ht_dispatch_vr"] = encapsulate(JaxEpHtDispatchVr);
-    d["jax_ep_ht_gather_vr"] = encapsulate(JaxEpHtGatherVr);
-    d["jax_ep_ht_combine_vr"] = encapsulate(JaxEpHtCombineVr);
-    d["jax_ep_ll_dispatch_vr"] = encapsulate(JaxEpLlDispatchVr);
-    d["jax_ep_ll_combine_vr"] = encapsulate(JaxEpLlCombineVr);
-    d["jax_ep_ll_dispatch_send_vr"] = encapsulate(JaxEpLlDispatchSendVr);
-    d["jax_ep_ll_dispatch_recv_vr"] = encapsulate(JaxEpLlDispatchRecvVr);
-    d["jax_ep_ll_combine_send_vr"] = encapsulate(JaxEpLlCombineSendVr);
-    d["jax_ep_ll_combine_recv_vr"] = encapsulate(JaxEpLlCombineRecvVr);
+    // Each communication handler and its one-GPU multi-rank twin, target name + "_vr"
+    // (ffi/virtual_ranks.h).
+    auto with_vr = [&d](const std::string& name, auto* fn, auto* vr) {
+      d[name.c_str()] = encapsulate(fn);
+      d[(name + "_vr").c_str()] = encapsulate(vr);
+    };
+    with_vr("jax_ep_ht_dispatch", JaxEpHtDispatch, JaxEpHtDispatchVr);
+    with_vr("jax_ep_ht_gather", JaxEpHtGather, JaxEpHtGatherVr);
+    with_vr("jax_ep_ht_combine", JaxEpHtCombine, JaxEpHtCombineVr);
+    with_vr("jax_ep_ll_dispatch", JaxEpLlDispatch, JaxEpLlDispatchVr);
+    with_vr("jax_ep_ll_combine", JaxEpLlCombine, JaxEpLlCombineVr);
+    with_vr("jax_ep_ll_dispatch_send", JaxEpLlDispatchSend, JaxEpLlDispatchSendVr);
+    with_vr("jax_ep_ll_dispatch_recv", JaxEpLlDispatchRecv, JaxEpLlDispatchRecvVr);
+    with_vr("jax_ep_ll_combine_send", JaxEpLlCombineSend, JaxEpLlCombineSendVr);
+    with_vr("jax_ep_ll_combine_recv", JaxEpLlCombineRecv, JaxEpLlCombineRecvVr);
     return d;
   });
   m.def("init_group", &jax_ep::init_group, nb::arg("devices"),

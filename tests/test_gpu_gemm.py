@@ -19,16 +19,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
-from helpers import run_with_command_buffers
+from helpers import gpu_devices, poison_gpu_memory, run_with_command_buffers
 
 pytestmark = pytest.mark.gpu
 
 
 def _gpu():
-    try:
-        g = [d for d in jax.devices() if d.platform == "gpu"]
-    except RuntimeError:
-        g = []
+    g = gpu_devices()
     if not g:
         pytest.skip("needs a GPU")
     if not jax_ep.runtime.extension().gemm_built():
@@ -37,8 +34,7 @@ def _gpu():
 
 
 def _poison():
-    a = jnp.full((256 << 20,), 0xFF, jnp.uint8).block_until_ready()
-    del a
+    poison_gpu_memory(256)
 
 
 def _rel(got, want):

@@ -363,11 +363,7 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   .Attr<int64_t>("num_blocks") \
   .Attr<int64_t>("num_experts") \
   .Attr<ffi::Span<const int64_t>>("stage")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DISPATCH,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtDispatchVr, JAX_EP_VIRTUAL_RANKS(HtDispatchImpl),
-                              JAX_EP_BIND_HT_DISPATCH);
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DISPATCH);
 
 #define JAX_EP_BIND_HT_GATHER \
   ffi::Ffi::Bind() \
@@ -383,11 +379,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtDispatchVr, JAX_EP_VIRTUAL_RANKS(HtDispatch
   .Attr<int64_t>("timeout_ns") \
   .Attr<int64_t>("num_blocks") \
   .Attr<ffi::Span<const int64_t>>("stage")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtGatherVr, JAX_EP_VIRTUAL_RANKS(HtGatherImpl),
-                              JAX_EP_BIND_HT_GATHER);
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER);
 
 #define JAX_EP_BIND_HT_COMBINE \
   ffi::Ffi::Bind() \
@@ -402,8 +394,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtGatherVr, JAX_EP_VIRTUAL_RANKS(HtGatherImpl
   .Attr<int64_t>("timeout_ns") \
   .Attr<int64_t>("num_blocks") \
   .Attr<ffi::Span<const int64_t>>("stage")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpHtCombineVr, JAX_EP_VIRTUAL_RANKS(HtCombineImpl),
-                              JAX_EP_BIND_HT_COMBINE);
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE);

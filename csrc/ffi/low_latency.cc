@@ -405,22 +405,14 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
   .Ret<ffi::AnyBuffer>()  /* src_rows [R*M, K] */ \
   .Ret<ffi::Buffer<ffi::S32>>()  /* stats [2] */ \
   .Attrs<LlAttrs>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatch, LlDispatchImpl, JAX_EP_BIND_LL_DISPATCH,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchVr, JAX_EP_VIRTUAL_RANKS(LlDispatchImpl),
-                              JAX_EP_BIND_LL_DISPATCH);
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatch, LlDispatchImpl, JAX_EP_BIND_LL_DISPATCH);
 
 #define JAX_EP_BIND_LL_DISPATCH_SEND \
   JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* x */ \
   .Arg<ffi::AnyBuffer>()  /* topk_idx */ \
   .Ret<ffi::Buffer<ffi::S32>>()  /* stats [2] (the ticket) */ \
   .Attrs<LlAttrs>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSend, LlDispatchSendImpl, JAX_EP_BIND_LL_DISPATCH_SEND,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendVr, JAX_EP_VIRTUAL_RANKS(LlDispatchSendImpl),
-                              JAX_EP_BIND_LL_DISPATCH_SEND);
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchSend, LlDispatchSendImpl, JAX_EP_BIND_LL_DISPATCH_SEND);
 
 #define JAX_EP_BIND_LL_DISPATCH_RECV \
   JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* ticket [2] */ \
@@ -431,11 +423,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendVr, JAX_EP_VIRTUAL_RANKS(LlDisp
   .Ret<ffi::AnyBuffer>()  /* recv_slot */ \
   .Ret<ffi::AnyBuffer>()  /* src_rows */ \
   .Attrs<LlAttrs>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecv, LlDispatchRecvImpl, JAX_EP_BIND_LL_DISPATCH_RECV,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvVr, JAX_EP_VIRTUAL_RANKS(LlDispatchRecvImpl),
-                              JAX_EP_BIND_LL_DISPATCH_RECV);
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchRecv, LlDispatchRecvImpl, JAX_EP_BIND_LL_DISPATCH_RECV);
 
 #define JAX_EP_BIND_LL_COMBINE \
   JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* y [L, R*M, H] bf16 */ \
@@ -447,11 +435,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvVr, JAX_EP_VIRTUAL_RANKS(LlDisp
   .Arg<ffi::AnyBuffer>()  /* topk_weights [T, K] f32 */ \
   .Ret<ffi::AnyBuffer>()  /* out [T, H] bf16 */ \
   .Attrs<LlAttrs>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombine, LlCombineImpl, JAX_EP_BIND_LL_COMBINE,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineVr, JAX_EP_VIRTUAL_RANKS(LlCombineImpl),
-                              JAX_EP_BIND_LL_COMBINE);
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombine, LlCombineImpl, JAX_EP_BIND_LL_COMBINE);
 
 #define JAX_EP_BIND_LL_COMBINE_SEND \
   JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* y */ \
@@ -463,11 +447,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineVr, JAX_EP_VIRTUAL_RANKS(LlCombineIm
   .Arg<ffi::AnyBuffer>()  /* topk_weights */ \
   .Ret<ffi::Buffer<ffi::S32>>()  /* ticket [1] */ \
   .Attrs<LlAttrs>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSend, LlCombineSendImpl, JAX_EP_BIND_LL_COMBINE_SEND,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendVr, JAX_EP_VIRTUAL_RANKS(LlCombineSendImpl),
-                              JAX_EP_BIND_LL_COMBINE_SEND);
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineSend, LlCombineSendImpl, JAX_EP_BIND_LL_COMBINE_SEND);
 
 #define JAX_EP_BIND_LL_COMBINE_RECV \
   JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* ticket [1] */ \
@@ -475,8 +455,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendVr, JAX_EP_VIRTUAL_RANKS(LlCombi
   .Arg<ffi::AnyBuffer>()  /* topk_weights */ \
   .Ret<ffi::AnyBuffer>()  /* out */ \
   .Attrs<LlAttrs>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecv, LlCombineRecvImpl, JAX_EP_BIND_LL_COMBINE_RECV,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-// The same body over R virtual ranks on one device (ffi/virtual_ranks.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvVr, JAX_EP_VIRTUAL_RANKS(LlCombineRecvImpl),
-                              JAX_EP_BIND_LL_COMBINE_RECV);
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineRecv, LlCombineRecvImpl, JAX_EP_BIND_LL_COMBINE_RECV);

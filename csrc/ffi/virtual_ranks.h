@@ -11,6 +11,8 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "runtime/virtual_ranks.h"
 #include "xla/ffi/api/ffi.h"
@@ -85,22 +87,23 @@ struct Ranks<xla::ffi::Error (*)(cudaStream_t, int32_t, Ts...), impl> {
     // the device's rank streams, events and call counter are shared by every op
     std::lock_guard<std::mutex> lock(rank_streams_mutex(device));
     // Dry run of rank 0: shapes, attributes and the residency of every launch; nothing runs.
+    // Slicing rank 0 also learns the rank count, the leading dimension of the stacked buffers
+    // (all must agree; a braced list slices them in order).
     Slices probe;
+    std::tuple<Ts...> rank0{Slicer<Ts>::apply(probe, xs)...};
+    if (!probe.error.empty()) return fail(probe.error);
+    if (probe.num_ranks < 1 || probe.num_ranks > kMaxRanks)
+      return fail("the stacked operands name " + std::to_string(probe.num_ranks) +
+                  " ranks; 1 to " + std::to_string(kMaxRanks) + " are supported");
     VirtualRank v;
     v.device = device;
     v.dry_run = true;
+    v.num_ranks = static_cast<int>(probe.num_ranks);
     {
-      probe.rank = 0;
-      // The rank count is the leading dimension of the stacked buffers (all must agree).
-      Slices learn;
-      (void)std::initializer_list<int>{(Slicer<Ts>::apply(learn, xs), 0)...};
-      if (!learn.error.empty()) return fail(learn.error);
-      if (learn.num_ranks < 1 || learn.num_ranks > kMaxRanks)
-        return fail("the stacked operands name " + std::to_string(learn.num_ranks) +
-                    " ranks; 1 to " + std::to_string(kMaxRanks) + " are supported");
-      v.num_ranks = static_cast<int>(learn.num_ranks);
       VirtualRankScope scope(&v);
-      xla::ffi::Error e = impl(stream, device, Slicer<Ts>::apply(probe, xs)...);
+      xla::ffi::Error e = std::apply(
+          [&](auto&&... a) { return impl(stream, device, std::forward<decltype(a)>(a)...); },
+          std::move(rank0));
       if (e.failure()) return e;
       if (!v.error.empty()) return fail(v.error);
     }
@@ -133,3 +136,10 @@ struct Ranks<xla::ffi::Error (*)(cudaStream_t, int32_t, Ts...), impl> {
 
 // The virtual-rank handler of a production handler body.
 #define JAX_EP_VIRTUAL_RANKS(impl) (&::jax_ep::vr::Ranks<decltype(&impl), &impl>::call)
+
+// A production handler `name` (command-buffer compatible) and its virtual-rank twin `name`Vr,
+// both bound by `binding`.
+#define JAX_EP_DEFINE_HANDLER_AND_VR(name, impl, binding)                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding,                                           \
+                                {xla::ffi::Traits::kCmdBufferCompatible});                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Vr, JAX_EP_VIRTUAL_RANKS(impl), binding)

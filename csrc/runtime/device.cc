@@ -9,7 +9,6 @@
 namespace jax_ep {
 
 int device_sm_count(int device) {
-  constexpr int kMaxDevices = 256;
   static std::atomic<int> cache[kMaxDevices];  // 0: not read yet
   const bool cached = device >= 0 && device < kMaxDevices;
   int sms = cached ? cache[device].load(std::memory_order_relaxed) : 0;

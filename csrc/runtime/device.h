@@ -3,6 +3,9 @@
 
 namespace jax_ep {
 
+// CUDA ordinals the per-device caches and tables of the runtime hold.
+constexpr int kMaxDevices = 256;
+
 // Multiprocessor count of `device` (0 when it cannot be read). Cached per device.
 int device_sm_count(int device);
 

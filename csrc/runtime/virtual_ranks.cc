@@ -53,7 +53,6 @@ struct RankStreams {
 };
 
 namespace {
-constexpr int kMaxDevices = 256;
 std::mutex g_mu;
 RankStreams* g_streams[kMaxDevices] = {};
 std::mutex g_call_mu[kMaxDevices];
