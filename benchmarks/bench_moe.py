@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_ep
-from jax_ep import moe as _moe
+from jax_ep import high_throughput as _ht, moe as _moe, reference as _ref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
@@ -156,20 +156,21 @@ def main():
         jax_ep.dispatch(x, idx, w, num_experts=L, backend=be)))(x, idx, w)
 
     def p_reorder(recv_x, recv_idx):
-        order, inv, _ = _moe._expert_major(recv_idx, L)
-        return _moe._expand(recv_x, order, inv, K)
-    record("  part: expert-major order and rows (argsort + gather)",
+        lay = _ref.expert_layout(recv_idx, num_local_experts=L, capacity=M, alignment=1)
+        return _ht._expand(recv_x, lay["src"], lay["row_of"], K)
+    record("  part: expert-major order and rows (sort + gather)",
            time_op(p_reorder, res, reps=reps), impl="ours", op="part")
     h = jnp.asarray(rng.standard_normal((M, 2 * I)), jnp.bfloat16)
     record("  part: silu(gate) * up", time_op(lambda h: _moe._act(h).astype(jnp.bfloat16),
                                                 (h,), reps=reps), impl="ours", op="part")
 
-    def p_wsum(y, wk, order, inv):
-        return _moe._reduce(y, wk, order, inv, K)
-    order = jnp.asarray(rng.permutation(M), jnp.int32)
-    inv = jnp.zeros((M,), jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))
+    def p_wsum(y, wk, src, row_of):
+        return _ht._reduce(y, wk, src, row_of, K)
+    src = jnp.asarray(rng.permutation(M), jnp.int32)
+    row_of = jnp.zeros((M,), jnp.int32).at[src].set(jnp.arange(M, dtype=jnp.int32))
     wk = jnp.asarray(rng.random((T, K)), jnp.float32)
-    record("  part: weighted sum per row", time_op(p_wsum, (ct2, wk, order, inv), reps=reps),
+    record("  part: weighted sum per row",
+           time_op(p_wsum, (ct2, wk, src, row_of.reshape(T, K)), reps=reps),
            impl="ours", op="part")
 
     def p_combine(x, idx, w):

@@ -5,7 +5,8 @@ The communication ops run per shard inside `jax.shard_map` over the EP axis; the
 run anywhere. Every public function's docstring gives its arguments and results; the full
 contract is the project's docs/API.md.
 """
-from jax_ep.high_throughput import DispatchHandle, DispatchResult, combine, dispatch
+from jax_ep.high_throughput import (DispatchHandle, DispatchResult, ExpertDispatchHandle,
+                                    ExpertDispatchResult, combine, dispatch)
 from jax_ep.low_latency import (LowLatencyHandle, LowLatencyPending, LowLatencyResult,
                                 low_latency_combine, low_latency_combine_recv,
                                 low_latency_combine_send, low_latency_dispatch,
@@ -20,7 +21,8 @@ from jax_ep.grouped_gemm import (Fp8Weights, dequantize_fp8_weights, grouped_mat
                                  grouped_matmul_masked, quantize_fp8_weights)
 
 __all__ = [
-    "dispatch", "combine", "DispatchResult", "DispatchHandle",
+    "dispatch", "combine", "DispatchResult", "DispatchHandle", "ExpertDispatchResult",
+    "ExpertDispatchHandle",
     "low_latency_dispatch", "low_latency_combine", "LowLatencyResult", "LowLatencyHandle",
     "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send",
     "low_latency_combine_recv", "LowLatencyPending",

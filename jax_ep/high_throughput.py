@@ -35,6 +35,33 @@ class DispatchResult(NamedTuple):
     handle: DispatchHandle
 
 
+class ExpertDispatchHandle(NamedTuple):
+    """What combine needs after a `layout="expert"` dispatch. A pytree of arrays."""
+    rank: DispatchHandle    # the rank-major receive underneath
+    row_of: jax.Array       # [C, K] int32: expert-major row of slot (c, k), or -1 (slots
+                            # naming one expert share the row)
+    src: jax.Array          # [capacity] int32: c * K + k held by each row, -1 on padding
+    weights: jax.Array      # [C, K] float32: each slot's routing weight (1 without weights)
+    num_dropped: jax.Array  # [] int32: tokens and (token, expert) rows that did not fit
+
+    @property
+    def num_invalid(self):
+        return self.rank.num_invalid
+
+
+class ExpertDispatchResult(NamedTuple):
+    recv_x: Any                          # [capacity, H] expert-major rows (or the FP8 tuple)
+    recv_weights: Optional[jax.Array]    # [capacity] float32 routing weight of each row
+    expert_sizes: jax.Array              # [L] int32 segment lengths (group sizes of a GEMM)
+    expert_offsets: jax.Array            # [L] int32 segment starts
+    recv_tokens_per_expert: jax.Array    # [L] int32 rows holding data per expert
+    recv_count: jax.Array                # [] int32 rows up to the end of the last segment
+    handle: ExpertDispatchHandle
+
+
+LAYOUTS = ("rank", "expert")
+
+
 # ---------------------------------------------------------------------------------------------
 # Backend cores (no autodiff here)
 # ---------------------------------------------------------------------------------------------
@@ -173,18 +200,108 @@ _combine_diff.defvjp(_combine_fwd, _combine_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
+# The expert-major layout: a receiver-side move of the received rows (no communication). Both
+# moves are gathers, and so are their transposes (autodiff of a gather would scatter-add).
+# ---------------------------------------------------------------------------------------------
+
+def _take_rows(a, rows):
+    """a[rows] with zeros where rows is -1."""
+    n = a.shape[0]
+    if n == 0:      # nothing received (T = 0): every row is padding
+        return _ffi.varying([jnp.zeros(rows.shape + a.shape[1:], a.dtype), a, rows])[0]
+    return a.at[jnp.where(rows >= 0, rows, n)].get(mode="fill", fill_value=0)
+
+
+def _pair_weights(w, row_of):
+    """[C, K]: for each slot, the summed weight of the slots sharing its row (0 without one)."""
+    same = (row_of[:, :, None] == row_of[:, None, :]) & (row_of[:, :, None] >= 0)
+    return jnp.sum(jnp.where(same, w.astype(jnp.float32)[:, None, :], 0.0), axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expand(x, src, row_first, K):
+    """[C, H] received rows -> [capacity, H] expert-major rows (row j holds x[src[j] // K]).
+    row_first: row_of on the first slot of each pair, -1 on the others."""
+    return _take_rows(x, jnp.where(src >= 0, src // K, -1))
+
+
+def _expand_fwd(x, src, row_first, K):
+    return _expand(x, src, row_first, K), (src, row_first)
+
+
+def _expand_bwd(K, res, g):
+    src, row_first = res
+    C = row_first.shape[0]
+    dx = jnp.sum(_take_rows(g, row_first.reshape(C * K)).reshape(C, K, *g.shape[1:])
+                 .astype(jnp.float32), axis=1)
+    return dx.astype(g.dtype), None, None
+
+
+_expand.defvjp(_expand_fwd, _expand_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _reduce(y, w, src, row_of, K):
+    """[capacity, H] expert-major rows, [C, K] weights -> [C, H] float32: row c is
+    sum_k w[c, k] * y[row_of[c, k]] over the slots with a row."""
+    C = w.shape[0]
+    # a product and a sum (not an einsum, which XLA would make a batched dot of the gathered
+    # rows): one fusion that reads each row of y once
+    yg = _take_rows(y, row_of.reshape(C * K)).reshape(C, K, y.shape[-1]).astype(jnp.float32)
+    return jnp.sum(yg * w.astype(jnp.float32)[:, :, None], axis=1)
+
+
+def _reduce_fwd(y, w, src, row_of, K):
+    return _reduce(y, w, src, row_of, K), (y, w, src, row_of)
+
+
+def _reduce_bwd(K, res, g):
+    y, w, src, row_of = res
+    C = w.shape[0]
+    wj = _take_rows(_pair_weights(w, row_of).reshape(C * K), src)
+    dy = (_take_rows(g, jnp.where(src >= 0, src // K, -1)) * wj[:, None]).astype(y.dtype)
+    yg = _take_rows(y, row_of.reshape(C * K)).reshape(C, K, y.shape[-1]).astype(jnp.float32)
+    dw = jnp.sum(g[:, None, :] * yg, axis=-1)
+    return dy, dw.astype(w.dtype), None, None
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def _to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weights):
+    """A rank-major receive -> ExpertDispatchResult."""
+    C, K = ridx.shape
+    lay = ref.expert_layout(ridx, num_local_experts=L, capacity=capacity, alignment=alignment)
+    src, row_of = lay["src"], lay["row_of"]
+    if isinstance(recv_x, tuple):    # FP8: forward only
+        rows = jnp.where(src >= 0, src // K, -1)
+        xe = tuple(_take_rows(a, rows) for a in recv_x)
+    else:
+        xe = _expand(recv_x, src, jnp.where(ref.first_occurrence(ridx), row_of, -1), K)
+    w = rw if has_weights else (ridx >= 0).astype(jnp.float32)
+    we = _take_rows(_pair_weights(w, row_of).reshape(C * K), src)
+    ehandle = ExpertDispatchHandle(handle, row_of, src, w,
+                                   handle.num_dropped + lay["num_dropped"])
+    return ExpertDispatchResult(xe, we if has_weights else None, lay["expert_sizes"],
+                                lay["expert_offsets"], lay["counts"], lay["recv_count"],
+                                ehandle)
+
+
+# ---------------------------------------------------------------------------------------------
 # Public ops
 # ---------------------------------------------------------------------------------------------
 
 def _check_counts(check, handle, axis_name):
     if not runtime.check_enabled(check):
         return
+    what = ("tokens or (token, expert) rows" if isinstance(handle, ExpertDispatchHandle)
+            else "tokens")
 
     def raise_if(num_invalid, num_dropped, total):
         if int(total[0]) or int(total[1]):
             raise RuntimeError(
                 f"jax_ep.dispatch(check=True): {int(num_invalid)} expert ids outside [-1, E) "
-                f"and {int(num_dropped)} tokens dropped for lack of capacity on this rank "
+                f"and {int(num_dropped)} {what} dropped for lack of capacity on this rank "
                 f"({int(total[0])} and {int(total[1])} over all shards)")
 
     total = _checks.sum_over_shards(jnp.stack([handle.num_invalid, handle.num_dropped]),
@@ -193,7 +310,7 @@ def _check_counts(check, handle, axis_name):
 
 
 def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", capacity=None,
-             backend="auto", check=None) -> DispatchResult:
+             layout="rank", expert_alignment=1, backend="auto", check=None):
     """Send each token once to every rank that holds one of its top-k experts.
 
     Runs per shard inside `jax.shard_map` over `axis_name` (R ranks on that axis; expert e lives
@@ -210,7 +327,12 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
       axis_name: the EP axis of the enclosing shard_map.
       capacity: rows of the receive buffer (static, below 2^31). Default R * T, the worst
         case: nothing is ever dropped. Tokens past it are dropped and counted in
-        `handle.num_dropped`.
+        `handle.num_dropped`. With layout="expert": rows of the expert-major buffer, default
+        R * T * K + L * (expert_alignment - 1), the worst case.
+      layout: "rank" (one row per received token, by source rank) or "expert" (one row per
+        (token, local expert) pair, grouped by expert: `ExpertDispatchResult`).
+      expert_alignment: with layout="expert", every expert's segment starts at a multiple of
+        it (static int >= 1).
       backend: "auto" (CUDA kernels on GPUs, else the reference), "reference" or "cuda".
       check: True raises when ids were invalid or tokens dropped (default: JAX_EP_CHECK).
 
@@ -220,6 +342,11 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
       after); `recv_topk_idx` `[capacity, K]` local expert ids (-1 for other ranks' experts and
       padding); `recv_topk_weights` `[capacity, K]` float32 (0 where the id is -1; None without
       topk_weights); `recv_count` `[]`; `recv_tokens_per_expert` `[L]`; `handle` for `combine`.
+      With layout="expert", an ExpertDispatchResult: `recv_x` `[capacity, H]` with expert e's
+      rows at `[expert_offsets[e], expert_offsets[e] + recv_tokens_per_expert[e])` (source
+      rank, then token), zeros elsewhere; `recv_weights` `[capacity]` float32 (None without
+      topk_weights); `expert_sizes` `[L]` (segment lengths with alignment padding: the
+      `group_sizes` of `grouped_matmul` over recv_x); `recv_count`; `handle` for `combine`.
 
     Differentiable in x (its cotangent is `combine` of recv_x's) and topk_weights; an FP8
     dispatch is forward-only. The contract in full: docs/API.md.
@@ -254,11 +381,22 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
     if R * T > _checks.INT32_LIMIT:
         raise ValueError(f"x: R * T = {R * T} tokens in the EP group; row ids are int32, so it "
                          f"must be < 2^31")
-    capacity = R * T if capacity is None else _checks.static_int("capacity", capacity, 1)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}")
+    A = _checks.static_int("expert_alignment", expert_alignment, 1)
+    if layout == "rank" and A != 1:
+        raise ValueError(f"expert_alignment={A} applies to layout='expert' only (the rank-major "
+                         "layout has no expert segments)")
+    K, L = topk_idx.shape[1], num_experts // R
+    worst = R * T if layout == "rank" else R * T * K + L * (A - 1)
+    capacity = worst if capacity is None else _checks.static_int("capacity", capacity, 1)
     if capacity > _checks.INT32_LIMIT:
         raise ValueError(f"capacity={capacity}: rows are indexed in int32, so it must be < 2^31 "
-                         f"(at most R * T = {R * T} rows can arrive)")
-    cfg = _Config(int(num_experts), capacity, axis_name, be)
+                         f"(at most {worst} rows can arrive)")
+    # Expert-major: every received token has at least one pair here, so min(R * T, capacity)
+    # received rows drop nothing whenever all pairs fit.
+    cfg = _Config(int(num_experts), capacity if layout == "rank" else min(R * T, capacity),
+                  axis_name, be)
     idx = _checks.int32_ids(topk_idx, num_experts)
     w = (jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None
          else topk_weights.astype(jnp.float32))
@@ -271,39 +409,55 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
         # the transpose of that cast, and the custom VJP's output types match its inputs.
         x, w = _ffi.varying([x, w, idx], axis_name)[:2]
         recv_x, ridx, rw, per_expert, handle = _dispatch_diff(x, w, idx, cfg)
+    if layout == "expert":
+        res = _to_expert_major(recv_x, ridx, rw, handle, L, capacity, A,
+                               topk_weights is not None)
+        _check_counts(check, res.handle, axis_name)
+        return res
     _check_counts(check, handle, axis_name)
     return DispatchResult(recv_x, ridx, None if topk_weights is None else rw,
                           handle.recv_count, per_expert, handle)
 
 
-def combine(y, handle: DispatchHandle, *, axis_name="ep", backend="auto", check=None):
+def combine(y, handle, *, axis_name="ep", backend="auto", check=None):
     """Send expert outputs back to their tokens and sum them: the transpose of `dispatch`.
 
     Args:
       y: `[capacity, H]` float32, bfloat16 or float16, one row per `recv_x` row of the dispatch
-        (typically the weighted sum of the local experts' outputs).
-      handle: the dispatch's `handle`.
+        (typically the weighted sum of the local experts' outputs; with layout="expert", one
+        row per (token, expert) row, unweighted).
+      handle: the dispatch's `handle` (a DispatchHandle or an ExpertDispatchHandle).
       axis_name, backend: as for `dispatch`. `check` is accepted and has no effect.
 
     Returns:
       `[T, H]` in y's dtype: for each token, the sum over the ranks that received it of their
-      row, accumulated in float32; a token sent nowhere gives 0. Differentiable in y (its
-      cotangent is the dispatch of out's).
+      row, accumulated in float32; a token sent nowhere gives 0. After a layout="expert"
+      dispatch each rank first sums its rows of the token weighted by their routing weights
+      (1 without topk_weights), in float32, rounded once to y's dtype. Differentiable in y
+      (its cotangent is the dispatch of out's) and, for the expert layout, in the routing
+      weights of the dispatch.
     """
     del check  # combine cannot drop or see invalid ids; accepted for uniformity
-    if not isinstance(handle, DispatchHandle):
-        raise TypeError(f"handle: expected the DispatchHandle of a dispatch, got "
-                        f"{type(handle).__name__}")
+    expert = isinstance(handle, ExpertDispatchHandle)
+    if not isinstance(handle, (DispatchHandle, ExpertDispatchHandle)):
+        raise TypeError(f"handle: expected the handle of a dispatch (DispatchHandle or "
+                        f"ExpertDispatchHandle), got {type(handle).__name__}")
+    rank = handle.rank if expert else handle
     _checks.expect_rank("y", y, 2, "[capacity, H]")
     _checks.expect_dtype("y", y, _checks.FLOAT_DTYPES)
-    C = handle.recv_src.shape[0]
+    C = (handle.src if expert else rank.recv_src).shape[0]
     if y.shape[0] != C:
         raise ValueError(f"y: has {y.shape[0]} rows, expected capacity={C} (one per recv_x row "
                          "of the dispatch)")
-    be = _checks.resolve_backend(backend, empty=handle.send_rows.shape[0] == 0)
+    be = _checks.resolve_backend(backend, empty=rank.send_rows.shape[0] == 0)
     R, _ = ref.axis_info(axis_name)
-    if handle.send_rows.shape[1] != R:
-        raise ValueError(f"handle: made for an EP group of {handle.send_rows.shape[1]} ranks, "
+    if rank.send_rows.shape[1] != R:
+        raise ValueError(f"handle: made for an EP group of {rank.send_rows.shape[1]} ranks, "
                          f"but axis {axis_name!r} has {R}")
-    (y,) = _ffi.varying([y, handle.recv_src], axis_name)[:1]
-    return _combine_diff(y, handle, _Config(0, C, axis_name, be))
+    cfg = _Config(0, rank.recv_src.shape[0], axis_name, be)
+    if expert:
+        y, w = _ffi.varying([y, handle.weights, rank.recv_src], axis_name)[:2]
+        y = _reduce(y, w, handle.src, handle.row_of, handle.row_of.shape[1]).astype(y.dtype)
+    else:
+        (y,) = _ffi.varying([y, rank.recv_src], axis_name)[:1]
+    return _combine_diff(y, rank, cfg)

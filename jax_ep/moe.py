@@ -7,8 +7,6 @@ routed to it).
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -38,69 +36,6 @@ def _act(h):
     return jax.nn.silu(h[..., :I]) * h[..., I:]
 
 
-def _expert_major(recv_topk_idx, L):
-    """The (row, slot) pairs p = row * K + slot in expert-major order: order[j] is the pair at
-    position j (stable: by row, then slot; pairs naming no local expert last, past the groups),
-    inv its inverse, and the rows per expert."""
-    C, K = recv_topk_idx.shape
-    key = jnp.where(recv_topk_idx >= 0, recv_topk_idx, L).reshape(C * K)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    inv = jnp.zeros((C * K,), jnp.int32).at[order].set(jnp.arange(C * K, dtype=jnp.int32),
-                                                      unique_indices=True)
-    sizes = jnp.zeros((L + 1,), jnp.int32).at[key].add(1)[:L]
-    return order, inv, sizes
-
-
-# The two moves between the received rows and the expert-major rows, with backward passes that
-# use the inverse permutation: each is then a gather (plus a sum over the K slots), where
-# autodiff of a gather would scatter-add every row into its place.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _expand(x, order, inv, K):
-    """[C, H] received rows -> [C * K, H] expert-major rows (row order[j] // K at j)."""
-    return x[order // K]
-
-
-def _expand_fwd(x, order, inv, K):
-    return _expand(x, order, inv, K), inv
-
-
-def _expand_bwd(K, inv, g):
-    C = inv.shape[0] // K
-    dx = jnp.sum(g[inv].reshape(C, K, g.shape[-1]).astype(jnp.float32), axis=1)
-    return dx.astype(g.dtype), None, None
-
-
-_expand.defvjp(_expand_fwd, _expand_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _reduce(y, w, order, inv, K):
-    """[C * K, H] expert-major outputs, [C, K] weights -> [C, H] float32: row c is
-    sum_k w[c, k] * y[inv[c * K + k]]."""
-    C = w.shape[0]
-    # a product and a sum (not an einsum, which XLA would make a batched dot of the gathered
-    # rows): one fusion that reads each row of y once
-    yg = y[inv].reshape(C, K, y.shape[-1]).astype(jnp.float32)
-    return jnp.sum(yg * w.astype(jnp.float32)[:, :, None], axis=1)
-
-
-def _reduce_fwd(y, w, order, inv, K):
-    return _reduce(y, w, order, inv, K), (y, w, order, inv)
-
-
-def _reduce_bwd(K, res, g):
-    y, w, order, inv = res
-    C = w.shape[0]
-    wp = w.reshape(C * K).astype(jnp.float32)[order]
-    dy = (g[order // K] * wp[:, None]).astype(y.dtype)
-    dw = jnp.sum(g[:, None, :] * y[inv].reshape(C, K, y.shape[-1]).astype(jnp.float32),
-                 axis=-1)
-    return dy, dw.astype(w.dtype), None, None
-
-
-_reduce.defvjp(_reduce_fwd, _reduce_bwd)
-
-
 def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_name="ep",
             mode="high_throughput", capacity=None, use_fp8=False, max_tokens_per_rank=None,
             backend="auto"):
@@ -121,7 +56,7 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
       mode: "high_throughput" (training, prefill: `dispatch` / `combine`, `grouped_matmul`) or
         "low_latency" (decoding: `low_latency_dispatch` / `low_latency_combine`,
         `grouped_matmul_masked`; needs max_tokens_per_rank).
-      capacity: high-throughput receive rows (default R * T, nothing dropped).
+      capacity: high-throughput expert-major rows (default R * T * K, nothing dropped).
       use_fp8: dispatch FP8 activations into the FP8 GEMM of w_gate_up (an `Fp8Weights`);
         forward only.
       backend: "auto", "reference" or "cuda" for every op of the layer.
@@ -166,21 +101,12 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         raise ValueError("max_tokens_per_rank is a low-latency setting (mode='low_latency')")
     xin = ref.quantize_fp8(x) if use_fp8 else x
     res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
-                   capacity=capacity, backend=backend)
-    C, K = res.recv_topk_idx.shape
-    order, inv, sizes = _expert_major(res.recv_topk_idx, L)
-    if use_fp8:   # forward only: plain gathers
-        xq, xs = res.recv_x
-        h = grouped_gemm.grouped_matmul((xq[order // K], xs[order // K]), w_gate_up, sizes,
-                                        backend=backend)
-    else:
-        h = grouped_gemm.grouped_matmul(_expand(res.recv_x, order, inv, K), w_gate_up, sizes,
-                                        backend=backend)
+                   capacity=capacity, layout="expert", backend=backend)
+    h = grouped_gemm.grouped_matmul(res.recv_x, w_gate_up, res.expert_sizes, backend=backend)
     a = _act(h).astype(w_down.dtype)
-    y = grouped_gemm.grouped_matmul(a, w_down, sizes, backend=backend)       # [C * K, H]
-    # Pairs naming no local expert (weight 0) sit past the groups, where y is zero.
-    y_rows = _reduce(y, res.recv_topk_weights, order, inv, K)
-    return combine(y_rows.astype(x.dtype), res.handle, axis_name=axis_name, backend=backend)
+    y = grouped_gemm.grouped_matmul(a, w_down, res.expert_sizes, backend=backend)
+    # combine weights each (token, expert) row and sums per token
+    return combine(y.astype(x.dtype), res.handle, axis_name=axis_name, backend=backend)
 
 
 def _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts, axis_name,

@@ -155,6 +155,51 @@ def ht_dispatch(xs, topk_idx, topk_weights, *, num_experts, capacity, axis_name)
     return recv_xs, recv_topk_idx, recv_topk_weights, per_expert, lay
 
 
+def expert_layout(recv_topk_idx, *, num_local_experts, capacity, alignment):
+    """Where each received (row, local expert) pair goes in the expert-major layout.
+
+    A pair is a row and a local expert it names (a row naming one expert in two slots is one
+    pair). Pairs of local expert e form segment e; segments follow in expert order, each
+    starting at a multiple of `alignment`, pairs inside one in row order, i.e. source rank,
+    then token (the received rows' order). Pairs whose row would land at or past `capacity`
+    are dropped.
+
+    Returns a dict: row_of [C, K] (expert-major row of the pair of slot (c, k), -1 when the slot
+    names no local expert or its pair was dropped; slots naming one expert share the row),
+    src [capacity] (c * K + k of the first slot of the pair held by each row, -1 on padding),
+    expert_sizes [L] (segment lengths, padding included: the group sizes of a grouped GEMM
+    over the rows), expert_offsets [L] (segment starts), counts [L] (pairs held per expert),
+    recv_count (rows up to the end of the last segment) and num_dropped (pairs past capacity).
+    """
+    C, K = recv_topk_idx.shape
+    L, P, A = num_local_experts, C * K, alignment
+    first = first_occurrence(recv_topk_idx)
+    key = jnp.where(first, recv_topk_idx, L).reshape(P)                     # L: no new pair
+    counts = jnp.zeros((L + 1,), jnp.int32).at[key].add(1)[:L]
+    padded = (counts + (A - 1)) // A * A
+    offsets = (jnp.cumsum(padded) - padded).astype(jnp.int32)               # aligned starts
+    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)                 # starts unaligned
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)                  # by expert, slot
+    e = jnp.minimum(key[order], L - 1)
+    pos_sorted = jnp.where(key[order] < L,
+                           offsets[e] + jnp.arange(P, dtype=jnp.int32) - starts[e], capacity)
+    pos = jnp.zeros((P,), jnp.int32).at[order].set(pos_sorted, unique_indices=True)
+    keep = pos < capacity
+    src = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(keep, pos, capacity)].set(
+        jnp.arange(P, dtype=jnp.int32), mode="drop", unique_indices=True)
+    # every slot takes the row of the first slot naming its expert
+    same = recv_topk_idx[:, :, None] == recv_topk_idx[:, None, :]           # [C, k, k']
+    first_slot = jnp.argmax(same, axis=2)                                    # [C, K]
+    row = jnp.where(keep, pos, -1).reshape(C, K)
+    row_of = jnp.where(recv_topk_idx >= 0, jnp.take_along_axis(row, first_slot, axis=1), -1)
+    room = jnp.maximum(capacity - offsets, 0)
+    sizes = jnp.minimum(padded, room).astype(jnp.int32)
+    held = jnp.minimum(counts, room).astype(jnp.int32)
+    return dict(row_of=row_of, src=src, expert_sizes=sizes, expert_offsets=offsets,
+                counts=held, recv_count=jnp.sum(sizes).astype(jnp.int32),
+                num_dropped=(jnp.sum(counts) - jnp.sum(held)).astype(jnp.int32))
+
+
 def layout_counts(topk_idx, *, num_experts, num_ranks):
     """Local layout count: tokens per rank [R], tokens per expert [E], token-in-rank [T, R]."""
     L = num_experts // num_ranks

@@ -110,6 +110,72 @@ def ht_combine(ys, recv_srcs, num_tokens):
     return outs
 
 
+def expert_dispatch(xs, idxs, ws, num_experts, alignment=1, capacity=None):
+    """The expert-major layout (dispatch(layout="expert")), per receiving rank a dict with
+    recv_x, recv_weights, expert_sizes, expert_offsets, recv_tokens_per_expert, recv_count,
+    num_dropped, num_invalid, and for the combine: row_of [C_tok, K], recv_src, pair_w."""
+    R = len(idxs)
+    T, K = np.asarray(idxs[0]).shape
+    L = num_experts // R
+    C = R * T * K + L * (alignment - 1) if capacity is None else capacity
+    ranks = ht_dispatch(xs, idxs, ws, num_experts, min(R * T, C))
+    out = []
+    for d in ranks:
+        ridx = d["recv_topk_idx"]
+        Ct = ridx.shape[0]
+        w = d["recv_topk_weights"] if ws is not None else (ridx >= 0).astype(np.float32)
+        tup = isinstance(d["recv_x"], tuple)
+        parts = d["recv_x"] if tup else (d["recv_x"],)
+        recv = [np.zeros((C,) + a.shape[1:], a.dtype) for a in parts]
+        recv_w = np.zeros(C, np.float32)
+        row_of = np.full((Ct, K), -1, np.int64)
+        offsets, sizes, held = [], [], []
+        pos = 0
+        for e in range(L):
+            # one pair per (row, expert): a row naming e in two slots is held once, with the
+            # slots' weights summed
+            pairs = [c for c in range(Ct) if e in ridx[c]]
+            offsets.append(pos)
+            for i, c in enumerate(pairs):
+                if pos + i < C:
+                    slots = [k for k in range(K) if ridx[c, k] == e]
+                    row_of[c, slots] = pos + i
+                    for a, b in zip(recv, parts):
+                        a[pos + i] = b[c]
+                    recv_w[pos + i] = sum(w[c, k] for k in slots)
+            held.append(max(0, min(len(pairs), C - pos)))
+            padded = -(-len(pairs) // alignment) * alignment
+            sizes.append(max(0, min(padded, C - pos)))
+            pos += padded
+        total = sum(len(set(int(e) for e in row if e >= 0)) for row in ridx)
+        out.append(dict(
+            recv_x=tuple(recv) if tup else recv[0],
+            recv_weights=recv_w if ws is not None else None,
+            expert_sizes=np.array(sizes, np.int32), expert_offsets=np.array(offsets, np.int32),
+            recv_tokens_per_expert=np.array(held, np.int32), recv_count=sum(sizes),
+            num_dropped=d["num_dropped"] + total - sum(held), num_invalid=d["num_invalid"],
+            row_of=row_of, recv_src=d["recv_src"], pair_w=w))
+    return out
+
+
+def expert_combine(ys, disp, num_tokens):
+    """Each rank sums its rows of a token weighted by their routing weights (float32, rounded
+    once to y's dtype), then the ranks' sums are added (ht_combine)."""
+    rows = []
+    for y, d in zip(ys, disp):
+        y = np.asarray(y)
+        yf = y.astype(np.float32)
+        Ct, K = d["row_of"].shape
+        acc = np.zeros((Ct,) + y.shape[1:], np.float32)
+        for c in range(Ct):
+            for k in range(K):
+                j = d["row_of"][c, k]
+                if j >= 0:
+                    acc[c] += d["pair_w"][c, k] * yf[j]
+        rows.append(acc.astype(y.dtype))
+    return ht_combine(rows, [d["recv_src"] for d in disp], num_tokens)
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8 (per 128-column group)
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""dispatch(layout="expert") and the combine of expert-major rows against the NumPy oracle, and
+their gradients against the same layer written with the rank-major layout."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+import numpy_oracle as oracle
+from helpers import BACKEND, BF16, ep_groups, ep_size, num_shards, routing, smap, stack, to_np
+from test_errors import expect_runtime_error
+from test_high_throughput import TOL, assert_same_bits, make_x, x_arg
+
+E = 8
+
+
+@functools.lru_cache(maxsize=None)
+def expert_fn(mesh, alignment=1, capacity=None, has_w=True, check=None, backend=BACKEND):
+    """(x, idx, w, y) -> (ExpertDispatchResult, combine(y, handle))."""
+
+    def f(x, idx, w, y):
+        res = jax_ep.dispatch(x, idx, w if has_w else None, num_experts=E, layout="expert",
+                              expert_alignment=alignment, capacity=capacity, backend=backend,
+                              check=check)
+        return res, jax_ep.combine(y, res.handle, backend=backend)
+
+    return smap(mesh, f)
+
+
+def capacity_of(mesh, T, K, alignment, capacity):
+    R = ep_size(mesh)
+    return R * T * K + (E // R) * (alignment - 1) if capacity is None else capacity
+
+
+def check_case(mesh, xs, idxs, ws, alignment=1, capacity=None, seed=1):
+    rng = np.random.default_rng(seed)
+    n = num_shards(mesh)
+    T, K = idxs[0].shape
+    fp8 = isinstance(xs[0], tuple)
+    H = (xs[0][0] if fp8 else xs[0]).shape[1]
+    C = capacity_of(mesh, T, K, alignment, capacity)
+    ydt = BF16 if fp8 else xs[0].dtype
+    ys = [(rng.standard_normal((C, H)) * 2).astype(ydt) for _ in range(n)]  # padding random too
+    w_arg = stack(ws) if ws is not None else jnp.zeros((n, T, K), jnp.float32)
+    res, out = to_np(expert_fn(mesh, alignment, capacity, ws is not None)(
+        x_arg(xs), stack(idxs), w_arg, stack(ys)))
+    L = E // ep_size(mesh)
+    for group in ep_groups(mesh):
+        exp = oracle.expert_dispatch([xs[i] for i in group], [idxs[i] for i in group],
+                                     None if ws is None else [ws[i] for i in group], E,
+                                     alignment, capacity)
+        exp_out = oracle.expert_combine([ys[i] for i in group], exp, T)
+        for j, i in enumerate(group):
+            e, where = exp[j], f"shard {i} (ep rank {j})"
+            if fp8:
+                for p in range(2):
+                    assert_same_bits(res.recv_x[p][i], e["recv_x"][p], f"recv_x[{p}] {where}")
+            else:
+                assert_same_bits(res.recv_x[i], e["recv_x"], f"recv_x {where}")
+            if ws is None:
+                assert res.recv_weights is None
+            else:
+                assert_same_bits(res.recv_weights[i], e["recv_weights"], f"recv_weights {where}")
+            for name in ("expert_sizes", "expert_offsets", "recv_tokens_per_expert"):
+                got = getattr(res, name)
+                assert got.shape == (n, L) and got.dtype == np.int32, name
+                np.testing.assert_array_equal(got[i], e[name], f"{name} {where}")
+            assert res.recv_count[i] == e["recv_count"], where
+            assert res.handle.num_dropped[i] == e["num_dropped"], where
+            assert res.handle.num_invalid[i] == e["num_invalid"], where
+            want = exp_out[j].astype(ydt).astype(np.float32)
+            tol = TOL[np.dtype(ydt)]
+            np.testing.assert_allclose(out[i].astype(np.float32), want, rtol=tol,
+                                       atol=tol * max(1.0, np.abs(want).max()), err_msg=where)
+    assert (res.recv_x[0] if fp8 else res.recv_x).shape == (n, C, H)
+    return res
+
+
+@pytest.mark.parametrize("alignment", [1, 4])
+@pytest.mark.parametrize("kind", ["random", "skewed", "masked", "invalid", "dups"])
+@pytest.mark.parametrize("mesh_name", ["ep2", "ep4", "dp_ep_perm"])
+def test_expert_layout_vs_oracle(meshes, mesh_name, kind, alignment):
+    mesh = meshes[mesh_name]
+    n = num_shards(mesh)
+    rng = np.random.default_rng(hash((mesh_name, kind, alignment)) % 2**32)
+    T, K = 7, 3
+    xs = make_x(rng, n, T, 16, "float32")
+    idxs = routing(rng, n, T, K, E, kind)
+    ws = [rng.random((T, K)).astype(np.float32) for _ in range(n)]
+    check_case(mesh, xs, idxs, ws, alignment)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "fp8"])
+def test_expert_layout_dtypes(mesh4, dtype):
+    rng = np.random.default_rng(3)
+    xs = make_x(rng, 4, 5, 256, dtype)
+    idxs = routing(rng, 4, 5, 2, E, "masked")
+    ws = [rng.random((5, 2)).astype(np.float32) for _ in range(4)]
+    check_case(mesh4, xs, idxs, ws, alignment=8)
+
+
+def test_expert_layout_without_weights_weighs_one(mesh2):
+    rng = np.random.default_rng(4)
+    xs = make_x(rng, 2, 6, 8, "float32")
+    idxs = routing(rng, 2, 6, 2, E, "dups")
+    check_case(mesh2, xs, idxs, None, alignment=2)
+
+
+def test_expert_layout_segments(mesh2):
+    """Segments aligned and ordered by source rank then token, padding zero: spelled out."""
+    T, K, A = 3, 2, 4
+    # rank 0 holds experts 0..3. Rank 0's tokens: t0 -> (1, 0), t1 -> (5, -1), t2 -> (1, 1).
+    # Rank 1's tokens: t0 -> (0, 6), t1 -> (-1, 1), t2 -> (7, 4).
+    idx = [np.array([[1, 0], [5, -1], [1, 1]], np.int32),
+           np.array([[0, 6], [-1, 1], [7, 4]], np.int32)]
+    xs = [np.arange(T, dtype=np.float32)[:, None] + 10 * s + np.zeros((T, 4), np.float32)
+          for s in range(2)]
+    ws = [np.full((T, K), 0.5, np.float32)] * 2
+    res = check_case(mesh2, xs, idx, ws, alignment=A)
+    # On rank 0: expert 0 gets (s0 t0), (s1 t0); expert 1 gets (s0 t0), (s0 t2) once with both
+    # slots' weights, (s1 t1).
+    np.testing.assert_array_equal(res.expert_offsets[0], [0, 4, 8, 8])
+    np.testing.assert_array_equal(res.expert_sizes[0], [4, 4, 0, 0])
+    np.testing.assert_array_equal(res.recv_tokens_per_expert[0], [2, 3, 0, 0])
+    np.testing.assert_array_equal(res.recv_x[0][:8, 0], [0, 10, 0, 0, 0, 2, 11, 0])
+    np.testing.assert_array_equal(res.recv_weights[0][:8], [.5, .5, 0, 0, .5, 1, .5, 0])
+    assert not res.recv_x[0][8:].any()
+
+
+def test_expert_layout_capacity_drops_are_counted(mesh2):
+    rng = np.random.default_rng(5)
+    xs = make_x(rng, 2, 6, 8, "float32")
+    idxs = routing(rng, 2, 6, 3, E, "random")
+    ws = [rng.random((6, 3)).astype(np.float32) for _ in range(2)]
+    res = check_case(mesh2, xs, idxs, ws, alignment=4, capacity=9)
+    assert (res.handle.num_dropped > 0).all()
+    x, idx = x_arg(xs), stack(idxs)
+    total = int(res.handle.num_dropped.sum())
+    expect_runtime_error(
+        lambda: expert_fn(mesh2, 4, 9, True, True)(x, idx, stack(ws), jnp.zeros((2, 9, 8))),
+        rf"tokens or \(token, expert\) rows dropped.*\(0 and {total} over all shards\)")
+
+
+def test_expert_layout_empty_shards(mesh2):
+    f = expert_fn(mesh2, 4)
+    res, out = to_np(f(jnp.zeros((2, 0, 8)), jnp.zeros((2, 0, 2), jnp.int32),
+                       jnp.zeros((2, 0, 2)), jnp.zeros((2, E // 2 * 3, 8))))
+    assert res.recv_x.shape == (2, E // 2 * 3, 8) and out.shape == (2, 0, 8)
+    assert not res.recv_x.any() and not res.expert_sizes.any()
+
+
+def _dense(x, idx, w, L, R):
+    """out[t] = sum_k w[t, k] * (1 + e_k % L) * x[t]^2 over valid slots (all tokens of every
+    rank stacked)."""
+    ok = (idx >= 0) & (idx < R * L)
+    scale = jnp.where(ok, w * (1 + jnp.where(ok, idx, 0) % L), 0.0)
+    return jnp.sum(scale, axis=1)[:, None] * x * x
+
+
+@pytest.mark.parametrize("mesh_name,kind", [("ep4", "invalid"), ("dp_ep", "dups")])
+def test_expert_layout_gradients(meshes, mesh_name, kind):
+    """x^2 times a per-expert factor, through dispatch -> rows -> combine: values and gradients
+    in x and topk_weights equal the dense formula's."""
+    mesh = meshes[mesh_name]
+    n, R = num_shards(mesh), ep_size(mesh)
+    L = E // R
+    rng = np.random.default_rng(6)
+    T, K, H = 5, 3, 4
+    x = jnp.asarray(rng.standard_normal((n, T, H)), jnp.float32)
+    idx = jnp.asarray(np.stack(routing(rng, n, T, K, E, kind)))
+    w = jnp.asarray(rng.random((n, T, K)), jnp.float32)
+
+    def layer(x, idx, w):
+        res = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", expert_alignment=2,
+                              backend=BACKEND)
+        rows = jnp.arange(res.recv_x.shape[0])
+        local = jnp.sum(rows[:, None] >= res.expert_offsets[None, 1:], axis=1)   # expert of row
+        y = res.recv_x * res.recv_x * (1.0 + local)[:, None]
+        return jax_ep.combine(y, res.handle, backend=BACKEND)
+
+    def loss_ep(x, w):
+        out = smap(mesh, layer, jit=False)(x, idx, w)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    def loss_dense(x, w):
+        out = _dense(x.reshape(n * T, H), idx.reshape(n * T, K), w.reshape(n * T, K), L, R)
+        return jnp.sum(out.reshape(n, T, H) * jnp.cos(jnp.arange(n * T * H).reshape(n, T, H)))
+
+    got = jax.jit(jax.value_and_grad(loss_ep, argnums=(0, 1)))(x, w)
+    want = jax.value_and_grad(loss_dense, argnums=(0, 1))(x, w)
+    for g, e, name in zip(jax.tree.leaves(got), jax.tree.leaves(want), ("loss", "dx", "dw")):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_expert_layout_bad_arguments(mesh2):
+    x = jnp.zeros((2, 4, 8))
+    idx = jnp.zeros((2, 4, 2), jnp.int32)
+
+    def call(**kw):
+        return smap(mesh2, lambda x, idx: jax_ep.dispatch(x, idx, num_experts=E,
+                                                          **kw).recv_x)(x, idx)
+
+    with pytest.raises(ValueError, match="layout='bogus'"):
+        call(layout="bogus")
+    with pytest.raises(ValueError, match="expert_alignment must be >= 1"):
+        call(layout="expert", expert_alignment=0)
+    with pytest.raises(ValueError, match="expert_alignment=4 applies to layout='expert'"):
+        call(expert_alignment=4)
+    with pytest.raises(TypeError, match="expert_alignment must be a static Python int"):
+        call(layout="expert", expert_alignment=2.0)
+
+    def bad_rows(x, idx):
+        res = jax_ep.dispatch(x, idx, num_experts=E, layout="expert")
+        return jax_ep.combine(res.recv_x[:-1], res.handle)
+    with pytest.raises(ValueError, match="y: has 15 rows, expected capacity=16"):
+        smap(mesh2, bad_rows)(x, idx)
