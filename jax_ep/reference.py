@@ -227,7 +227,11 @@ def quantize_fp8(x, round_scale=False):
     """x [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // 128]); x ~ q * scale."""
     *lead, H = x.shape
     g = x.astype(jnp.float32).reshape(*lead, H // FP8_GROUP, FP8_GROUP)
-    amax = jnp.maximum(jnp.max(jnp.abs(g), axis=-1), AMAX_MIN)
+    amax = jnp.max(jnp.abs(g), axis=-1)
+    # A NaN or an infinity in a group: scale NaN and every value NaN, so the group dequantises
+    # to NaN (a non-finite value never turns into finite numbers).
+    bad = ~jnp.isfinite(amax)
+    amax = jnp.maximum(jnp.where(bad, 1.0, amax), AMAX_MIN)
     # base = amax * float32(1/448), written as the multiplication it is (docs/ffi.md): XLA
     # rewrites a division by a constant into this form anyway, and the kernel does the same.
     base = amax * jnp.float32(1.0 / FP8_MAX)
@@ -238,7 +242,8 @@ def quantize_fp8(x, round_scale=False):
         scale = base
         inv = FP8_MAX / amax
     q = to_e4m3_rne(jnp.clip(g * inv[..., None], -FP8_MAX, FP8_MAX))
-    return q.reshape(*lead, H), scale
+    q = jnp.where(bad[..., None], lax.bitcast_convert_type(jnp.uint8(0x7F), jnp.float8_e4m3fn), q)
+    return q.reshape(*lead, H), jnp.where(bad, jnp.float32(jnp.nan), scale)
 
 
 def to_e4m3_rne(v):

@@ -193,7 +193,9 @@ def quantize_fp8(x, round_scale=False):
     x = np.asarray(x).astype(np.float32)
     *lead, H = x.shape
     g = x.reshape(*lead, H // GROUP, GROUP)
-    amax = np.maximum(np.abs(g).max(-1), AMAX_MIN).astype(np.float32)
+    raw = np.abs(g).max(-1)
+    bad = ~np.isfinite(raw)               # NaN or inf: the whole group is NaN, scale NaN
+    amax = np.maximum(np.where(bad, 1.0, raw), AMAX_MIN).astype(np.float32)
     if round_scale:
         scale = round_up_pow2((amax * np.float32(1.0 / 448.0)).astype(np.float32))
         inv = (np.float32(1.0) / scale).astype(np.float32)
@@ -201,7 +203,8 @@ def quantize_fp8(x, round_scale=False):
         scale = (amax * np.float32(1.0 / 448.0)).astype(np.float32)  # as docs/ffi.md
         inv = (FP8_MAX / amax).astype(np.float32)
     q = np.clip((g * inv[..., None]).astype(np.float32), -FP8_MAX, FP8_MAX).astype(FP8)
-    return q.reshape(*lead, H), scale
+    q = np.where(bad[..., None], np.uint8(0x7F).view(FP8), q)
+    return q.reshape(*lead, H), np.where(bad, np.float32(np.nan), scale).astype(np.float32)
 
 
 def dequantize_fp8(q, scales):

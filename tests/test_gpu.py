@@ -430,6 +430,33 @@ def test_ll_matches_reference(R, kind, T, M, use_fp8, round_scale, split):
                 assert (arr[q, l, np.asarray(cu[2]).reshape(R, L)[q, l]:] == -1).all()
 
 
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_ll_fp8_nonfinite_groups(round_scale):
+    """NaN and infinities in the low-latency FP8 dispatch: the kernel makes each such 128-column
+    group NaN (scale and every byte), bit-exact with the oracle, never finite numbers."""
+    from numpy_oracle import quantize_fp8 as np_quantize
+    R, T, M, H, K = 2, 16, 16, 512, 4
+    E = 4 * R
+    L = E // R
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((R * T, H)).astype(np.float32)
+    x[0, 5], x[1, 130], x[2, 300], x[T, 0], x[T + 1, 511] = np.nan, np.inf, -np.inf, np.nan, -np.inf
+    x = jnp.asarray(x, jnp.bfloat16)
+    idx = jnp.asarray(_routing("random", rng, R, T, K, E))
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+    cu, _ = _ll_run(R, x, idx, w, E, M, True, round_scale)
+    q_all, s_all = np_quantize(np.asarray(x, np.float32), round_scale)
+    q_all = np.asarray(q_all).view(np.uint8)
+    seen = set()
+    for k, (payload, scales) in _ll_rows(cu[0], cu[1], cu[2], cu[3], R, L).items():
+        src = (k[2] // M) * T + k[2] % M
+        assert payload == q_all[src].tobytes(), f"payload of row {k} (source {src})"
+        assert scales == np.asarray(s_all[src], np.float32).tobytes(), f"scales of row {k}"
+        seen.add(src)
+    assert {0, 1, 2, T, T + 1} <= seen
+    assert np.isnan(s_all[[0, 1, 2, T, T + 1]]).sum() == 5
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_ll_scan_back_to_back(R, split):

@@ -357,6 +357,25 @@ def test_fp8_roundtrip_helpers():
             np.testing.assert_array_equal(np.asarray(s)[2:5, 1], [2.0 ** -3, 1.0, 4.0])
 
 
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_nonfinite_groups_stay_nan(round_scale):
+    """A NaN or an infinity in a 128-column group makes the whole group NaN (scale and values),
+    bit-exact with the oracle; the other groups are untouched."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((4, 384)).astype(np.float32)
+    x[0, 5], x[1, 130], x[2, 300], x[3, 0] = np.nan, np.inf, -np.inf, -np.nan
+    x[3, 200] = np.inf
+    q, s = jax.jit(jax_ep.quantize_fp8, static_argnums=1)(jnp.asarray(x), round_scale)
+    qo, so = oracle.quantize_fp8(x, round_scale)
+    assert_same_bits(np.asarray(q), qo, "q")
+    assert_same_bits(np.asarray(s), so, "scales")
+    back = np.asarray(jax_ep.dequantize_fp8(q, s)).reshape(4, 3, 128)
+    bad = ~np.isfinite(x.reshape(4, 3, 128)).all(-1)
+    np.testing.assert_array_equal(bad.sum(), 5)
+    assert np.isnan(back[bad]).all()
+    assert np.isfinite(back[~bad]).all()
+
+
 def int64_routing(rng, n, T, K):
     """int64 ids, some far outside [-1, E): they must not wrap into valid int32 ids."""
     idxs = [i.astype(np.int64) for i in routing(rng, n, T, K, E, "random")]

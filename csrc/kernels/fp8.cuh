@@ -6,6 +6,8 @@
 //   otherwise:   scale = amax * (1/448);                   q_i = e4m3(x_i * (448 / amax))
 // e4m3 = round to nearest even, saturating to +-448 (the reference clips to +-448 first, which
 // gives the same byte for every finite input).
+// A group holding a NaN or an infinity: scale = NaN (0x7fc00000) and every byte 0x7f (NaN), so
+// the whole group dequantises to NaN; a non-finite value never becomes a finite number.
 // Every operation uses the explicit IEEE round-to-nearest intrinsics (__fdiv_rn, __fmul_rn,
 // __frcp_rn) so the result does not depend on -use_fast_math / -prec-div / FMA contraction.
 #pragma once
@@ -22,6 +24,13 @@ constexpr float kMax = 448.0f;      // largest finite e4m3fn
 // scale = amax * float32(1/448) (not amax / 448): the form XLA computes for the reference too.
 constexpr float kInvMax = 1.0f / 448.0f;
 constexpr float kAmaxMin = 1e-4f;   // amax floor (float32 of 1e-4, as jnp.maximum(amax, 1e-4))
+constexpr uint32_t kNanScaleBits = 0x7fc00000u;  // the scale of a non-finite group
+constexpr uint32_t kNanBytes = 0x7f7f7f7fu;      // four e4m3fn NaN bytes
+
+// max that keeps a NaN (fmaxf drops it): a NaN anywhere in the group reaches the scale.
+__device__ __forceinline__ float max_keep_nan(float a, float b) {
+  return (isnan(a) || a >= b) ? a : b;
+}
 
 // 2^ceil(log2(s)) for a positive normal float, on the bits (exact).
 __device__ __forceinline__ float round_up_pow2(float s) {
@@ -33,6 +42,10 @@ __device__ __forceinline__ float round_up_pow2(float s) {
 // From the group's max |x| (before the 1e-4 floor): the stored scale and the multiplier.
 __device__ __forceinline__ void group_scale(float amax, bool round_scale, float* scale,
                                             float* inv) {
+  if (!isfinite(amax)) {            // NaN or inf in the group
+    *scale = *inv = __uint_as_float(kNanScaleBits);
+    return;
+  }
   amax = fmaxf(amax, kAmaxMin);
   if (round_scale) {
     const float s = round_up_pow2(__fmul_rn(amax, kInvMax));
@@ -71,7 +84,7 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&v)[8])
 __device__ __forceinline__ float abs_max8(const float (&v)[8]) {
   float m = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
+  for (int i = 0; i < 8; ++i) m = max_keep_nan(m, fabsf(v[i]));
   return m;
 }
 
@@ -86,14 +99,19 @@ __device__ __forceinline__ float quantise_group_slice(const uint4 (&raw)[2], boo
   float v[8], w[8];
   bf16x8_to_float(raw[0], v);
   bf16x8_to_float(raw[1], w);
-  float amax = fmaxf(abs_max8(v), abs_max8(w));
+  float amax = max_keep_nan(abs_max8(v), abs_max8(w));
 #pragma unroll
-  for (int o = 4; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int o = 4; o >= 1; o >>= 1)
+    amax = max_keep_nan(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float scale, inv;
   group_scale(amax, round_scale, &scale, &inv);
   if (active) {
-    const uint2 a = quantize8(v, inv), b = quantize8(w, inv);
-    *q = make_uint4(a.x, a.y, b.x, b.y);
+    if (isnan(scale)) {
+      *q = make_uint4(kNanBytes, kNanBytes, kNanBytes, kNanBytes);
+    } else {
+      const uint2 a = quantize8(v, inv), b = quantize8(w, inv);
+      *q = make_uint4(a.x, a.y, b.x, b.y);
+    }
   }
   return scale;
 }
