@@ -77,7 +77,10 @@ NB_MODULE(_C, m) {
     with_vr("jax_ep_ll_combine_recv", JaxEpLlCombineRecv, JaxEpLlCombineRecvVr);
     return d;
   });
-  m.def("init_group", &jax_ep::init_group, nb::arg("devices"),
+  // Blocking native calls release the GIL (nb::call_guard, or a scoped release): a running
+  // step may be waiting on a host callback that needs it.
+  using release_gil = nb::call_guard<nb::gil_scoped_release>;
+  m.def("init_group", &jax_ep::init_group, nb::arg("devices"), release_gil(),
         "Allocate the workspaces of one EP group (CUDA ordinals in axis order) and enable peer "
         "access between its devices.");
   m.def("virtual_id", &jax_ep::virtual_id, nb::arg("device"), nb::arg("rank"),
@@ -114,9 +117,13 @@ NB_MODULE(_C, m) {
         for (nb::handle h : group) g.push_back(nb::cast<int>(h));
         if (slot < jax_ep::kFirstPushSlot || slot >= jax_ep::kNumSlots)
           throw std::invalid_argument("jax_ep: not a push slot");
+        std::vector<unsigned long long> ptrs;
+        {
+          nb::gil_scoped_release release;
+          ptrs = jax_ep::reserve_slot_buffer(g, slot, bytes, layout);
+        }
         nb::list out;
-        for (unsigned long long p : jax_ep::reserve_slot_buffer(g, slot, bytes, layout))
-          out.append(p);
+        for (unsigned long long p : ptrs) out.append(p);
         return out;
       },
       nb::arg("group"), nb::arg("slot"), nb::arg("bytes"), nb::arg("layout"),
@@ -127,15 +134,15 @@ NB_MODULE(_C, m) {
   m.def("sym_active", &jax_ep::sym::active);
   m.def("sym_my_pe", &jax_ep::sym::my_pe);
   m.def("sym_n_pes", &jax_ep::sym::n_pes);
-  m.def("sym_attach", &jax_ep::sym::attach, nb::arg("arena_bytes"),
+  m.def("sym_attach", &jax_ep::sym::attach, nb::arg("arena_bytes"), release_gil(),
         "Attach to the NVSHMEM runtime initialised in this process (collective): register the "
         "module's device state, allocate and zero the symmetric arena.");
-  m.def("sym_self_test", &jax_ep::sym::self_test,
+  m.def("sym_self_test", &jax_ep::sym::self_test, release_gil(),
         "Collective: [device my_pe, device n_pes, token received, token expected, next PE "
         "mapped] from a kernel of this module calling NVSHMEM device functions.");
-  m.def("sym_init_groups", &jax_ep::sym::init_groups, nb::arg("table"));
+  m.def("sym_init_groups", &jax_ep::sym::init_groups, nb::arg("table"), release_gil());
   m.def("sym_reserve", &jax_ep::sym::reserve, nb::arg("table"), nb::arg("slot"),
-        nb::arg("bytes"));
+        nb::arg("bytes"), release_gil());
   m.def("sym_remote_pes", &jax_ep::sym::remote_pes,
         "PEs reached only through NVSHMEM operations (no load/store mapping)");
   m.def("sym_arena_bytes", &jax_ep::sym::arena_bytes);
@@ -184,6 +191,7 @@ NB_MODULE(_C, m) {
   m.attr("num_slots") = jax_ep::kNumSlots;
   m.attr("first_push_slot") = jax_ep::kFirstPushSlot;
   m.attr("max_local_experts") = jax_ep::kMaxLocalExperts;
+  m.attr("max_layout_ranks") = jax_ep::kMaxLayoutRanks;
   m.attr("trace_slots") = jax_ep::kTraceSlots;
   m.attr("fp8_block") = jax_ep::gemm::kFp8Block;
   {

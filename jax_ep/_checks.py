@@ -42,6 +42,33 @@ def experts_per_rank(num_experts, num_ranks):
     return num_experts // num_ranks
 
 
+def _limit(name):
+    from jax_ep import runtime
+    return runtime.limits().get(name)
+
+
+def group_size(num_ranks, axis_name):
+    """The EP group size against the kernels' limit (every backend: see runtime.limits)."""
+    m = _limit("max_ranks")
+    if m is not None and num_ranks > m:
+        raise ValueError(f"axis_name={axis_name!r}: the EP group has {num_ranks} ranks; jax_ep's "
+                         f"kernels serve groups of at most {m} (checked on every backend, so "
+                         "that a program that runs on the reference also runs on GPUs)")
+
+
+def low_latency_experts(num_experts, num_ranks):
+    m = _limit("max_local_experts")
+    if m is not None and num_experts // num_ranks > m:
+        raise ValueError(f"num_experts={num_experts}: {num_experts // num_ranks} experts per rank "
+                         f"(E // R); the low-latency ops serve at most {m} per rank")
+
+
+def layout_ranks(num_ranks):
+    m = _limit("max_layout_ranks")
+    if m is not None and num_ranks > m:
+        raise ValueError(f"num_ranks={num_ranks}: get_dispatch_layout counts at most {m} ranks")
+
+
 # Row indices and ids travel as int32 (the handles' dtype): sizes they index stay below 2^31.
 INT32_LIMIT = 2**31 - 1
 

@@ -160,12 +160,14 @@ def _dispatch_fwd(x, w, idx, cfg):
 
 
 def _dispatch_bwd(cfg, res, g):
+    # The differentiable combine (not its core), so that the backward can itself be
+    # differentiated (grad of grad) on every backend.
     ridx, handle = res
     g_rx, _, g_rw, _, _ = g
-    dx = _combine_core(g_rx, handle, cfg)
+    dx = _combine_diff(g_rx, handle, cfg)
     # recv_topk_weights[j, k] copies w[src, k] where the expert lives here, else is 0.
     g_rw = jnp.where(ridx >= 0, g_rw.astype(jnp.float32), 0.0)
-    dw = _combine_core(g_rw, handle, cfg)
+    dw = _combine_diff(g_rw, handle, cfg)
     return dx, dw, None
 
 
@@ -189,14 +191,32 @@ def _combine_diff(y, handle, cfg):
 
 
 def _combine_fwd(y, handle, cfg):
-    return remat.named(_combine_core(y, handle, cfg), remat.COMBINE), handle
+    # the differentiable op (not its core) in forward rules too: grad of grad differentiates them
+    return remat.named(_combine_diff(y, handle, cfg), remat.COMBINE), handle
 
 
 def _combine_bwd(cfg, handle, g):
-    return _gather_core(g, handle, cfg), None
+    return _gather_diff(g, handle, cfg), None
 
 
 _combine_diff.defvjp(_combine_fwd, _combine_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_diff(rows, handle, cfg):
+    """The dispatch's row movement alone (combine's transpose), differentiable in rows."""
+    return _gather_core(rows, handle, cfg)
+
+
+def _gather_fwd(rows, handle, cfg):
+    return _gather_diff(rows, handle, cfg), handle
+
+
+def _gather_bwd(cfg, handle, g):
+    return _combine_diff(g, handle, cfg), None
+
+
+_gather_diff.defvjp(_gather_fwd, _gather_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,6 +397,7 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
     _checks.flag("check", check, allow_none=True)
     be = _checks.resolve_backend(backend, empty=T == 0)
     R, _ = ref.axis_info(axis_name)
+    _checks.group_size(R, axis_name)
     _checks.experts_per_rank(num_experts, R)
     if R * T > _checks.INT32_LIMIT:
         raise ValueError(f"x: R * T = {R * T} tokens in the EP group; row ids are int32, so it "

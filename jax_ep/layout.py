@@ -14,6 +14,7 @@ def get_dispatch_layout(topk_idx, *, num_experts, num_ranks, backend="auto"):
     _checks.expect_rank("topk_idx", topk_idx, 2, "[T, K]")
     _checks.expect_dtype("topk_idx", topk_idx, (jnp.int32, jnp.int64))
     R = _checks.static_int("num_ranks", num_ranks, 1)
+    _checks.layout_ranks(R)
     _checks.experts_per_rank(num_experts, R)
     if _checks.resolve_backend(backend) == "reference":
         return ref.layout_counts(topk_idx, num_experts=num_experts, num_ranks=R)

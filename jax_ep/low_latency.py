@@ -146,7 +146,8 @@ def _dispatch_bwd(cfg, res, g):
     g_rx = g[0]
     clean, _ = ref.sanitize(idx, cfg.num_experts)
     unit = ref.first_occurrence(clean).astype(jnp.float32)
-    dx = _combine_core(g_rx.astype(jnp.bfloat16), idx, unit, handle_arrays,
+    # the differentiable combine (not its core): the backward can itself be differentiated
+    dx = _combine_diff(g_rx.astype(jnp.bfloat16), unit, idx, *handle_arrays,
                        _CombineConfig(cfg.num_experts, cfg.max_tokens, cfg.axis_name,
                                       cfg.backend))
     return dx, None
@@ -172,7 +173,7 @@ def _combine_diff(y, w, idx, src, slot, cnt, rows, cfg):
 
 
 def _combine_fwd(y, w, idx, src, slot, cnt, rows, cfg):
-    out = remat.named(_combine_core(y, idx, w, (src, slot, cnt, rows), cfg), remat.COMBINE)
+    out = remat.named(_combine_diff(y, w, idx, src, slot, cnt, rows, cfg), remat.COMBINE)
     return out, (y, w, idx, src)
 
 
@@ -207,7 +208,9 @@ def _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_
     _checks.topk("topk_idx", topk_idx, T)
     be = _checks.resolve_backend(backend, empty=T == 0)
     R, _ = ref.axis_info(axis_name)
+    _checks.group_size(R, axis_name)
     _checks.experts_per_rank(num_experts, R)
+    _checks.low_latency_experts(num_experts, R)
     cfg = _DispatchConfig(int(num_experts), M, bool(use_fp8), bool(round_scale), axis_name, be)
     return cfg, _checks.int32_ids(topk_idx, num_experts)
 

@@ -150,10 +150,22 @@ def next_slot(push: bool = False) -> int:
     return next(_slot_counter) % first_push
 
 
-def max_ranks() -> int:
-    """The largest EP group of the one-process transport (the extension defines it)."""
+def limits() -> dict:
+    """The sizes the CUDA kernels serve, as the extension defines them: `max_ranks` (ranks of
+    an EP group), `max_local_experts` (experts per rank of the low-latency ops) and
+    `max_layout_ranks` (`get_dispatch_layout`'s num_ranks). The ops check them at trace time
+    on every backend, so a program that runs on the reference runs on the kernels. Empty
+    without the extension (the reference alone has no such limits)."""
     ext = _load_extension()
-    return int(ext.max_ranks) if ext is not None else 8
+    if ext is None:
+        return {}
+    return {k: int(getattr(ext, k)) for k in ("max_ranks", "max_local_experts",
+                                              "max_layout_ranks")}
+
+
+def max_ranks():
+    """The largest EP group the kernels serve (None without the extension)."""
+    return limits().get("max_ranks")
 
 
 def per_process() -> bool:

@@ -34,7 +34,7 @@ def virtual_ranks(fn, num_ranks: int, *, axis_name: str = "ep"):
     a count whose R grids cannot be resident together raises an error naming it.
     """
     R = int(num_ranks)
-    if not 1 <= R <= runtime.max_ranks():
+    if not 1 <= R <= (runtime.max_ranks() or R):
         raise ValueError(f"num_ranks={num_ranks}: the one-GPU multi-rank mode runs 1 to "
                          f"{runtime.max_ranks()} ranks")
     vfn = jax.vmap(fn, axis_name=axis_name, axis_size=R)

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from helpers import BACKEND, num_shards, routing, smap
 
 R, T, H, K, E = 4, 8, 16, 2, 8
 
@@ -167,3 +168,89 @@ def test_timeout_setting_must_be_finite_and_positive(monkeypatch, value):
         jax_ep.runtime.timeout_ns()
     monkeypatch.setenv("JAX_EP_TIMEOUT_S", "2.5")
     assert jax_ep.runtime.timeout_ns() == 2_500_000_000
+
+
+@pytest.mark.parametrize("mesh_name", ["ep4", "dp_ep"])
+def test_high_throughput_grad_of_grad(meshes, mesh_name):
+    """Second derivatives through dispatch and combine (their backward passes are the
+    differentiable ops themselves, so this holds on every backend) against the dense formula:
+    out[t] = (sum of the token's routed weights) * sin(x[t]) per receiving rank, summed."""
+    mesh = meshes[mesh_name]
+    n = num_shards(mesh)
+    rng = np.random.default_rng(21)
+    T, K, H = 5, 2, 3
+    x = jnp.asarray(rng.standard_normal((n, T, H)), jnp.float32)
+    idx = jnp.asarray(np.stack(routing(rng, n, T, K, E, "masked")))
+    w = jnp.asarray(rng.random((n, T, K)), jnp.float32)
+
+    def layer(x, idx, w):
+        r = jax_ep.dispatch(x, idx, w, num_experts=E, backend=BACKEND)
+        y = jnp.sin(r.recv_x) * jnp.sum(r.recv_topk_weights, axis=1, keepdims=True)
+        return jax_ep.combine(y, r.handle, backend=BACKEND)
+
+    def dense(x, idx, w):
+        # rank q adds sin(x) * (the weights of the token's experts on q): over all ranks, every weight
+        tot = jnp.sum(jnp.where(idx >= 0, w, 0.0), axis=-1, keepdims=True)
+        return jnp.sin(x) * tot
+
+    def loss(f):
+        def g(x, w):
+            out = f(x, idx, w)
+            return jnp.sum(out ** 2 * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+        return g
+
+    ep = lambda x, idx, w: smap(mesh, layer, jit=False)(x, idx, w)  # noqa: E731
+    for argnum in (0, 1):
+        hv = lambda f: jax.grad(lambda x, w: jnp.sum(  # noqa: E731
+            jax.grad(loss(f), argnums=argnum)(x, w) ** 2), argnums=(0, 1))
+        got = jax.jit(hv(ep))(x, w)
+        want = hv(dense)(x, w)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_low_latency_grad_of_grad(mesh4):
+    """Second derivatives through low_latency_dispatch and low_latency_combine (bfloat16)
+    against the dense formula out[t] = (sum of the token's routed weights) * sin(x[t])."""
+    rng = np.random.default_rng(22)
+    T, K, H = 4, 2, 8
+    x = jnp.asarray(rng.standard_normal((4, T, H)) * 0.5, jnp.bfloat16)
+    idx = jnp.asarray(np.stack(routing(rng, 4, T, K, E, "masked")))
+    w = jnp.asarray(rng.random((4, T, K)), jnp.float32)
+
+    def layer(x, idx, w):
+        r = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T,
+                                        use_fp8=False, backend=BACKEND)
+        y = jnp.sin(r.recv_x.astype(jnp.float32)).astype(jnp.bfloat16)
+        return jax_ep.low_latency_combine(y, idx, w, r.handle, backend=BACKEND)
+
+    def dense(x, idx, w):
+        tot = jnp.sum(jnp.where(idx >= 0, w, 0.0), axis=-1, keepdims=True)
+        return jnp.sin(x.astype(jnp.float32)) * tot
+
+    def hv(f, argnum):
+        def loss(x, w):
+            out = f(x, idx, w).astype(jnp.float32)
+            return jnp.sum(out ** 2 * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+        return jax.grad(lambda x, w: jnp.sum(
+            jax.grad(loss, argnums=argnum)(x, w).astype(jnp.float32) ** 2), argnums=(0, 1))
+
+    ep = lambda x, idx, w: smap(mesh4, layer, jit=False)(x, idx, w)  # noqa: E731
+    for argnum in (0, 1):
+        got = jax.jit(hv(ep, argnum))(x, w)
+        want = hv(dense, argnum)(x, w)
+        for a, b in zip(got, want):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2 * np.abs(b).max())
+
+
+def test_forward_mode_raises_a_clear_error(mesh4):
+    """jax.jvp is not supported: the same TypeError from JAX on every backend (the ops are
+    custom VJPs whatever the backend)."""
+    x, idx, w = _inputs()
+
+    def f(x):
+        return _smap(mesh4, lambda x, i: jax_ep.dispatch(x, i, num_experts=E,
+                                                         backend=BACKEND).recv_x)(x, idx)
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+        jax.jvp(f, (x,), (x,))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jax_ep
+from jax.sharding import PartitionSpec as P
 from helpers import BACKEND, ht_fn, ll_fn, num_shards, routing, smap, stack
 
 E = 8
@@ -298,3 +299,46 @@ def test_check_one_bad_shard_raises_everywhere(mesh_dp_ep):
     fn = ht_fn(mesh_dp_ep, E, None, True, True)
     expect_runtime_error(lambda: fn(jnp.ones((4, 5, 16)), jnp.asarray(idx), jnp.ones((4, 5, 2)),
                                     jnp.ones((4, 10, 16))), r"\(1 and 0 over all shards\)")
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels' size limits, checked at trace time on every backend
+# --------------------------------------------------------------------------------------------
+
+def test_kernel_limits_are_checked_on_every_backend(mesh4, monkeypatch):
+    """Limits the CUDA kernels have (runtime.limits(), from the extension) fail at trace time
+    with the argument named, on the reference too: a program that traces on CPU runs on GPUs.
+    Small limits are planted so that the test needs no large mesh."""
+    from jax_ep import runtime
+    monkeypatch.setattr(runtime, "limits", lambda: dict(max_ranks=2, max_local_experts=1,
+                                                        max_layout_ranks=3))
+    x = jnp.zeros((4 * 4, 128), jnp.bfloat16)
+    idx = jnp.zeros((4 * 4, 2), jnp.int32)
+
+    def run(fn):
+        return jax.eval_shape(jax.shard_map(fn, mesh=mesh4, in_specs=P("ep"), out_specs=P("ep"),
+                                            check_vma=False), x, idx)
+
+    with pytest.raises(ValueError, match=r"axis_name='ep': the EP group has 4 ranks; .* at most 2"):
+        run(lambda x, i: jax_ep.dispatch(x, i, num_experts=8, backend="reference").recv_x)
+    with pytest.raises(ValueError, match=r"axis_name='ep': the EP group has 4 ranks"):
+        run(lambda x, i: jax_ep.low_latency_dispatch(
+            x, i, num_experts=8, max_tokens_per_rank=4, backend="reference").recv_count)
+    with pytest.raises(ValueError, match=r"num_ranks=4: get_dispatch_layout counts at most 3"):
+        jax_ep.get_dispatch_layout(idx, num_experts=8, num_ranks=4, backend="reference")
+    monkeypatch.setattr(runtime, "limits", lambda: dict(max_ranks=8, max_local_experts=1,
+                                                        max_layout_ranks=64))
+    with pytest.raises(ValueError, match=r"num_experts=8: 2 experts per rank .* at most 1"):
+        run(lambda x, i: jax_ep.low_latency_dispatch(
+            x, i, num_experts=8, max_tokens_per_rank=4, backend="reference").recv_count)
+
+
+def test_kernel_limits_come_from_the_extension():
+    from jax_ep import runtime
+    ext = runtime.extension()
+    lim = runtime.limits()
+    if ext is None:
+        assert lim == {}
+    else:
+        assert lim == dict(max_ranks=ext.max_ranks, max_local_experts=ext.max_local_experts,
+                           max_layout_ranks=ext.max_layout_ranks)

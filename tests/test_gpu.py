@@ -213,6 +213,47 @@ def test_ht_gradients_match_reference(R):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["high_throughput", "low_latency"])
+@pytest.mark.parametrize("R", [2, 4])
+def test_grad_of_grad_matches_reference(R, mode):
+    """Second derivatives through dispatch and combine (the backward passes are the ops
+    themselves), CUDA against the reference."""
+    rng = np.random.default_rng(5 + R)
+    T, H, K, E = 32, 256, 4, 4 * R
+    ll = mode == "low_latency"
+    x = jnp.asarray(rng.standard_normal((R * T, H)) * 0.5, jnp.bfloat16 if ll else jnp.float32)
+    idx = jnp.asarray(_routing("masked", rng, R, T, K, E))
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+
+    def run(be):
+        def body(x, idx, w):
+            def layer(x, w):
+                if ll:
+                    r = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T,
+                                                    use_fp8=False, backend=be)
+                    y = jnp.sin(r.recv_x.astype(jnp.float32)).astype(jnp.bfloat16)
+                    return jax_ep.low_latency_combine(y, idx, w, r.handle, backend=be)
+                r = jax_ep.dispatch(x, idx, w, num_experts=E, backend=be)
+                y = jnp.sin(r.recv_x) * jnp.sum(r.recv_topk_weights, axis=1, keepdims=True)
+                return jax_ep.combine(y, r.handle, backend=be)
+
+            def loss(x, w):
+                return jnp.sum(layer(x, w).astype(jnp.float32) ** 2)
+
+            def gnorm(x, w):
+                gx, gw = jax.grad(loss, argnums=(0, 1))(x, w)
+                return jnp.sum(gx.astype(jnp.float32) ** 2) + jnp.sum(gw ** 2)
+            return jax.grad(gnorm, argnums=(0, 1))(x, w)
+        return jax.device_get(_ranks(body, R)(x, idx, w))
+
+    _poison()
+    for n, a, b in zip(("d x", "d topk_weights"), run("cuda"), run("reference")):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.isfinite(a).all(), n
+        tol = 5e-2 if ll else 1e-4
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1, np.abs(b).max()), err_msg=n)
+
+
 @pytest.mark.parametrize("R,capacity", [(1, None), (2, None), (4, None), (8, None), (4, 150)])
 def test_ht_expert_layout_matches_reference(R, capacity):
     """layout="expert" (aligned segments, weights, drops past capacity) and the weighted
@@ -525,6 +566,50 @@ def test_ll_split_two_in_flight(R):
         np.testing.assert_allclose(np.asarray(got[s], np.float32),
                                    np.asarray(ref(xs[s], idx[s], w[s]), np.float32),
                                    rtol=2e-2, atol=5e-2, err_msg=f"step {s}")
+
+
+_LOWER_DURING_STEP = r"""
+import jax, jax.numpy as jnp, numpy as np, jax_ep
+from jax_ep import testing
+
+@jax.jit
+def long_step(a):      # seconds of GPU work, unrolled (a while loop may be driven by the host)
+    for _ in range(200):
+        a = jnp.tanh(a @ a) * 0.5
+    return a
+
+a = jnp.asarray(np.random.default_rng(0).standard_normal((16384, 16384)) * 0.01, jnp.bfloat16)
+R, T, H, E = 3, 13, 384, 6                   # a new EP group and a new receive buffer
+x = jax.block_until_ready(jnp.zeros((R, T, H), jnp.bfloat16))   # (made before: XLA may wait)
+idx = jax.block_until_ready(jnp.zeros((R, T, 2), jnp.int32))
+jax.block_until_ready(long_step(a))          # compiled and warm
+out = long_step(a)                           # running now
+
+def body(x, idx):
+    r = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T,
+                                    use_fp8=False, backend="cuda")
+    return r.recv_count
+
+lowered = jax.jit(testing.virtual_ranks(body, R)).lower(x, idx)   # jax_ep's set-up runs here
+print("step still running after set-up:", not out.is_ready())
+f = lowered.compile()
+print("counts", np.asarray(f(x, idx)).sum())
+"""
+
+
+def test_set_up_does_not_wait_for_the_device():
+    """Lowering a new call site (a new group's workspaces, a new receive buffer) while a long
+    step runs returns before the step ends: no device-wide wait at set-up, which could
+    deadlock against a step waiting on a host callback."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    p = subprocess.run([sys.executable, "-c", _LOWER_DURING_STEP], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step still running after set-up: True" in p.stdout, p.stdout
+    assert f"counts {3 * 13}" in p.stdout, p.stdout  # each token once, at expert 0
 
 
 def test_ll_under_command_buffers():

@@ -7,6 +7,7 @@
 #include "ffi/group.h"
 #include "ffi/handlers.h"
 #include "kernels/layout.cuh"
+#include "runtime/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -21,7 +22,8 @@ ffi::Error LayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                       ffi::Result<ffi::Buffer<ffi::S32>> num_invalid, int64_t num_experts,
                       int64_t num_ranks) {
   auto bad = [](const std::string& m) { return ffi::Error::InvalidArgument("jax_ep_layout: " + m); };
-  if (num_ranks < 1 || num_ranks > 64) return bad("num_ranks must be in [1, 64]");
+  if (num_ranks < 1 || num_ranks > jax_ep::kMaxLayoutRanks)
+    return bad("num_ranks must be in [1, " + std::to_string(jax_ep::kMaxLayoutRanks) + "]");
   if (num_experts < num_ranks || num_experts % num_ranks != 0)
     return bad("num_experts (" + std::to_string(num_experts) +
                ") must be a positive multiple of num_ranks (" + std::to_string(num_ranks) + ")");

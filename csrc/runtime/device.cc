@@ -28,4 +28,16 @@ int sm_count(int device) {
   return sms / v->num_ranks > 0 ? sms / v->num_ranks : 1;
 }
 
+cudaError_t zero_device_memory(void* p, size_t bytes) {
+  cudaStream_t s = nullptr;
+  cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaMemsetAsync(p, 0, bytes, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  if (s != nullptr) {
+    const cudaError_t d = cudaStreamDestroy(s);
+    if (e == cudaSuccess) e = d;
+  }
+  return e;
+}
+
 }  // namespace jax_ep

@@ -1,5 +1,8 @@
 // Facts of a CUDA device that host code asks for on every call, read once per device.
 #pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
 
 namespace jax_ep {
 
@@ -8,6 +11,12 @@ constexpr int kMaxDevices = 256;
 
 // Multiprocessor count of `device` (0 when it cannot be read). Cached per device.
 int device_sm_count(int device);
+
+// Zero `bytes` of device memory of the current device and wait for that alone: a memset on a
+// private stream, never a device-wide synchronisation. Set-up runs while the program is lowered,
+// possibly while a running step waits on a host callback that needs the Python thread (which a
+// device-wide wait would hold: a deadlock).
+cudaError_t zero_device_memory(void* p, size_t bytes);
 
 // The SMs one rank's kernels size their grids for: device_sm_count, or in the one-GPU
 // multi-rank mode (runtime/virtual_ranks.h) the rank's share of them, at least 1.

@@ -91,8 +91,7 @@ std::string prepare_rank_streams(int device) {
   }
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&rs->fork, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaMalloc(&rs->calls, sizeof(unsigned int));
-  if (e == cudaSuccess) e = cudaMemset(rs->calls, 0, sizeof(unsigned int));
-  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e == cudaSuccess) e = zero_device_memory(rs->calls, sizeof(unsigned int));
   cudaSetDevice(prev);
   if (e != cudaSuccess) {
     cudaGetLastError();

@@ -1,5 +1,6 @@
 #include "runtime/workspace.h"
 
+#include "runtime/device.h"
 #include "runtime/virtual_ranks.h"
 
 #include <cuda_runtime.h>
@@ -44,8 +45,7 @@ void init_group(const std::vector<int>& devices) {
     check(cudaSetDevice(d), "cudaSetDevice", d);
     void* p = nullptr;
     check(cudaMalloc(&p, sizeof(Workspace)), "cudaMalloc(workspace)", d);
-    check(cudaMemset(p, 0, sizeof(Workspace)), "cudaMemset(workspace)", d);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", d);
+    check(zero_device_memory(p, sizeof(Workspace)), "zeroing the workspace", d);
     ws[id] = static_cast<Workspace*>(p);
   }
   std::vector<int> devs;
@@ -149,8 +149,7 @@ std::vector<unsigned long long> reserve_slot_buffer(const std::vector<int>& grou
     void* p = nullptr;
     cudaError_t e = cudaSetDevice(d);
     if (e == cudaSuccess) e = cudaMalloc(&p, bytes);
-    if (e == cudaSuccess) e = cudaMemset(p, 0, bytes);
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) e = zero_device_memory(p, bytes);
     if (e != cudaSuccess) {
       cudaGetLastError();
       cudaSetDevice(prev);
