@@ -192,6 +192,7 @@ NB_MODULE(_C, m) {
   m.attr("first_push_slot") = jax_ep::kFirstPushSlot;
   m.attr("max_local_experts") = jax_ep::kMaxLocalExperts;
   m.attr("max_layout_ranks") = jax_ep::kMaxLayoutRanks;
+  m.attr("max_num_blocks") = jax_ep::kMaxNumBlocks;
   m.attr("trace_slots") = jax_ep::kTraceSlots;
   m.attr("fp8_block") = jax_ep::gemm::kFp8Block;
   {

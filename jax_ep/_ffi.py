@@ -172,9 +172,10 @@ def _batch(axis_data, vals, dims, *, target, out_types, attrs, axis_name, has_gr
             jnp.broadcast_to(v, (size,) + tuple(v.shape))
 
     if has_groups and not vranks and axis_data.name == axis_name:
-        if size > runtime.max_ranks():
+        top = runtime.max_ranks()
+        if top is not None and size > top:
             raise ValueError(f"jax_ep: {size} ranks along {axis_name!r}; the one-GPU "
-                             f"multi-rank mode runs 1 to {runtime.max_ranks()}")
+                             f"multi-rank mode runs 1 to {top}")
         outs = ep_call_p.bind(
             *[stacked(v, d) for v, d in zip(vals, dims)],
             out_types=tuple(((size,) + tuple(s), d) for s, d in out_types), vranks=size,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _checks, _ffi, reference as ref
-from jax_ep import remat, runtime
+from jax_ep import config, remat, runtime
 
 
 class LowLatencyHandle(NamedTuple):
@@ -49,9 +49,11 @@ def _combine_buffer_bytes(R, M, K, H):
 
 
 def _ll_attrs(*, num_experts, M, K, H, use_fp8, round_scale, buffer_bytes):
+    # prereduce / diag: settings that change the kernels, fixed at lowering (jax_ep/config.py)
     return dict(num_experts=int(num_experts), max_tokens=int(M), num_topk=int(K), hidden=int(H),
                 use_fp8=bool(use_fp8), round_scale=bool(round_scale),
-                buffer_bytes=int(buffer_bytes))
+                buffer_bytes=int(buffer_bytes), prereduce=config.flag("JAX_EP_LL_PREREDUCE"),
+                diag=config.flag("JAX_EP_LL_DIAG"))
 
 
 def _combine_attrs(num_experts, R, M, K, H):

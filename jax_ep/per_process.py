@@ -19,6 +19,8 @@ import ctypes
 import os
 import threading
 
+from jax_ep import config
+
 _state: dict = {"attached": False, "self_test": None, "finalized": False}
 _lock = threading.Lock()
 _UID_BYTES = 128  # sizeof(nvshmemx_uniqueid_t)
@@ -35,7 +37,7 @@ def _parse_bytes(text: str) -> int:
 
 
 def arena_bytes() -> int:
-    return _parse_bytes(os.environ.get("JAX_EP_SYMMETRIC_BYTES", "4GiB"))
+    return _parse_bytes(config.raw("JAX_EP_SYMMETRIC_BYTES"))
 
 
 def attached() -> bool:
@@ -80,7 +82,7 @@ def _share_unique_id(nvshmem_core, rank: int, timeout_s: float):
 
 def _debug(msg: str) -> None:
     """JAX_EP_DEBUG=1: where the set-up is (a failing transport aborts without saying)."""
-    if os.environ.get("JAX_EP_DEBUG"):
+    if config.flag("JAX_EP_DEBUG"):
         import sys
 
         print(f"jax_ep debug: {msg}", file=sys.stderr, flush=True)
@@ -136,7 +138,7 @@ def initialize(ext, timeout_s: float) -> dict:
                               initializer_method="uid")
             _debug(f"process {rank}: NVSHMEM initialised")
             atexit.register(_finalize, nvshmem_core, timeout_s)
-        if os.environ.get("JAX_EP_DEBUG"):
+        if config.flag("JAX_EP_DEBUG"):
             ext.debug_segv_backtrace()
         ext.sym_attach(arena)
         _debug("arena attached; self-test")

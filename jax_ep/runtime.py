@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 import warnings
+
+from jax_ep import config
 
 _lock = threading.Lock()
 _ext = None
@@ -83,15 +84,7 @@ def timeout_ns() -> int:
 
     Raises ValueError naming the variable for a value that is not a finite number of seconds
     above 0 (a zero, negative, inf or NaN limit would make every wait fail, or none)."""
-    raw = os.environ.get("JAX_EP_TIMEOUT_S", "30")
-    try:
-        s = float(raw)
-    except ValueError:
-        s = float("nan")
-    if not (0 < s < float("inf")) or s * 1e9 >= 2**63:
-        raise ValueError(f"JAX_EP_TIMEOUT_S={raw!r}: expected a finite number of seconds > 0 "
-                         "(the in-kernel wait limit; default 30)")
-    return int(s * 1e9)
+    return int(config.seconds("JAX_EP_TIMEOUT_S") * 1e9)
 
 
 def set_num_blocks(n: int | None) -> None:
@@ -100,15 +93,23 @@ def set_num_blocks(n: int | None) -> None:
     The default is JAX_EP_NUM_SMS, else 32. Takes effect for functions traced afterwards.
     """
     global _num_blocks
-    if n is not None and (int(n) < 1 or int(n) > 1024):
-        raise ValueError(f"num_blocks must be in [1, 1024], got {n}")
+    hi = max_num_blocks()
+    if n is not None and not 1 <= int(n) <= hi:
+        raise ValueError(f"num_blocks must be in [1, {hi}], got {n}")
     _num_blocks = None if n is None else int(n)
+
+
+def max_num_blocks() -> int:
+    """The largest block count the kernels take (the extension defines it)."""
+    return limits().get("max_num_blocks", 1 << 30)
 
 
 def num_blocks() -> int:
     if _num_blocks is not None:
         return _num_blocks
-    return int(os.environ.get("JAX_EP_NUM_SMS", str(_default_num_blocks)))
+    if not config.is_set("JAX_EP_NUM_SMS"):
+        return _default_num_blocks
+    return config.int_in("JAX_EP_NUM_SMS", 1, max_num_blocks())
 
 
 _default_num_blocks = 32
@@ -116,7 +117,7 @@ _default_num_blocks = 32
 
 def num_blocks_is_default() -> bool:
     """True when neither set_num_blocks nor JAX_EP_NUM_SMS chose the block count."""
-    return _num_blocks is None and "JAX_EP_NUM_SMS" not in os.environ
+    return _num_blocks is None and not config.is_set("JAX_EP_NUM_SMS")
 
 
 @contextlib.contextmanager
@@ -133,7 +134,7 @@ def default_num_blocks(n: int):
 def check_enabled(check: bool | None) -> bool:
     if check is not None:
         return bool(check)
-    return os.environ.get("JAX_EP_CHECK", "0") not in ("", "0", "false", "False")
+    return config.flag("JAX_EP_CHECK")
 
 
 def next_slot(push: bool = False) -> int:
@@ -160,7 +161,7 @@ def limits() -> dict:
     if ext is None:
         return {}
     return {k: int(getattr(ext, k)) for k in ("max_ranks", "max_local_experts",
-                                              "max_layout_ranks")}
+                                              "max_layout_ranks", "max_num_blocks")}
 
 
 def max_ranks():

@@ -13,13 +13,12 @@ What it proves and what it cannot: docs/testing.md.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_ep import runtime
+from jax_ep import config, runtime
 
 __all__ = ["virtual_ranks", "run_ranks", "use_virtual_ranks"]
 
@@ -34,9 +33,10 @@ def virtual_ranks(fn, num_ranks: int, *, axis_name: str = "ep"):
     a count whose R grids cannot be resident together raises an error naming it.
     """
     R = int(num_ranks)
-    if not 1 <= R <= (runtime.max_ranks() or R):
+    top = runtime.max_ranks()   # None without the extension: the reference has no limit
+    if not 1 <= R <= (top or R):
         raise ValueError(f"num_ranks={num_ranks}: the one-GPU multi-rank mode runs 1 to "
-                         f"{runtime.max_ranks()} ranks")
+                         f"{top if top else 'any number of'} ranks")
     vfn = jax.vmap(fn, axis_name=axis_name, axis_size=R)
 
     @functools.wraps(fn)
@@ -56,7 +56,7 @@ def virtual_ranks(fn, num_ranks: int, *, axis_name: str = "ep"):
 def use_virtual_ranks(num_ranks: int) -> bool:
     """Whether `run_ranks` uses virtual ranks: fewer GPUs than ranks, or JAX_EP_VIRTUAL_RANKS=1
     (JAX_EP_VIRTUAL_RANKS=0 never)."""
-    forced = os.environ.get("JAX_EP_VIRTUAL_RANKS", "")
+    forced = config.raw("JAX_EP_VIRTUAL_RANKS")
     if forced not in ("", "0", "1"):
         raise ValueError(f"JAX_EP_VIRTUAL_RANKS={forced!r}: expected 0 or 1")
     if forced:

@@ -682,7 +682,7 @@ def test_ll_large_topk_fallback_kernel():
 @pytest.mark.parametrize("split", [False, True])
 def test_ll_combine_without_prereduce(monkeypatch, split):
     """JAX_EP_LL_PREREDUCE=0: one bf16 row per (token, expert), several rows per warp item."""
-    monkeypatch.setenv("JAX_EP_LL_PREREDUCE", "0")  # read by the handlers at every launch
+    monkeypatch.setenv("JAX_EP_LL_PREREDUCE", "0")  # read when the calls are lowered
     R, T, M, H, K, E = 4, 64, 64, 1024, 8, 32
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)

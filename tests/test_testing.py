@@ -78,9 +78,15 @@ def test_virtual_ranks_switch_is_checked(monkeypatch, bad):
         testing.use_virtual_ranks(2)
 
 
-def test_virtual_ranks_count_is_checked():
-    with pytest.raises(ValueError, match="num_ranks"):
+def test_virtual_ranks_count_is_checked(monkeypatch):
+    from jax_ep import runtime
+    # the kernels' limit (runtime.limits(), from the extension; planted here for machines
+    # without it, where the reference alone has no limit)
+    monkeypatch.setattr(runtime, "limits", lambda: {"max_ranks": 8})
+    with pytest.raises(ValueError, match="num_ranks=9: the one-GPU multi-rank mode runs 1 to 8"):
         testing.virtual_ranks(lambda x: x, 9)
+    with pytest.raises(ValueError, match="num_ranks=0"):
+        testing.virtual_ranks(lambda x: x, 0)
 
 
 def test_cpu_machine_never_picks_virtual_ranks(monkeypatch):

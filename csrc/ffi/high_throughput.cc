@@ -28,7 +28,6 @@ using jax_ep::ht::GatherArgs;
 namespace {
 
 constexpr int64_t kMaxInt = (int64_t{1} << 31) - 1;
-constexpr int64_t kMaxBlocks = 4096;
 
 // Checks `dims == want`; on mismatch returns a message naming the op and the buffer.
 bool shape_is(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want,
@@ -50,9 +49,9 @@ bool shape_is(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want
 ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks) {
   if (timeout_ns <= 0)
     return ffi::Error::InvalidArgument(std::string(op) + ": timeout_ns must be positive");
-  if (num_blocks < 1 || num_blocks > kMaxBlocks)
+  if (num_blocks < 1 || num_blocks > jax_ep::kMaxNumBlocks)
     return ffi::Error::InvalidArgument(std::string(op) + ": num_blocks must be in [1, " +
-                                       std::to_string(kMaxBlocks) + "], got " +
+                                       std::to_string(jax_ep::kMaxNumBlocks) + "], got " +
                                        std::to_string(num_blocks));
   return ffi::Error::Success();
 }

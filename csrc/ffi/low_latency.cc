@@ -24,27 +24,16 @@ namespace {
 
 constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
 
-// JAX_EP_LL_DIAG=1: the kernels record per-warp diagnostic timestamps (kernels/low_latency.cu,
-// diag_max). Read when the op runs (or is captured into a command buffer).
-int ll_diag() {
-  const char* v = std::getenv("JAX_EP_LL_DIAG");
-  return (v != nullptr && v[0] == '1') ? 1 : 0;
-}
-
-// JAX_EP_LL_PREREDUCE=0: the combine sends one bf16 row per (token, expert), no partial sums
-// (kernels/low_latency.cu, "Combine"). Every rank must see the same setting.
-bool ll_prereduce() {
-  const char* v = std::getenv("JAX_EP_LL_PREREDUCE");
-  return v == nullptr || v[0] != '0';
-}
-
-// Attributes every LL op carries (the lowering adds the first six; see jax_ep/_ffi.py).
+// Attributes every LL op carries (the lowering adds the first five; see jax_ep/_ffi.py).
+// prereduce and diag are settings fixed at lowering (jax_ep/config.py): prereduce=false makes
+// the combine send one bf16 row per (token, expert), no partial sums (kernels/low_latency.cu,
+// "Combine"); diag=true makes the kernels record per-warp timestamps (diag_max).
 struct LlAttrs {
   ffi::Span<const int64_t> groups;
   int64_t group_size, slot, timeout_ns;
   ffi::Span<const int64_t> bufs;  // receive buffer of this slot, per device of `groups`
   int64_t buffer_bytes, num_experts, max_tokens, num_topk, hidden;
-  bool use_fp8, round_scale;
+  bool use_fp8, round_scale, prereduce, diag;
 };
 
 // The group of `device`, its receive buffers and the common shape checks. bufs[q]: where the
@@ -225,7 +214,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
   p.G = static_cast<int>(G);
   p.use_fp8 = a.use_fp8 ? 1 : 0;
   p.round_scale = a.round_scale ? 1 : 0;
-  p.diag = ll_diag();
+  p.diag = a.diag ? 1 : 0;
   p.hdr_bytes = ll::dispatch_header_bytes(K);
   p.row_bytes = ll::dispatch_row_bytes(K, H, a.use_fp8);
   p.area_bytes = ll::dispatch_area_bytes(M, K, H, L, a.use_fp8);
@@ -344,10 +333,10 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
   p.E = static_cast<int>(E);
   p.L = static_cast<int>(L);
   p.M = static_cast<int>(M);
-  p.diag = ll_diag();
+  p.diag = a.diag ? 1 : 0;
   p.timeout_ns = a.timeout_ns;
   // Pre-reduction needs K <= 32 (one lane per slot); JAX_EP_LL_PREREDUCE=0 turns it off.
-  p.min_partial = (K <= 32 && ll_prereduce()) ? 2 : (1 << 30);
+  p.min_partial = (K <= 32 && a.prereduce) ? 2 : (1 << 30);
   if (p.ps.remote != 0) return combine_with_remote(op, p, grid, own, stream);
   ll::launch_combine(p, grid, stream);
   return jax_ep::cuda_error(op);
@@ -390,7 +379,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ffi::StructMember<int64_t>("buffer_bytes"), ffi::StructMember<int64_t>("num_experts"),
     ffi::StructMember<int64_t>("max_tokens"), ffi::StructMember<int64_t>("num_topk"),
     ffi::StructMember<int64_t>("hidden"), ffi::StructMember<bool>("use_fp8"),
-    ffi::StructMember<bool>("round_scale"));
+    ffi::StructMember<bool>("round_scale"), ffi::StructMember<bool>("prereduce"),
+    ffi::StructMember<bool>("diag"));
 
 #define JAX_EP_LL_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 

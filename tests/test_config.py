@@ -1,0 +1,53 @@
+"""The settings registry (jax_ep/config.py) is the one place that reads JAX_EP_* settings."""
+import pathlib
+import re
+
+import pytest
+
+from jax_ep import config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Variables the launcher passes to the processes it starts: plumbing, not settings.
+LAUNCHER = {"JAX_EP_NUM_PROCESSES", "JAX_EP_PROCESS_ID"}
+
+
+def _names(pattern, files):
+    found = {}
+    for f in files:
+        for m in re.finditer(pattern, f.read_text()):
+            found.setdefault(m.group(1), f.relative_to(ROOT))
+    return found
+
+
+def test_python_reads_settings_only_through_the_registry():
+    files = [f for f in (ROOT / "jax_ep").glob("*.py") if f.name != "config.py"]
+    direct = _names(r"environ(?:\.get\(|\[)\s*[\"'](JAX_EP_[A-Z_]+)", files)
+    assert set(direct) <= LAUNCHER, f"read outside jax_ep/config.py: {direct}"
+    used = _names(r"config\.\w+\(\s*[\"'](JAX_EP_[A-Z_]+)", files)
+    assert set(used) <= set(config.SETTINGS), set(used) - set(config.SETTINGS)
+
+
+def test_settings_the_extension_reads_are_registered():
+    files = [f for f in (ROOT / "csrc").rglob("*") if f.suffix in (".cc", ".cu", ".cuh", ".h")]
+    read = _names(r"getenv\(\s*\"(JAX_EP_[A-Z_]+)\"", files)
+    assert set(read) <= set(config.SETTINGS), set(read) - set(config.SETTINGS)
+    # kernel behaviour is a custom-call attribute, never read at run time
+    assert not {"JAX_EP_LL_PREREDUCE", "JAX_EP_LL_DIAG"} & set(read)
+
+
+def test_every_setting_is_described():
+    table = config.describe()
+    for s in config.SETTINGS.values():
+        assert s.name in table and s.meaning and s.read
+        assert config.raw(s.name) is not None
+
+
+def test_bad_values_name_the_setting(monkeypatch):
+    monkeypatch.setenv("JAX_EP_NUM_SMS", "lots")
+    with pytest.raises(ValueError, match=r"JAX_EP_NUM_SMS='lots': expected an integer in \[1,"):
+        config.int_in("JAX_EP_NUM_SMS", 1, 4096)
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "-1")
+    with pytest.raises(ValueError, match=r"JAX_EP_TIMEOUT_S='-1': expected a finite number"):
+        config.seconds("JAX_EP_TIMEOUT_S")
+    with pytest.raises(KeyError):
+        config.raw("JAX_EP_NOT_A_SETTING")
