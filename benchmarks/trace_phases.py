@@ -30,27 +30,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ep  # noqa: E402
 from jax_ep import runtime  # noqa: E402
 
-MARKS = {
-    0: "layout start", 1: "layout: peers ready", 2: "layout: counts", 3: "layout: grid barrier",
-    4: "layout end", 5: "copy start", 9: "gather: peers ready", 6: "copy loop done",
-    7: "all blocks arrived", 8: "peers done",
-    10: "start", 11: "peers ready", 12: "loop done", 13: "all blocks arrived", 14: "peers done",
-    16: "start", 17: "send done (items counted)", 18: "first fill item done (its counts in)",
-    19: "receive done",
-    24: "start", 25: "send done (rows and tags out)", 26: "receive starts (block 0)",
-    27: "receive done",
-}
-
-# LL slots (64 and up) with JAX_EP_LL_DIAG=1: indices 0..11 are per-warp diagnostic points, the
-# latest time any block / warp reached them (csrc/transport/peer.cuh, "Phase tracer").
-DIAG_MARKS = {
-    0: "last block start", 1: "last block past wait-freed", 2: "last warp's first send ticket",
-    3: "last warp's send loop done (items counted)", 4: "last receive item done",
-    5: "last warp's first copy item past its row wait", 6: "last fast copy's words in",
-    7: "last warp's first receive ticket", 8: "last item's data in",
-    9: "last warp's receive loop done (items counted)", 10: "closer past freed",
-    11: "last warp at kernel exit",
-}
+# What each trace index records, from the extension (csrc/transport/trace_marks.h). LL slots
+# (64 and up) with JAX_EP_LL_DIAG=1 also hold per-warp diagnostic points (DIAG_MARKS): the latest
+# time any block / warp reached them.
+MARKS = dict(runtime.extension().trace_marks) if runtime.extension() is not None else {}
+DIAG_MARKS = dict(runtime.extension().diag_marks) if runtime.extension() is not None else {}
 
 
 def routing(rng, n, K, E):

@@ -21,6 +21,7 @@
 #include "runtime/symmetric.h"
 #include "runtime/virtual_ranks.h"
 #include "runtime/workspace.h"
+#include "transport/trace_marks.h"
 
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0  // transport/peer.cuh
@@ -155,6 +156,20 @@ NB_MODULE(_C, m) {
   m.def("ll_combine_buffer_bytes", &jax_ep::ll::combine_buffer_bytes, nb::arg("R"), nb::arg("M"),
         nb::arg("K"), nb::arg("H"),
         "Bytes of a low-latency combine slot's receive buffer (kernels/low_latency.cu).");
+  m.def(
+      "ht_stage_bytes",
+      [](const std::vector<int64_t>& operand_bytes) {
+        return jax_ep::ht::stage_bytes(operand_bytes);
+      },
+      nb::arg("operand_bytes"),
+      "Per-process mode: bytes of the staging buffer for operands of these sizes.");
+  {
+    nb::dict staged;  // target -> how many leading operands its handler stages
+    staged["jax_ep_ht_dispatch"] = jax_ep::ht::kStagedDispatch;
+    staged["jax_ep_ht_gather"] = jax_ep::ht::kStagedGather;
+    staged["jax_ep_ht_combine"] = jax_ep::ht::kStagedCombine;
+    m.attr("ht_staged_operands") = staged;
+  }
   m.def("ht_scratch_words", &jax_ep::ht::ht_scratch_words, nb::arg("R"), nb::arg("T"),
         "int32 words of jax_ep_ht_dispatch's scratch result (csrc/kernels/high_throughput.cuh).");
   m.def("gemm_built", &jax_ep::gemm::built,
@@ -194,6 +209,13 @@ NB_MODULE(_C, m) {
   m.attr("max_layout_ranks") = jax_ep::kMaxLayoutRanks;
   m.attr("max_num_blocks") = jax_ep::kMaxNumBlocks;
   m.attr("trace_slots") = jax_ep::kTraceSlots;
+  {
+    nb::dict marks, diag;  // trace index -> what the kernels record there (trace_marks.h)
+    for (const auto& n : jax_ep::trace::kMarkNames) marks[nb::int_(n.index)] = n.name;
+    for (const auto& n : jax_ep::trace::kDiagNames) diag[nb::int_(n.index)] = n.name;
+    m.attr("trace_marks") = marks;
+    m.attr("diag_marks") = diag;
+  }
   m.attr("fp8_block") = jax_ep::gemm::kFp8Block;
   {
     using jax_ep::gemm::Dtype;

@@ -78,16 +78,11 @@ def group_table(mesh, axis_name) -> np.ndarray:
 
 # Pull ops (high-throughput): how many leading operands their peers read (the `ptrs` each op
 # publishes; csrc/ffi/high_throughput.cc stage_operands stages the same ones).
-_STAGED_OPERANDS = {"jax_ep_ht_dispatch": 4, "jax_ep_ht_gather": 1, "jax_ep_ht_combine": 1}
-
-
-def _stage_bytes(avals, n: int) -> int:
-    """Staging bytes of the first n operands, each rounded up to 256 (as stage_operands does)."""
-    total = 0
-    for a in avals[:n]:
-        nbytes = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-        total += (nbytes + 255) // 256 * 256
-    return max(total, 256)
+def _stage_bytes(ext, target, avals) -> int:
+    """Per-process mode: bytes of the staging buffer of a pull op (the extension's rule)."""
+    n = ext.ht_staged_operands[target]
+    return ext.ht_stage_bytes([int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+                               for a in avals[:n]])
 
 
 def _lowering_device(ctx) -> int:
@@ -106,6 +101,7 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure,
     del out_types
     _register_targets()
     kwargs = dict(attrs)
+    ext = runtime.extension()
     if has_groups and vranks:
         # One-GPU multi-rank mode: the group is `vranks` virtual ranks on this device, each with
         # its own workspace and buffers; the `_vr` handler runs them all (docs/testing.md).
@@ -113,7 +109,6 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure,
             raise ValueError("jax_ep: the one-GPU multi-rank mode (jax.vmap over the EP axis) "
                              "runs in one process")
         dev = _lowering_device(ctx)
-        ext = runtime.extension()
         table = np.asarray([[ext.virtual_id(dev, r) for r in range(vranks)]], np.int64)
         runtime.ensure_peer_runtime([], table)
     elif has_groups:
@@ -144,12 +139,12 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure,
             kwargs["bufs"] = np.asarray(
                 runtime.reserve_slot_buffers(table, slot, int(kwargs["buffer_bytes"]), layout),
                 dtype=np.int64)
-        elif target in _STAGED_OPERANDS:
+        elif target in ext.ht_staged_operands:
             # Per-process mode: peers read our operands from a symmetric staging buffer.
             stage = [0]
             if runtime.per_process():
                 stage = runtime.reserve_slot_buffers(
-                    table, slot, _stage_bytes(ctx.avals_in, _STAGED_OPERANDS[target]))
+                    table, slot, _stage_bytes(ext, target, ctx.avals_in))
             kwargs["stage"] = np.asarray(stage, dtype=np.int64)
     name = target + "_vr" if vranks else target
     return jax.ffi.ffi_lowering(name, has_side_effect=not pure)(ctx, *args, **kwargs)

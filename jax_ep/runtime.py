@@ -143,9 +143,10 @@ def next_slot(push: bool = False) -> int:
     Pull ops (high-throughput) and push ops (low-latency) keep separate slot ranges: their
     epoch counters advance differently, so one slot must never serve both kinds.
     """
-    ext = _load_extension()
-    n = ext.num_slots if ext is not None else 128
-    first_push = ext.first_push_slot if ext is not None else 64
+    ext = extension()
+    if ext is None:        # no kernels: slots mean nothing (the extension owns their ranges)
+        return 0
+    n, first_push = ext.num_slots, ext.first_push_slot
     if push:
         return first_push + next(_push_slot_counter) % (n - first_push)
     return next(_slot_counter) % first_push

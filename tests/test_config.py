@@ -51,3 +51,18 @@ def test_bad_values_name_the_setting(monkeypatch):
         config.seconds("JAX_EP_TIMEOUT_S")
     with pytest.raises(KeyError):
         config.raw("JAX_EP_NOT_A_SETTING")
+
+
+def test_the_extension_owns_its_sizes_and_trace_marks():
+    """Facts that cross the Python/C++ line come from the extension (one C++ definition)."""
+    from jax_ep import runtime
+    ext = runtime.extension()
+    if ext is None:
+        pytest.skip("the CUDA extension is not built")
+    assert ext.ht_stage_bytes([]) == 256
+    assert ext.ht_stage_bytes([1, 256, 257]) == 256 + 256 + 512
+    assert set(ext.ht_staged_operands) == {"jax_ep_ht_dispatch", "jax_ep_ht_gather",
+                                           "jax_ep_ht_combine"}
+    marks = ext.trace_marks
+    assert marks[0] == "layout start" and len(marks) >= 20
+    assert max(marks) < ext.trace_slots and max(ext.diag_marks) < ext.trace_slots

@@ -35,6 +35,8 @@ def cuda_lowering(monkeypatch):
             ht_scratch_words = staticmethod(lambda R, T: R * T + 64)
             ll_dispatch_buffer_bytes = staticmethod(lambda R, M, K, H, L, fp8: 1 << 20)
             ll_combine_buffer_bytes = staticmethod(lambda R, M, K, H: 1 << 20)
+            ht_staged_operands = {t: 1 for t in PULL_TARGETS}
+            num_slots, first_push_slot = 128, 64
         monkeypatch.setattr(jax_ep.runtime, "extension", lambda: SizesOnly)
     # receive buffers of the push slots: fake addresses, one per device of the table
     monkeypatch.setattr(jax_ep.runtime, "reserve_slot_buffers",
@@ -200,6 +202,27 @@ def test_cuda_lowering_settings(cuda_lowering, mesh2, monkeypatch):
     assert groups_attr(a) == [0, 1]
     with pytest.raises(ValueError, match="num_blocks"):
         jax_ep.set_num_blocks(0)
+
+
+@pytest.mark.parametrize("prereduce,diag", [("1", "0"), ("0", "1")])
+def test_cuda_lowering_low_latency_settings(cuda_lowering, mesh2, monkeypatch, prereduce, diag):
+    """JAX_EP_LL_PREREDUCE / JAX_EP_LL_DIAG become attributes of every low-latency call."""
+    monkeypatch.setenv("JAX_EP_LL_PREREDUCE", prereduce)
+    monkeypatch.setenv("JAX_EP_LL_DIAG", diag)
+
+    def f(x, i):
+        r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=3,
+                                        use_fp8=False, backend="cuda")
+        return jax_ep.low_latency_combine(r.recv_x, i, jnp.ones(i.shape), r.handle,
+                                          backend="cuda")
+    text = smap(mesh2, f).trace(jnp.ones((2, 3, 128), jnp.bfloat16),
+                                jnp.zeros((2, 3, 2), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [a for t, a in custom_calls(text) if t.startswith("jax_ep_ll_")]
+    assert len(calls) == 2
+    for a in calls:
+        assert re.search(rf"prereduce = {'true' if prereduce == '1' else 'false'}", a), a
+        assert re.search(rf"diag = {'true' if diag == '1' else 'false'}", a), a
 
 
 def test_group_table():

@@ -60,7 +60,7 @@ ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks)
 // cannot read this rank's XLA buffers, so copy the operands they read into this rank's
 // symmetric staging buffer, stream-ordered before the kernel, and point the kernel at the
 // staging buffers (PeerSlots::stage). Operand i sits at the sum of the 256-byte-aligned sizes
-// of operands 0..i-1 (jax_ep/_ffi.py sizes the buffer the same way). One-process mode passes
+// of operands 0..i-1 (kernels/ht_sizes.h, which also sizes the buffer). One-process mode passes
 // stage = [0]: nothing to do. Reuse is safe: the previous call on the slot ended with the end
 // barrier, after every peer finished reading. An entry with bit 0 set names a remote peer
 // (symmetric.h): its stage[] is this rank's mirror of that peer's staging buffer, which
@@ -82,7 +82,7 @@ ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const i
     gi->peers.stage_off[i++] = off;
     if (operand.second > 0 && operand.first != nullptr)
       cudaMemcpyAsync(mine + off, operand.first, operand.second, cudaMemcpyDeviceToDevice, stream);
-    off += (operand.second + 255) / 256 * 256;
+    off += jax_ep::ht::stage_aligned(static_cast<int64_t>(operand.second));
   }
   *staged = off;
   return jax_ep::cuda_error("staging copy");

@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
   const int64_t c1 = static_cast<int64_t>(t_begin) + chunk;
   const int t_end = c1 < T ? static_cast<int>(c1) : T;
   const int nsub = (t_end - t_begin + kLayoutThreads - 1) / kLayoutThreads;
-  trace_mark(ps, 0);
+  trace_mark(ps, trace::kLayoutStart);
 
   extern __shared__ int4 s_dyn[];  // [kLayoutThreads * K] ids, then [kLayoutThreads * K] weights
   const bool use_smem = static_cast<int64_t>(kLayoutThreads) * K * 8 <= kLayoutSmemBytes;
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
 
   const void* ptrs[kNumDispatchPtrs] = {a.x, a.x_scales, a.topk_idx, a.topk_weights};
   publish_and_wait(ps, ptrs, kNumDispatchPtrs, e, a.timeout_ns, "ht_dispatch: wait for peers");
-  trace_mark(ps, 1);
+  trace_mark(ps, trace::kLayoutPeersReady);
   if (tid == 0) {
     s_idx_ptr = peer_ptr<const int32_t>(ps, s, kPtrTopkIdx);
     s_w_ptr = peer_ptr<const float>(ps, s, kPtrTopkWeights);
@@ -226,9 +226,9 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
   __syncthreads();
   if (tid < R) cnt[static_cast<int64_t>(b) * R + tid] = s_cnt[tid];
   if (s == me && tid == 0) inv_c[c] = s_invalid;
-  trace_mark(ps, 2);
+  trace_mark(ps, trace::kLayoutCounts);
   grid_barrier(ps, 1, a.timeout_ns, "ht_dispatch: layout grid barrier");
-  trace_mark(ps, 3);
+  trace_mark(ps, trace::kLayoutGridBarrier);
 
   // Phase 2: offsets of this block (sum over earlier blocks), the total for this rank, then rows
   // by a block scan of the masks (ballot + popc per rank), sub-chunk by sub-chunk.
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
   if (tpe_smem)
     for (int l = tid; l < L; l += blockDim.x)
       if (s_tpe[l] != 0) atomicAdd(&a.recv_tokens_per_expert[l], s_tpe[l]);
-  trace_mark(ps, 4);
+  trace_mark(ps, trace::kLayoutEnd);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -417,12 +417,12 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
   const unsigned long long e = call_epoch(ps);
   __shared__ const uint8_t* s_x[kMaxRanks];
   __shared__ const float* s_sc[kMaxRanks];
-  trace_mark(ps, 5);
+  trace_mark(ps, trace::kCopyStart);
 
   if (kGather) {
     const void* ptrs[1] = {a.own_x};
     publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, "ht_gather: wait for peers");
-    trace_mark(ps, 9);
+    trace_mark(ps, trace::kGatherPeersReady);
   } else if (blockIdx.x == 0 && tid == 0) {
     // Every block of the layout kernel has exited (stream order): its grid barrier is done.
     grid_barrier_reset(ps);
@@ -477,9 +477,9 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
       for (int g = lane + 64; g < G; g += 32) d[g] = s >= 0 ? ld_nc_f32(s_sc[s] + t * G + g) : 0.f;
     }
   }
-  trace_mark(ps, 6);
+  trace_mark(ps, trace::kCopyLoopDone);
   end_barrier(ps, e, a.timeout_ns, kGather ? "ht_gather: end barrier" : "ht_dispatch: end barrier",
-              7);
+              trace::kCopyAllBlocksArrived);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -558,11 +558,11 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a)
   const int R = ps.num_ranks, tid = threadIdx.x, lane = tid & 31;
   const unsigned long long e = call_epoch(ps);
   __shared__ const T* s_y[kMaxRanks];
-  trace_mark(ps, 10);
+  trace_mark(ps, trace::kCombineStart);
 
   const void* ptrs[1] = {a.y};
   publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, "ht_combine: wait for peers");
-  trace_mark(ps, 11);
+  trace_mark(ps, trace::kCombinePeersReady);
   if (tid < R) s_y[tid] = peer_ptr<const T>(ps, tid, 0);
   __syncthreads();
 
@@ -645,8 +645,8 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a)
       }
     }
   }
-  trace_mark(ps, 12);
-  end_barrier(ps, e, a.timeout_ns, "ht_combine: end barrier", 13);
+  trace_mark(ps, trace::kCombineLoopDone);
+  end_barrier(ps, e, a.timeout_ns, "ht_combine: end barrier", trace::kCombineAllBlocksArrived);
 }
 
 }  // namespace

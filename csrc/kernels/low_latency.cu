@@ -628,7 +628,7 @@ __device__ __forceinline__ bool copy_row_fast(const DispatchParams& p, int s, in
     jw += static_cast<unsigned int>(c);
   }
   if (__any_sync(kFull, late)) return false;
-  if (lane == 0) diag_max(p.ps, p.diag, 6);
+  if (lane == 0) diag_max(p.ps, p.diag, trace::kDiagFastCopyWordsIn);
   int j = le >= 0 && jw < RM ? static_cast<int>(jw) : -1;  // >= RM: a corrupt header; drop
   if (part == 0) write_row_indices(p, s, t, lane, le, j, lead, RM);
   if (!lead) j = -1;
@@ -662,7 +662,7 @@ __device__ __noinline__ void copy_item(const DispatchParams& p, int s, int t, in
                                        int parts, int64_t pay_bytes, unsigned long long er,
                                        int par, int lane) {
   const int r = p.ps.rank;
-  if (lane == 0) diag_max(p.ps, p.diag, 8);
+  if (lane == 0) diag_max(p.ps, p.diag, trace::kDiagItemDataIn);
   if (!copy_row_fast<VV>(p, s, t, part, parts, pay_bytes, er, par, r, lane))
     copy_row_part<VV>(p, s, t, part, parts, pay_bytes, er, par, r, lane);
 }
@@ -671,7 +671,7 @@ __device__ __noinline__ void copy_item(const DispatchParams& p, int s, int t, in
 __device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
                                                     unsigned long long es, int lane) {
   const PeerSlots& ps = p.ps;
-  if (lane == 0) trace_mark_last(ps, 17);
+  if (lane == 0) trace_mark_last(ps, trace::kLlDispatchSendDone);
   int c = 0;
   const int64_t n = (int64_t)p.T * p.K;
 #pragma unroll 8
@@ -696,8 +696,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned long long es = push::send_epoch(ps);
   const unsigned long long er =
       push::recv_epoch(ps, p.mode == push::kModeRecv ? p.ticket + 1 : nullptr);
-  trace_mark(ps, 16);
-  if (threadIdx.x == 0) diag_max(ps, p.diag, 0);
+  trace_mark(ps, trace::kLlDispatchStart);
+  if (threadIdx.x == 0) diag_max(ps, p.diag, trace::kDiagLastBlockStart);
 
   if (p.mode & push::kModeSend) {
     const int par = static_cast<int>(es & 1);
@@ -711,14 +711,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     __shared__ unsigned int first_ticket;  // the block's first send tickets (one atomic)
     if (threadIdx.x == 0) first_ticket = push::take_block_tickets(me, push::kSend, kWarps);
     __syncthreads();
-    if (threadIdx.x == 0) diag_max(ps, p.diag, 1);
+    if (threadIdx.x == 0) diag_max(ps, p.diag, trace::kDiagPastWaitFreed);
     const int rows = p.T * R;
     const int parts = row_parts(p.E, rows);
     const int n = p.E + rows * parts;  // >= 1: the close always runs
     bool closer = false;
     for (int fin = 0;; fin = 1) {  // warp-uniform
       const push::Take tk = push::send_take(me, first_ticket, warp, n, fin, lane);
-      if (fin == 0 && lane == 0) diag_max(ps, p.diag, 2);
+      if (fin == 0 && lane == 0) diag_max(ps, p.diag, trace::kDiagFirstSendTicket);
       if (tk.it >= n) {
         closer = tk.closer;
         break;
@@ -728,7 +728,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       else
         dispatch_send_item<V>(p, tk.it - p.E, parts, par, es, lane);
     }
-    if (lane == 0) diag_max(ps, p.diag, 3);
+    if (lane == 0) diag_max(ps, p.diag, trace::kDiagSendLoopDone);
     if (closer) dispatch_close_send(p, es, lane);
   }
 
@@ -744,9 +744,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int n = nf + rows * parts;
     bool closer = false;
     for (int fin = 0;; fin = 1) {  // warp-uniform
-      if (fin != 0 && lane == 0) diag_max(ps, p.diag, 4);
+      if (fin != 0 && lane == 0) diag_max(ps, p.diag, trace::kDiagReceiveItemDone);
       const push::Take tk = push::next_item(me, push::kRecv, n, fin, lane);
-      if (fin == 0 && lane == 0) diag_max(ps, p.diag, 7);
+      if (fin == 0 && lane == 0) diag_max(ps, p.diag, trace::kDiagFirstReceiveTicket);
       if (tk.it >= n) {
         closer = tk.closer;
         break;
@@ -754,7 +754,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int it = tk.it;
       if (it >= n_own && it < n_own + nf) {  // needs every sender's counts
         dispatch_fill_item(p, (it - n_own) / cpe, (it - n_own) % cpe, par, er, lane);
-        if (it == n_own && lane == 0) trace_mark_last(ps, 18);
+        if (it == n_own && lane == 0) trace_mark_last(ps, trace::kLlDispatchFirstFill);
       } else {
         const int ri = it < n_own ? it : it - nf;
         const int row = ri / parts, part = ri % parts;
@@ -762,7 +762,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = (r + o) % R;
         const int* hdr = reinterpret_cast<const int*>(dispatch_row(p.buf[r], p, par, s, t));
         const bool sent = wait_row(p, hdr, s, t, par, er, lane);
-        if (lane == 0 && fin == 0) diag_max(ps, p.diag, 5);
+        if (lane == 0 && fin == 0) diag_max(ps, p.diag, trace::kDiagFirstCopyPastRowWait);
         if (sent) {
           if (p.use_fp8 || sizeof(V) == sizeof(uint4))  // FP8 rows: 16-byte vectors
             copy_item<uint4>(p, s, t, part, parts, p.use_fp8 ? p.H : 2LL * p.H, er, par, lane);
@@ -773,15 +773,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    if (lane == 0) diag_max(ps, p.diag, 9);
+    if (lane == 0) diag_max(ps, p.diag, trace::kDiagReceiveLoopDone);
     if (closer) {
       // every row and count of this half is read: the senders may write it again
       if (lane < R) push::signal_freed(ps, lane, er);
-      if (lane == 0) trace_mark_last(ps, 19);
-      if (lane == 0) diag_max(ps, p.diag, 10);
+      if (lane == 0) trace_mark_last(ps, trace::kLlDispatchReceiveDone);
+      if (lane == 0) diag_max(ps, p.diag, trace::kDiagCloserPastFreed);
     }
   }
-  if (lane == 0) diag_max(ps, p.diag, 11);
+  if (lane == 0) diag_max(ps, p.diag, trace::kDiagKernelExit);
   push::leave_kernel(ps, p.mode, es);
 }
 
@@ -1171,7 +1171,7 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
   const SlotInfo g =
       p.K <= 32 ? slot_regs(p, t, lane) : SlotInfo::make(false, false, 0, -1, 0.f);
   combine_wait_rows(p, t, par, er, g, lane);
-  if (lane == 0) diag_max(p.ps, p.diag, 8);
+  if (lane == 0) diag_max(p.ps, p.diag, trace::kDiagItemDataIn);
   uint8_t* own = p.buf[p.ps.rank];
   const int v0 = c * 32 * kCombineVpt;
   float acc[kCombineVpt][EPV];
@@ -1239,8 +1239,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned long long es = push::send_epoch(ps);
   const unsigned long long er =
       push::recv_epoch(ps, p.mode == push::kModeRecv ? p.ticket_in : nullptr);
-  trace_mark(ps, 24);
-  if (threadIdx.x == 0) diag_max(ps, p.diag, 0);
+  trace_mark(ps, trace::kLlCombineStart);
+  if (threadIdx.x == 0) diag_max(ps, p.diag, trace::kDiagLastBlockStart);
 
   if (p.mode & push::kModeSend) {
     const int par = static_cast<int>(es & 1);
@@ -1266,21 +1266,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     unsigned wseen = 0;
     for (int fin = 0;; fin = 1) {  // warp-uniform
       const push::Take tk = push::send_take(me, first_ticket, warp, n, fin, lane);
-      if (fin == 0 && lane == 0) diag_max(ps, p.diag, 2);
+      if (fin == 0 && lane == 0) diag_max(ps, p.diag, trace::kDiagFirstSendTicket);
       if (tk.it >= n) {
-        if (tk.closer && lane == 0) trace_mark_last(ps, 25);
+        if (tk.closer && lane == 0) trace_mark_last(ps, trace::kLlCombineSendDone);
         break;
       }
       const int part = tk.it % parts, pair = tk.it / parts;
       const int t = pair / R, s = (ps.rank + 1 + pair % R) % R;
       combine_send_item<V>(p, s, t, part, parts, par, es, &wseen, lane);
     }
-    if (lane == 0) diag_max(ps, p.diag, 3);
+    if (lane == 0) diag_max(ps, p.diag, trace::kDiagSendLoopDone);
   }
 
   if (p.mode & push::kModeRecv) {
     const int par = static_cast<int>(er & 1);
-    trace_mark(ps, 26);
+    trace_mark(ps, trace::kLlCombineReceiveStarts);
     constexpr int EPV = sizeof(V) / 2;
     const int nvec = p.H / EPV;
     const int nchunk = (nvec + 32 * kCombineVpt - 1) / (32 * kCombineVpt);
@@ -1288,20 +1288,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     bool closer = n == 0 && blockIdx.x == 0 && threadIdx.x < 32;
     for (int fin = 0;; fin = 1) {  // warp-uniform; tokens in order (the order the rows arrive in)
       const push::Take tk = push::next_item(me, push::kRecv, n, fin, lane);
-      if (fin == 0 && lane == 0) diag_max(ps, p.diag, 7);
+      if (fin == 0 && lane == 0) diag_max(ps, p.diag, trace::kDiagFirstReceiveTicket);
       if (tk.it >= n) {
         closer |= tk.closer;
         break;
       }
       combine_recv_item<V>(p, tk.it / nchunk, tk.it % nchunk, par, er, lane);
     }
-    if (lane == 0) diag_max(ps, p.diag, 9);
+    if (lane == 0) diag_max(ps, p.diag, trace::kDiagReceiveLoopDone);
     if (closer) {  // every row of this half is read: the senders may write it again
       if (lane < R) push::signal_freed(ps, lane, er);
-      if (lane == 0) trace_mark_last(ps, 27);
+      if (lane == 0) trace_mark_last(ps, trace::kLlCombineReceiveDone);
     }
   }
-  if (lane == 0) diag_max(ps, p.diag, 11);
+  if (lane == 0) diag_max(ps, p.diag, trace::kDiagKernelExit);
   push::leave_kernel(ps, p.mode, es);
 }
 

@@ -25,6 +25,7 @@
 #include <cstdio>
 
 #include "runtime/workspace.h"
+#include "transport/trace_marks.h"
 
 namespace jax_ep {
 
@@ -98,31 +99,9 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // grid). trace_mark(ps, i): block 0, thread 0 stores %globaltimer (ns) into our slot's trace[i];
 // trace_mark_last(ps, i): the same store by whichever thread calls it (the one thread that runs
 // the end barrier's last-block logic). Host side: read_traces / jax_ep.runtime.phase_traces.
-// A mark not reached in a call keeps the value of an earlier call. Indices:
-//   HT dispatch (layout kernel, then copy_rows_kernel<false>):
-//      0 layout kernel start          1 after wait for peers (ready)    2 after phase 1 (counts)
-//      3 after the grid barrier       4 layout kernel end (block 0)     5 copy kernel start
-//      6 copy loop done (block 0)     7 end barrier: all blocks arrived (last block)
-//      8 end barrier: peers' done seen (last block)
-//   HT gather (copy_rows_kernel<true>, its own slot): 5 start, 9 after wait for peers,
-//      6 copy loop done, 7 all arrived, 8 peers done
-//   HT combine: 10 start, 11 after wait for peers, 12 loop done (block 0), 13 all arrived,
-//      14 peers done
-//   LL dispatch (push protocol, transport/push.cuh): 16 start (block 0), 17 send phase done
-//      (the last warp of the send phase), 18 the first fill item done (every sender's count of
-//      its expert seen),
-//      19 receive phase done (the last warp of the receive phase)
-//   LL combine: 24 start, 25 send phase done (rows and tags out), 26 receive phase starts
-//      (block 0; it waits per token for the row tags), 27 receive phase done
-//   LL diagnostic, only with JAX_EP_LL_DIAG=1 (low_latency.cu, diag_max): the LATEST time any
-//   block / warp reached a point, indices 0..11 of the LL slots (free there):
-//      0 block start   1 past the send's wait for freed buffers (dispatch)   2 first send ticket
-//      3 send loop done (its items counted: push::next_item)   4 a receive item done
-//      (dispatch)   5 receive: a warp's first copy item past its row wait (dispatch)   6 a fast
-//      copy's words in (dispatch)   7 first receive ticket   8 an item's data in (dispatch: a
-//      copy item's tags matched; combine: a token's rows arrived)   9 receive loop done (its
-//      items counted)   10 the receive's closer past its freed flags (dispatch)
-//      11 at leave_kernel
+// A mark not reached in a call keeps the value of an earlier call. The indices, with what each
+// records, are named in transport/trace_marks.h (trace::k...; the low-latency kernels' per-warp
+// points, with the diag attribute, are trace::kDiag...).
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void trace_mark_last(const PeerSlots& ps, int i) {
   ps.slot[ps.rank]->trace[i] = global_timer_ns();
