@@ -8,7 +8,8 @@ of --iters/4) / the difference in calls, so the fixed cost of launching one prog
 dispatch) cancels; median over --reps interleaved pairs, after warm-up. The plain figure, the
 long scan's wall time / --iters, is kept as "wall us". With --kernel-times, one more run of
 each scan under jax.profiler also gives the op's kernel durations per call
-(benchmarks/kernel_times.py), the measure DeepEP reports. Prints a table, writes results.json and a plot into --out.
+(benchmarks/kernel_times.py), the measure DeepEP reports. Prints a table, writes results.json
+and a plot into --out.
 
   python benchmarks/bench.py --ranks 2 4 --mode ht ll --out /tmp/bench
 """

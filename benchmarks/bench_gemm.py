@@ -157,6 +157,7 @@ def main():
 
         # the other tile shape at the same sizes (64-row tiles, ping-pong warp groups)
         from jax_ep import grouped_gemm as _gg
+
         def small(a, w, s, M=M, N=N):
             return _gg._gemm_call(a, w, s, None, None, mode="contiguous", rhs_kn=True,
                                   small_m=True, out_shape=(M, N), out_dtype=jnp.bfloat16)

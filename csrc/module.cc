@@ -89,9 +89,10 @@ NB_MODULE(_C, m) {
         "multi-rank mode, csrc/runtime/virtual_ranks.h).");
   m.def("device_sm_count", &jax_ep::device_sm_count, nb::arg("device"),
         "Multiprocessor count of a CUDA device (0 when it cannot be read).");
-  m.def("planted_bug", []() { return JAX_EP_MUTATION; },
-        "The planted bug this build carries for the mutation check (csrc/transport/peer.cuh); "
-        "0 in every real build.");
+  m.def(
+      "planted_bug", []() { return JAX_EP_MUTATION; },
+      "The planted bug this build carries for the mutation check (csrc/transport/peer.cuh); "
+      "0 in every real build.");
   m.def("runtime_devices", []() {
     nb::list out;
     for (int d : jax_ep::runtime_devices()) out.append(d);
@@ -142,16 +143,16 @@ NB_MODULE(_C, m) {
         "Collective: [device my_pe, device n_pes, token received, token expected, next PE "
         "mapped] from a kernel of this module calling NVSHMEM device functions.");
   m.def("sym_init_groups", &jax_ep::sym::init_groups, nb::arg("table"), release_gil());
-  m.def("sym_reserve", &jax_ep::sym::reserve, nb::arg("table"), nb::arg("slot"),
-        nb::arg("bytes"), release_gil());
+  m.def("sym_reserve", &jax_ep::sym::reserve, nb::arg("table"), nb::arg("slot"), nb::arg("bytes"),
+        release_gil());
   m.def("sym_remote_pes", &jax_ep::sym::remote_pes,
         "PEs reached only through NVSHMEM operations (no load/store mapping)");
   m.def("sym_arena_bytes", &jax_ep::sym::arena_bytes);
   m.def("sym_arena_used", &jax_ep::sym::arena_used);
   m.def("slot_buffer_bytes", &jax_ep::slot_buffer_bytes, nb::arg("device"));
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
-  m.def("ll_dispatch_buffer_bytes", &jax_ep::ll::dispatch_buffer_bytes, nb::arg("R"),
-        nb::arg("M"), nb::arg("K"), nb::arg("H"), nb::arg("L"), nb::arg("use_fp8"),
+  m.def("ll_dispatch_buffer_bytes", &jax_ep::ll::dispatch_buffer_bytes, nb::arg("R"), nb::arg("M"),
+        nb::arg("K"), nb::arg("H"), nb::arg("L"), nb::arg("use_fp8"),
         "Bytes of a low-latency dispatch slot's receive buffer (kernels/low_latency.cu).");
   m.def("ll_combine_buffer_bytes", &jax_ep::ll::combine_buffer_bytes, nb::arg("R"), nb::arg("M"),
         nb::arg("K"), nb::arg("H"),
@@ -176,8 +177,8 @@ NB_MODULE(_C, m) {
         "True when the CUTLASS grouped-GEMM kernels are compiled in.");
   m.def(
       "grouped_gemm_workspace_bytes",
-      [](int mode, int dtype, bool rhs_kn, bool small_m, int64_t G, int64_t M, int64_t K,
-         int64_t N, int device) {
+      [](int mode, int dtype, bool rhs_kn, bool small_m, int64_t G, int64_t M, int64_t K, int64_t N,
+         int device) {
         jax_ep::gemm::GemmShape s = gemm_shape(mode, dtype, rhs_kn, G, M, K, N);
         s.small_m = small_m;
         if (auto why = jax_ep::gemm::unsupported(s); !why.empty())
@@ -189,11 +190,12 @@ NB_MODULE(_C, m) {
       "Bytes of the workspace result of jax_ep_grouped_gemm (csrc/kernels/gemm/workspace.h). "
       "mode: 0 contiguous, 1 masked, 2 transposed (weight gradient); dtype: 0 bf16, 1 f16, "
       "2 FP8 e4m3. Raises ValueError naming the operand when no kernel serves the shapes.");
-  m.def("gemm_unsupported",
-        [](int mode, int dtype, bool rhs_kn, int64_t G, int64_t M, int64_t K, int64_t N) {
-          return jax_ep::gemm::unsupported(gemm_shape(mode, dtype, rhs_kn, G, M, K, N));
-        },
-        "Why no grouped-GEMM kernel serves these shapes ('' when one does).");
+  m.def(
+      "gemm_unsupported",
+      [](int mode, int dtype, bool rhs_kn, int64_t G, int64_t M, int64_t K, int64_t N) {
+        return jax_ep::gemm::unsupported(gemm_shape(mode, dtype, rhs_kn, G, M, K, N));
+      },
+      "Why no grouped-GEMM kernel serves these shapes ('' when one does).");
   m.def("debug_segv_backtrace", []() { signal(SIGSEGV, segv_backtrace); });
   m.def("cuda_set_device", [](int d) {
     cudaError_t e = cudaSetDevice(d);

@@ -38,8 +38,9 @@ class DispatchResult(NamedTuple):
 class ExpertDispatchHandle(NamedTuple):
     """What combine needs after a `layout="expert"` dispatch. A pytree of arrays."""
     rank: DispatchHandle    # the rank-major receive underneath
-    row_of: jax.Array       # [C, K] int32: expert-major row of slot (c, k), or -1 (slots
-                            # naming one expert share the row)
+    # row_of [C, K] int32: expert-major row of slot (c, k), or -1 (slots naming one expert
+    # share the row)
+    row_of: jax.Array
     src: jax.Array          # [capacity] int32: c * K + k held by each row, -1 on padding
     weights: jax.Array      # [C, K] float32: each slot's routing weight (1 without weights)
     num_dropped: jax.Array  # [] int32: tokens and (token, expert) rows that did not fit

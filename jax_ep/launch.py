@@ -59,15 +59,16 @@ def _parse(argv):
             print(__doc__)
             sys.exit(0)
         if a == "-n":
-            n = int(argv[i + 1]); i += 2
+            n = int(argv[i + 1])
         elif a == "--gpus":
-            gpus = [int(v) for v in argv[i + 1].split(",")]; i += 2
+            gpus = [int(v) for v in argv[i + 1].split(",")]
         elif a == "--port":
-            port = int(argv[i + 1]); i += 2
+            port = int(argv[i + 1])
         elif a == "--grace":
-            grace = float(argv[i + 1]); i += 2
+            grace = float(argv[i + 1])
         else:
             break
+        i += 2
     rest = argv[i:]
     if not rest:
         sys.exit("usage: python -m jax_ep.launch [-n N] [--gpus 0,1] script.py [args] | -m module")

@@ -389,6 +389,7 @@ def ll_combine(y, topk_idx, topk_weights, recv_src, *, num_experts, axis_name):
         acc = acc + w[:, k, None] * rows[:, k]
     return acc.astype(y.dtype)
 
+
 def ll_combine_vjp(y, topk_weights, topk_idx, recv_src, g, *, num_experts, axis_name):
     """The VJP of ll_combine in y and topk_weights, given the cotangent g [T, H] of its output:
     (dy [L, R*M, H] in y's dtype, dw [T, K] in topk_weights' dtype). Both backends use it."""
@@ -422,4 +423,3 @@ def ll_combine_vjp(y, topk_weights, topk_idx, recv_src, g, *, num_experts, axis_
     l = jnp.where(valid, clean % L, 0)
     dw = jnp.where(valid, back[q, jnp.arange(T)[:, None], l], 0.0)
     return dy.astype(y.dtype), dw.astype(w.dtype)
-

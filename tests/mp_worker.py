@@ -1,4 +1,5 @@
-"""Per-process GPU suite: run under `python -m jax_ep.launch -n N tests/mp_worker.py [--kill-rank r]`.
+"""Per-process GPU suite: run under
+`python -m jax_ep.launch -n N tests/mp_worker.py [--kill-rank r]`.
 
 One JAX process per GPU (NVSHMEM transport). Every check runs the CUDA kernels and the reference
 backend inside one shard_map on the same global inputs (made from the same seed in every

@@ -297,7 +297,6 @@ def ll_src_rows(idxs, recv_src, rank, num_experts, max_tokens):
     return out
 
 
-
 # ---------------------------------------------------------------------------------------------
 # grouped GEMMs (no communication): float64 loops over the groups
 # ---------------------------------------------------------------------------------------------

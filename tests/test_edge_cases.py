@@ -189,7 +189,8 @@ def test_high_throughput_grad_of_grad(meshes, mesh_name):
         return jax_ep.combine(y, r.handle, backend=BACKEND)
 
     def dense(x, idx, w):
-        # rank q adds sin(x) * (the weights of the token's experts on q): over all ranks, every weight
+        # rank q adds sin(x) * (the weights of the token's experts on q); over all ranks, every
+        # weight
         tot = jnp.sum(jnp.where(idx >= 0, w, 0.0), axis=-1, keepdims=True)
         return jnp.sin(x) * tot
 

@@ -40,10 +40,9 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
       const int d = static_cast<int>(members[r]);
       std::string why;
       bool remote = false;
-      Workspace* ws =
-          per_process
-              ? sym::group_workspace(members, static_cast<int>(group_size), r, &remote, &why)
-              : group_workspace(members, static_cast<int>(group_size), d);
+      Workspace* ws = per_process ? sym::group_workspace(members, static_cast<int>(group_size), r,
+                                                         &remote, &why)
+                                  : group_workspace(members, static_cast<int>(group_size), d);
       out->peers.pe[r] = d;
       if (remote) {  // reached through NVSHMEM kernels (transport/remote.h), never directly
         out->peers.remote |= 1u << r;

@@ -18,8 +18,8 @@ struct GroupInfo {
 };
 
 // groups: flattened [num_groups * group_size]; returns an error naming what is wrong.
-xla::ffi::Error resolve_group(int device, xla::ffi::Span<const int64_t> groups,
-                              int64_t group_size, int64_t slot, GroupInfo* out);
+xla::ffi::Error resolve_group(int device, xla::ffi::Span<const int64_t> groups, int64_t group_size,
+                              int64_t slot, GroupInfo* out);
 
 // An address table that names one buffer per entry of the group table (`bufs` of the LL ops,
 // `stage` of the HT ops in per-process mode): the R addresses of out->group's row, bit 0 cleared.

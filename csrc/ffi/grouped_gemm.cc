@@ -28,17 +28,16 @@ std::string want_str(std::initializer_list<int64_t> want) {
   return s + "]";
 }
 
-#define JAX_EP_EXPECT_DIMS(buf, name, ...)                                                  \
-  if (!dims_are((buf).dimensions(), {__VA_ARGS__}))                                          \
-    return bad(std::string(name) + " must be " + want_str({__VA_ARGS__}) + ", got " +        \
+#define JAX_EP_EXPECT_DIMS(buf, name, ...)                                            \
+  if (!dims_are((buf).dimensions(), {__VA_ARGS__}))                                   \
+    return bad(std::string(name) + " must be " + want_str({__VA_ARGS__}) + ", got " + \
                dims_str((buf).dimensions()));
 
 ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
                            ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> sizes,
                            ffi::Buffer<ffi::F32> lhs_scales, ffi::Buffer<ffi::F32> rhs_scales,
                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::U8>> ws,
-                           int64_t mode, bool rhs_kn, bool small_m,
-                           bool zero_padding) {
+                           int64_t mode, bool rhs_kn, bool small_m, bool zero_padding) {
   gemm::Call c;
   gemm::GemmShape& s = c.s;
   if (mode < 0 || mode > 2) return bad("mode must be 0, 1 or 2, got " + std::to_string(mode));
@@ -60,7 +59,8 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
   }
   if (rhs.element_type() != et) return bad("rhs must have lhs's dtype");
   if (out->element_type() != out_type)
-    return bad(std::string("out must be ") + (out_type == ffi::DataType::BF16 ? "bfloat16" : "float16"));
+    return bad(std::string("out must be ") +
+               (out_type == ffi::DataType::BF16 ? "bfloat16" : "float16"));
 
   const auto dl = lhs.dimensions(), dr = rhs.dimensions();
   const auto dsz = sizes.dimensions();
@@ -70,7 +70,8 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
     if (dl.size() != 3) return bad("lhs must be [G, C, K], got " + dims_str(dl));
     s.M = dl[1];
     s.K = dl[2];
-    if (dl[0] != s.G) return bad("lhs must be [G=" + std::to_string(s.G) + ", C, K], got " + dims_str(dl));
+    if (dl[0] != s.G)
+      return bad("lhs must be [G=" + std::to_string(s.G) + ", C, K], got " + dims_str(dl));
   } else {
     if (dl.size() != 2) return bad("lhs must be [M, K], got " + dims_str(dl));
     s.M = dl[0];
@@ -104,7 +105,8 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
   }
   c.device = device;
   c.sm_count = jax_ep::sm_count(device);
-  if (c.sm_count <= 0) return bad("cannot read the multiprocessor count of device " + std::to_string(device));
+  if (c.sm_count <= 0)
+    return bad("cannot read the multiprocessor count of device " + std::to_string(device));
   const size_t need = gemm::workspace_bytes(s, c.sm_count);
   if (ws->element_count() < need)
     return bad("workspace has " + std::to_string(ws->element_count()) + " bytes, needs " +
@@ -128,13 +130,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemm, GroupedGemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()          // lhs
-                                  .Arg<ffi::AnyBuffer>()          // rhs
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // group sizes / counts [G]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // lhs_scales (FP8; else [0])
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // rhs_scales (FP8; else [0])
-                                  .Ret<ffi::AnyBuffer>()          // out
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Arg<ffi::AnyBuffer>()         // lhs
+                                  .Arg<ffi::AnyBuffer>()         // rhs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group sizes / counts [G]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lhs_scales (FP8; else [0])
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // rhs_scales (FP8; else [0])
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // workspace
                                   .Attr<int64_t>("mode")
                                   .Attr<bool>("rhs_kn")
                                   .Attr<bool>("small_m")

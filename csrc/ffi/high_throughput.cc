@@ -30,8 +30,8 @@ namespace {
 constexpr int64_t kMaxInt = (int64_t{1} << 31) - 1;
 
 // Checks `dims == want`; on mismatch returns a message naming the op and the buffer.
-bool shape_is(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want,
-              const char* op, const char* name, std::string* err) {
+bool shape_is(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want, const char* op,
+              const char* name, std::string* err) {
   bool ok = dims.size() == want.size();
   size_t i = 0;
   for (int64_t w : want) {
@@ -104,48 +104,44 @@ ffi::Error run_pulled(const char* op, const jax_ep::GroupInfo& gi, size_t staged
   }
   if (e == cudaSuccess) e = jax_ep::remote::pull_epilogue(gi.peers, timeout_ns, stream);
   if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_ep: ") + op + " (remote peers): " +
-                                cudaGetErrorString(e));
+    return ffi::Error::Internal(std::string("jax_ep: ") + op +
+                                " (remote peers): " + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
 
-#define JAX_EP_RETURN_IF_ERROR(expr)       \
-  do {                                     \
-    ffi::Error _e = (expr);                \
-    if (_e.failure()) return _e;           \
+#define JAX_EP_RETURN_IF_ERROR(expr) \
+  do {                               \
+    ffi::Error _e = (expr);          \
+    if (_e.failure()) return _e;     \
   } while (0)
-#define JAX_EP_CHECK_SHAPE(buf, op, name, ...)                                  \
-  do {                                                                          \
-    std::string _m;                                                             \
-    if (!shape_is((buf).dimensions(), {__VA_ARGS__}, op, name, &_m))            \
-      return ffi::Error::InvalidArgument(_m);                                   \
+#define JAX_EP_CHECK_SHAPE(buf, op, name, ...)                       \
+  do {                                                               \
+    std::string _m;                                                  \
+    if (!shape_is((buf).dimensions(), {__VA_ARGS__}, op, name, &_m)) \
+      return ffi::Error::InvalidArgument(_m);                        \
   } while (0)
 
 // ------------------------------------------------------------------------------------------
-ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8> x,
-                          ffi::Buffer<ffi::F32> x_scales, ffi::Buffer<ffi::S32> topk_idx,
-                          ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::Buffer<ffi::U8>> recv_x,
-                          ffi::Result<ffi::Buffer<ffi::F32>> recv_scales,
-                          ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
-                          ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
-                          ffi::Result<ffi::Buffer<ffi::S32>> recv_src,
-                          ffi::Result<ffi::Buffer<ffi::S32>> send_rows,
-                          ffi::Result<ffi::Buffer<ffi::S32>> recv_tokens_per_expert,
-                          ffi::Result<ffi::Buffer<ffi::S32>> stats,
-                          ffi::Result<ffi::Buffer<ffi::S32>> scratch,
-                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t slot,
-                          int64_t timeout_ns, int64_t num_blocks, int64_t num_experts,
-                          ffi::Span<const int64_t> stage) {
+ffi::Error HtDispatchImpl(
+    cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8> x, ffi::Buffer<ffi::F32> x_scales,
+    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+    ffi::Result<ffi::Buffer<ffi::U8>> recv_x, ffi::Result<ffi::Buffer<ffi::F32>> recv_scales,
+    ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
+    ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
+    ffi::Result<ffi::Buffer<ffi::S32>> recv_src, ffi::Result<ffi::Buffer<ffi::S32>> send_rows,
+    ffi::Result<ffi::Buffer<ffi::S32>> recv_tokens_per_expert,
+    ffi::Result<ffi::Buffer<ffi::S32>> stats, ffi::Result<ffi::Buffer<ffi::S32>> scratch,
+    ffi::Span<const int64_t> groups, int64_t group_size, int64_t slot, int64_t timeout_ns,
+    int64_t num_blocks, int64_t num_experts, ffi::Span<const int64_t> stage) {
   const char* op = "jax_ep_ht_dispatch";
   JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
   jax_ep::GroupInfo gi;
   JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, slot, &gi));
   const int64_t R = group_size;
   if (num_experts < R || num_experts % R != 0 || num_experts > kMaxInt)
-    return ffi::Error::InvalidArgument(std::string(op) + ": num_experts (" +
-                                       std::to_string(num_experts) +
-                                       ") must be a positive multiple of the EP group size (" +
-                                       std::to_string(R) + ")");
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": num_experts (" + std::to_string(num_experts) +
+        ") must be a positive multiple of the EP group size (" + std::to_string(R) + ")");
   const int64_t L = num_experts / R;
   const auto dx = x.dimensions();
   if (dx.size() != 2)
@@ -177,16 +173,17 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   JAX_EP_CHECK_SHAPE(*stats, op, "stats", 4);
   const int64_t need = jax_ep::ht::ht_scratch_words(R, T);
   if (static_cast<int64_t>(scratch->element_count()) < need)
-    return ffi::Error::InvalidArgument(std::string(op) + ": scratch must hold R*T + R*R + 64 = " +
-                                       std::to_string(need) + " int32, got " +
-                                       dims_str(scratch->dimensions()));
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": scratch must hold R*T + R*R + 64 = " + std::to_string(need) +
+        " int32, got " + dims_str(scratch->dimensions()));
   if (R * T > kMaxInt || C > kMaxInt || K > (1 << 20) || G > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   const int sms = jax_ep::sm_count(device);
   if (sms <= 0) {
     cudaGetLastError();  // clear it: the launch check below must not see it
-    return ffi::Error::Internal(std::string(op) + ": cannot read the multiprocessor count of device " +
+    return ffi::Error::Internal(std::string(op) +
+                                ": cannot read the multiprocessor count of device " +
                                 std::to_string(device));
   }
   // The layout kernel has a grid barrier: its grid (R * nch) must be co-resident. Half the SMs
@@ -200,10 +197,11 @@ ffi::Error HtDispatchImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
 
   size_t staged = 0;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, &gi,
-      {{x.untyped_data(), x.size_bytes()},
-       {x_scales.untyped_data(), x_scales.size_bytes()},
-       {topk_idx.untyped_data(), topk_idx.size_bytes()},
-       {topk_weights.untyped_data(), topk_weights.size_bytes()}}, &staged));
+                                        {{x.untyped_data(), x.size_bytes()},
+                                         {x_scales.untyped_data(), x_scales.size_bytes()},
+                                         {topk_idx.untyped_data(), topk_idx.size_bytes()},
+                                         {topk_weights.untyped_data(), topk_weights.size_bytes()}},
+                                        &staged));
   DispatchArgs a{};
   a.plan = plan;
   a.ps = gi.peers;
@@ -287,9 +285,15 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, slot, &gi));
   DType dt;
   switch (y.element_type()) {
-    case ffi::DataType::F32: dt = DType::kF32; break;
-    case ffi::DataType::BF16: dt = DType::kBF16; break;
-    case ffi::DataType::F16: dt = DType::kF16; break;
+    case ffi::DataType::F32:
+      dt = DType::kF32;
+      break;
+    case ffi::DataType::BF16:
+      dt = DType::kBF16;
+      break;
+    case ffi::DataType::F16:
+      dt = DType::kF16;
+      break;
     default:
       return ffi::Error::InvalidArgument(std::string(op) +
                                          ": y must be float32, bfloat16 or float16");
@@ -338,59 +342,59 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
 
 }  // namespace
 
-#define JAX_EP_BIND_HT_DISPATCH \
-  ffi::Ffi::Bind() \
-  .Ctx<ffi::PlatformStream<cudaStream_t>>() \
-  .Ctx<ffi::DeviceOrdinal>() \
-  .Arg<ffi::Buffer<ffi::U8>>()  /* x [T, Hb] */ \
-  .Arg<ffi::Buffer<ffi::F32>>()  /* x_scales [T, G] */ \
-  .Arg<ffi::Buffer<ffi::S32>>()  /* topk_idx [T, K] */ \
-  .Arg<ffi::Buffer<ffi::F32>>()  /* topk_weights [T, K] */ \
-  .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */ \
-  .Ret<ffi::Buffer<ffi::F32>>()  /* recv_scales [C, G] */ \
-  .Ret<ffi::Buffer<ffi::S32>>()  /* recv_topk_idx [C, K] */ \
-  .Ret<ffi::Buffer<ffi::F32>>()  /* recv_topk_weights [C, K] */ \
-  .Ret<ffi::Buffer<ffi::S32>>()  /* recv_src [C] */ \
-  .Ret<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */ \
-  .Ret<ffi::Buffer<ffi::S32>>()  /* recv_tokens_per_expert [L] */ \
-  .Ret<ffi::Buffer<ffi::S32>>()  /* stats [4] */ \
-  .Ret<ffi::Buffer<ffi::S32>>()  /* scratch [ht_scratch_words] */ \
-  .Attr<ffi::Span<const int64_t>>("groups") \
-  .Attr<int64_t>("group_size") \
-  .Attr<int64_t>("slot") \
-  .Attr<int64_t>("timeout_ns") \
-  .Attr<int64_t>("num_blocks") \
-  .Attr<int64_t>("num_experts") \
-  .Attr<ffi::Span<const int64_t>>("stage")
+#define JAX_EP_BIND_HT_DISPATCH                                      \
+  ffi::Ffi::Bind()                                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                      \
+      .Ctx<ffi::DeviceOrdinal>()                                     \
+      .Arg<ffi::Buffer<ffi::U8>>()  /* x [T, Hb] */                  \
+      .Arg<ffi::Buffer<ffi::F32>>() /* x_scales [T, G] */            \
+      .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx [T, K] */            \
+      .Arg<ffi::Buffer<ffi::F32>>() /* topk_weights [T, K] */        \
+      .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */             \
+      .Ret<ffi::Buffer<ffi::F32>>() /* recv_scales [C, G] */         \
+      .Ret<ffi::Buffer<ffi::S32>>() /* recv_topk_idx [C, K] */       \
+      .Ret<ffi::Buffer<ffi::F32>>() /* recv_topk_weights [C, K] */   \
+      .Ret<ffi::Buffer<ffi::S32>>() /* recv_src [C] */               \
+      .Ret<ffi::Buffer<ffi::S32>>() /* send_rows [T, R] */           \
+      .Ret<ffi::Buffer<ffi::S32>>() /* recv_tokens_per_expert [L] */ \
+      .Ret<ffi::Buffer<ffi::S32>>() /* stats [4] */                  \
+      .Ret<ffi::Buffer<ffi::S32>>() /* scratch [ht_scratch_words] */ \
+      .Attr<ffi::Span<const int64_t>>("groups")                      \
+      .Attr<int64_t>("group_size")                                   \
+      .Attr<int64_t>("slot")                                         \
+      .Attr<int64_t>("timeout_ns")                                   \
+      .Attr<int64_t>("num_blocks")                                   \
+      .Attr<int64_t>("num_experts")                                  \
+      .Attr<ffi::Span<const int64_t>>("stage")
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DISPATCH);
 
-#define JAX_EP_BIND_HT_GATHER \
-  ffi::Ffi::Bind() \
-  .Ctx<ffi::PlatformStream<cudaStream_t>>() \
-  .Ctx<ffi::DeviceOrdinal>() \
-  .Arg<ffi::Buffer<ffi::U8>>()  /* x [T, Hb] */ \
-  .Arg<ffi::Buffer<ffi::S32>>()  /* recv_src [C] */ \
-  .Arg<ffi::Buffer<ffi::S32>>()  /* stats [4] */ \
-  .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */ \
-  .Attr<ffi::Span<const int64_t>>("groups") \
-  .Attr<int64_t>("group_size") \
-  .Attr<int64_t>("slot") \
-  .Attr<int64_t>("timeout_ns") \
-  .Attr<int64_t>("num_blocks") \
-  .Attr<ffi::Span<const int64_t>>("stage")
+#define JAX_EP_BIND_HT_GATHER                            \
+  ffi::Ffi::Bind()                                       \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()          \
+      .Ctx<ffi::DeviceOrdinal>()                         \
+      .Arg<ffi::Buffer<ffi::U8>>()  /* x [T, Hb] */      \
+      .Arg<ffi::Buffer<ffi::S32>>() /* recv_src [C] */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* stats [4] */      \
+      .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */ \
+      .Attr<ffi::Span<const int64_t>>("groups")          \
+      .Attr<int64_t>("group_size")                       \
+      .Attr<int64_t>("slot")                             \
+      .Attr<int64_t>("timeout_ns")                       \
+      .Attr<int64_t>("num_blocks")                       \
+      .Attr<ffi::Span<const int64_t>>("stage")
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER);
 
-#define JAX_EP_BIND_HT_COMBINE \
-  ffi::Ffi::Bind() \
-  .Ctx<ffi::PlatformStream<cudaStream_t>>() \
-  .Ctx<ffi::DeviceOrdinal>() \
-  .Arg<ffi::AnyBuffer>()  /* y [C, H] f32 / bf16 / f16 */ \
-  .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */ \
-  .Ret<ffi::AnyBuffer>()  /* out [T, H], dtype of y */ \
-  .Attr<ffi::Span<const int64_t>>("groups") \
-  .Attr<int64_t>("group_size") \
-  .Attr<int64_t>("slot") \
-  .Attr<int64_t>("timeout_ns") \
-  .Attr<int64_t>("num_blocks") \
-  .Attr<ffi::Span<const int64_t>>("stage")
+#define JAX_EP_BIND_HT_COMBINE                                      \
+  ffi::Ffi::Bind()                                                  \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                     \
+      .Ctx<ffi::DeviceOrdinal>()                                    \
+      .Arg<ffi::AnyBuffer>()        /* y [C, H] f32 / bf16 / f16 */ \
+      .Arg<ffi::Buffer<ffi::S32>>() /* send_rows [T, R] */          \
+      .Ret<ffi::AnyBuffer>()        /* out [T, H], dtype of y */    \
+      .Attr<ffi::Span<const int64_t>>("groups")                     \
+      .Attr<int64_t>("group_size")                                  \
+      .Attr<int64_t>("slot")                                        \
+      .Attr<int64_t>("timeout_ns")                                  \
+      .Attr<int64_t>("num_blocks")                                  \
+      .Attr<ffi::Span<const int64_t>>("stage")
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE);

@@ -21,7 +21,9 @@ ffi::Error LayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                       ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
                       ffi::Result<ffi::Buffer<ffi::S32>> num_invalid, int64_t num_experts,
                       int64_t num_ranks) {
-  auto bad = [](const std::string& m) { return ffi::Error::InvalidArgument("jax_ep_layout: " + m); };
+  auto bad = [](const std::string& m) {
+    return ffi::Error::InvalidArgument("jax_ep_layout: " + m);
+  };
   if (num_ranks < 1 || num_ranks > jax_ep::kMaxLayoutRanks)
     return bad("num_ranks must be in [1, " + std::to_string(jax_ep::kMaxLayoutRanks) + "]");
   if (num_experts < num_ranks || num_experts % num_ranks != 0)
@@ -35,7 +37,8 @@ ffi::Error LayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
     return bad("topk_idx too large");
   const auto dr = tokens_per_rank->dimensions();
   if (dr.size() != 1 || dr[0] != num_ranks)
-    return bad("tokens_per_rank must be [R=" + std::to_string(num_ranks) + "], got " + dims_str(dr));
+    return bad("tokens_per_rank must be [R=" + std::to_string(num_ranks) + "], got " +
+               dims_str(dr));
   const auto de = tokens_per_expert->dimensions();
   if (de.size() != 1 || de[0] != num_experts)
     return bad("tokens_per_expert must be [E=" + std::to_string(num_experts) + "], got " +

@@ -49,16 +49,16 @@ ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::Gro
   };
   const int64_t R = a.group_size, E = a.num_experts;
   if (E < R || E % R != 0 || E > (1 << 30))
-    return bad("num_experts (" + std::to_string(E) + ") must be a positive multiple of the group "
-               "size (" + std::to_string(R) + ")");
+    return bad("num_experts (" + std::to_string(E) +
+               ") must be a positive multiple of the group size (" + std::to_string(R) + ")");
   if (E / R > jax_ep::kMaxLocalExperts)
     return bad("experts per rank " + std::to_string(E / R) + " exceeds " +
                std::to_string(jax_ep::kMaxLocalExperts));
   if (a.slot < jax_ep::kFirstPushSlot) return bad("slot is not a push slot");
   if (need_bytes > a.buffer_bytes)
-    return bad("the receive buffer holds " + std::to_string(a.buffer_bytes) + " bytes, this call "
-               "needs " + std::to_string(need_bytes) + " (a lowering bug: the buffer is sized "
-               "from the same shapes)");
+    return bad("the receive buffer holds " + std::to_string(a.buffer_bytes) +
+               " bytes, this call needs " + std::to_string(need_bytes) +
+               " (a lowering bug: the buffer is sized from the same shapes)");
   if (ffi::Error err = jax_ep::decode_peer_row(op, "receive buffer", a.bufs, a.groups, *gi, bufs);
       err.failure())
     return err;
@@ -69,24 +69,23 @@ ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::Gro
 ffi::Error remote_error(const char* op, cudaError_t e) {
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jax_ep: ") + op + " (remote peers): " +
-                              cudaGetErrorString(e));
+  return ffi::Error::Internal(std::string("jax_ep: ") + op +
+                              " (remote peers): " + cudaGetErrorString(e));
 }
 
 // With remote peers a fused op runs as its send kernel, the NVSHMEM puts, its receive kernel
 // and the NVSHMEM freed flags (a remote peer's rows arrive only after our send kernel ended);
 // a split half runs its kernel and its NVSHMEM step. The receive kernel and the freed flags
 // take the epoch from the send's ticket (dispatch: stats[1]; fused combine: our send_epoch).
-ffi::Error dispatch_with_remote(const char* op, const ll::DispatchParams& p, int grid,
-                                uint8_t* own, cudaStream_t stream) {
+ffi::Error dispatch_with_remote(const char* op, const ll::DispatchParams& p, int grid, uint8_t* own,
+                                cudaStream_t stream) {
   if (p.mode & push::kModeSend) {
     ll::DispatchParams s = p;
     s.mode = push::kModeSend;
     ll::launch_dispatch(s, grid, stream);
     if (ffi::Error err = remote_error(op, jax_ep::remote::push_dispatch_rows(
-                                              p.ps, own, p.buf, p.T, p.M, p.row_bytes,
-                                              p.area_bytes, ll::dispatch_count_bytes(p.L),
-                                              stream));
+                                              p.ps, own, p.buf, p.T, p.M, p.row_bytes, p.area_bytes,
+                                              ll::dispatch_count_bytes(p.L), stream));
         err.failure())
       return err;
   }
@@ -107,12 +106,11 @@ ffi::Error combine_with_remote(const char* op, const ll::CombineParams& p, int g
     ll::CombineParams s = p;
     s.mode = push::kModeSend;
     ll::launch_combine(s, grid, stream);
-    if (ffi::Error err = remote_error(op, jax_ep::remote::push_combine_rows(
-                                              p.ps, own, p.buf, p.recv_src, p.recv_slot,
-                                              p.recv_count, p.L, p.M, p.K,
-                                              ll::combine_row_bytes(p.H),
-                                              ll::combine_tags_offset(p.M, p.K, p.H),
-                                              ll::kCombineParts, stream));
+    if (ffi::Error err = remote_error(
+            op, jax_ep::remote::push_combine_rows(
+                    p.ps, own, p.buf, p.recv_src, p.recv_slot, p.recv_count, p.L, p.M, p.K,
+                    ll::combine_row_bytes(p.H), ll::combine_tags_offset(p.M, p.K, p.H),
+                    ll::kCombineParts, stream));
         err.failure())
       return err;
   }
@@ -224,8 +222,8 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
   return jax_ep::cuda_error(op);
 }
 
-ffi::Error LlDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                          ffi::AnyBuffer idx, ffi::Result<ffi::AnyBuffer> recv_x,
+ffi::Error LlDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer idx,
+                          ffi::Result<ffi::AnyBuffer> recv_x,
                           ffi::Result<ffi::AnyBuffer> recv_scales,
                           ffi::Result<ffi::AnyBuffer> recv_count,
                           ffi::Result<ffi::AnyBuffer> recv_src,
@@ -342,10 +340,10 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
   return jax_ep::cuda_error(op);
 }
 
-ffi::Error LlCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
-                         ffi::AnyBuffer src, ffi::AnyBuffer slot, ffi::AnyBuffer count,
-                         ffi::AnyBuffer rows, ffi::AnyBuffer idx, ffi::AnyBuffer w,
-                         ffi::Result<ffi::AnyBuffer> out, LlAttrs a) {
+ffi::Error LlCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, ffi::AnyBuffer src,
+                         ffi::AnyBuffer slot, ffi::AnyBuffer count, ffi::AnyBuffer rows,
+                         ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                         LlAttrs a) {
   return LlCombineAny("jax_ep_ll_combine", push::kModeBoth, stream, device, a, &y, &src, &slot,
                       &count, &rows, nullptr, nullptr, &idx, &w, &out);
 }
@@ -354,13 +352,13 @@ ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              ffi::AnyBuffer src, ffi::AnyBuffer slot, ffi::AnyBuffer count,
                              ffi::AnyBuffer rows, ffi::AnyBuffer idx, ffi::AnyBuffer w,
                              ffi::Result<ffi::Buffer<ffi::S32>> ticket, LlAttrs a) {
-  return LlCombineAny("jax_ep_ll_combine_send", push::kModeSend, stream, device, a, &y, &src,
-                      &slot, &count, &rows, ticket->typed_data(), nullptr, &idx, &w, nullptr);
+  return LlCombineAny("jax_ep_ll_combine_send", push::kModeSend, stream, device, a, &y, &src, &slot,
+                      &count, &rows, ticket->typed_data(), nullptr, &idx, &w, nullptr);
 }
 
 ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
-                             ffi::AnyBuffer idx, ffi::AnyBuffer w,
-                             ffi::Result<ffi::AnyBuffer> out, LlAttrs a) {
+                             ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                             LlAttrs a) {
   if (ticket.element_count() != 1 || ticket.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jax_ep_ll_combine_recv: ticket must be int32 [1]");
   // The send's ticket: orders this op after the send, and carries the send's epoch.
@@ -382,67 +380,74 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ffi::StructMember<bool>("round_scale"), ffi::StructMember<bool>("prereduce"),
     ffi::StructMember<bool>("diag"));
 
-#define JAX_EP_LL_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
+#define JAX_EP_LL_BIND \
+  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
-#define JAX_EP_BIND_LL_DISPATCH \
-  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* x [T, H] bf16 */ \
-  .Arg<ffi::AnyBuffer>()  /* topk_idx [T, K] s32 */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_x [L, R*M, H] */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_scales [L, R*M, G] */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_count [L] */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_src [L, R*M] */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_slot [L, R*M] */ \
-  .Ret<ffi::AnyBuffer>()  /* src_rows [R*M, K] */ \
-  .Ret<ffi::Buffer<ffi::S32>>()  /* stats [2] */ \
-  .Attrs<LlAttrs>()
+#define JAX_EP_BIND_LL_DISPATCH                                   \
+  JAX_EP_LL_BIND                                                  \
+      .Arg<ffi::AnyBuffer>()        /* x [T, H] bf16 */           \
+      .Arg<ffi::AnyBuffer>()        /* topk_idx [T, K] s32 */     \
+      .Ret<ffi::AnyBuffer>()        /* recv_x [L, R*M, H] */      \
+      .Ret<ffi::AnyBuffer>()        /* recv_scales [L, R*M, G] */ \
+      .Ret<ffi::AnyBuffer>()        /* recv_count [L] */          \
+      .Ret<ffi::AnyBuffer>()        /* recv_src [L, R*M] */       \
+      .Ret<ffi::AnyBuffer>()        /* recv_slot [L, R*M] */      \
+      .Ret<ffi::AnyBuffer>()        /* src_rows [R*M, K] */       \
+      .Ret<ffi::Buffer<ffi::S32>>() /* stats [2] */               \
+      .Attrs<LlAttrs>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatch, LlDispatchImpl, JAX_EP_BIND_LL_DISPATCH);
 
-#define JAX_EP_BIND_LL_DISPATCH_SEND \
-  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* x */ \
-  .Arg<ffi::AnyBuffer>()  /* topk_idx */ \
-  .Ret<ffi::Buffer<ffi::S32>>()  /* stats [2] (the ticket) */ \
-  .Attrs<LlAttrs>()
+#define JAX_EP_BIND_LL_DISPATCH_SEND                             \
+  JAX_EP_LL_BIND                                                 \
+      .Arg<ffi::AnyBuffer>()        /* x */                      \
+      .Arg<ffi::AnyBuffer>()        /* topk_idx */               \
+      .Ret<ffi::Buffer<ffi::S32>>() /* stats [2] (the ticket) */ \
+      .Attrs<LlAttrs>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchSend, LlDispatchSendImpl, JAX_EP_BIND_LL_DISPATCH_SEND);
 
-#define JAX_EP_BIND_LL_DISPATCH_RECV \
-  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* ticket [2] */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_x */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_scales */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_count */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_src */ \
-  .Ret<ffi::AnyBuffer>()  /* recv_slot */ \
-  .Ret<ffi::AnyBuffer>()  /* src_rows */ \
-  .Attrs<LlAttrs>()
+#define JAX_EP_BIND_LL_DISPATCH_RECV           \
+  JAX_EP_LL_BIND                               \
+      .Arg<ffi::AnyBuffer>() /* ticket [2] */  \
+      .Ret<ffi::AnyBuffer>() /* recv_x */      \
+      .Ret<ffi::AnyBuffer>() /* recv_scales */ \
+      .Ret<ffi::AnyBuffer>() /* recv_count */  \
+      .Ret<ffi::AnyBuffer>() /* recv_src */    \
+      .Ret<ffi::AnyBuffer>() /* recv_slot */   \
+      .Ret<ffi::AnyBuffer>() /* src_rows */    \
+      .Attrs<LlAttrs>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchRecv, LlDispatchRecvImpl, JAX_EP_BIND_LL_DISPATCH_RECV);
 
-#define JAX_EP_BIND_LL_COMBINE \
-  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* y [L, R*M, H] bf16 */ \
-  .Arg<ffi::AnyBuffer>()  /* recv_src [L, R*M] */ \
-  .Arg<ffi::AnyBuffer>()  /* recv_slot [L, R*M] */ \
-  .Arg<ffi::AnyBuffer>()  /* recv_count [L] */ \
-  .Arg<ffi::AnyBuffer>()  /* src_rows [R*M, K] */ \
-  .Arg<ffi::AnyBuffer>()  /* topk_idx [T, K] */ \
-  .Arg<ffi::AnyBuffer>()  /* topk_weights [T, K] f32 */ \
-  .Ret<ffi::AnyBuffer>()  /* out [T, H] bf16 */ \
-  .Attrs<LlAttrs>()
+#define JAX_EP_BIND_LL_COMBINE                             \
+  JAX_EP_LL_BIND                                           \
+      .Arg<ffi::AnyBuffer>() /* y [L, R*M, H] bf16 */      \
+      .Arg<ffi::AnyBuffer>() /* recv_src [L, R*M] */       \
+      .Arg<ffi::AnyBuffer>() /* recv_slot [L, R*M] */      \
+      .Arg<ffi::AnyBuffer>() /* recv_count [L] */          \
+      .Arg<ffi::AnyBuffer>() /* src_rows [R*M, K] */       \
+      .Arg<ffi::AnyBuffer>() /* topk_idx [T, K] */         \
+      .Arg<ffi::AnyBuffer>() /* topk_weights [T, K] f32 */ \
+      .Ret<ffi::AnyBuffer>() /* out [T, H] bf16 */         \
+      .Attrs<LlAttrs>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombine, LlCombineImpl, JAX_EP_BIND_LL_COMBINE);
 
-#define JAX_EP_BIND_LL_COMBINE_SEND \
-  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* y */ \
-  .Arg<ffi::AnyBuffer>()  /* recv_src */ \
-  .Arg<ffi::AnyBuffer>()  /* recv_slot */ \
-  .Arg<ffi::AnyBuffer>()  /* recv_count */ \
-  .Arg<ffi::AnyBuffer>()  /* src_rows */ \
-  .Arg<ffi::AnyBuffer>()  /* topk_idx */ \
-  .Arg<ffi::AnyBuffer>()  /* topk_weights */ \
-  .Ret<ffi::Buffer<ffi::S32>>()  /* ticket [1] */ \
-  .Attrs<LlAttrs>()
+#define JAX_EP_BIND_LL_COMBINE_SEND                    \
+  JAX_EP_LL_BIND                                       \
+      .Arg<ffi::AnyBuffer>()        /* y */            \
+      .Arg<ffi::AnyBuffer>()        /* recv_src */     \
+      .Arg<ffi::AnyBuffer>()        /* recv_slot */    \
+      .Arg<ffi::AnyBuffer>()        /* recv_count */   \
+      .Arg<ffi::AnyBuffer>()        /* src_rows */     \
+      .Arg<ffi::AnyBuffer>()        /* topk_idx */     \
+      .Arg<ffi::AnyBuffer>()        /* topk_weights */ \
+      .Ret<ffi::Buffer<ffi::S32>>() /* ticket [1] */   \
+      .Attrs<LlAttrs>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineSend, LlCombineSendImpl, JAX_EP_BIND_LL_COMBINE_SEND);
 
-#define JAX_EP_BIND_LL_COMBINE_RECV \
-  JAX_EP_LL_BIND.Arg<ffi::AnyBuffer>()  /* ticket [1] */ \
-  .Arg<ffi::AnyBuffer>()  /* topk_idx */ \
-  .Arg<ffi::AnyBuffer>()  /* topk_weights */ \
-  .Ret<ffi::AnyBuffer>()  /* out */ \
-  .Attrs<LlAttrs>()
+#define JAX_EP_BIND_LL_COMBINE_RECV             \
+  JAX_EP_LL_BIND                                \
+      .Arg<ffi::AnyBuffer>() /* ticket [1] */   \
+      .Arg<ffi::AnyBuffer>() /* topk_idx */     \
+      .Arg<ffi::AnyBuffer>() /* topk_weights */ \
+      .Ret<ffi::AnyBuffer>() /* out */          \
+      .Attrs<LlAttrs>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineRecv, LlCombineRecvImpl, JAX_EP_BIND_LL_COMBINE_RECV);

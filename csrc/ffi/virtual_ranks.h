@@ -27,13 +27,14 @@ struct Slices {
   std::string error;
   std::deque<XLA_FFI_Buffer> store;
 
-  const XLA_FFI_Buffer* slice(xla::ffi::DataType dt, void* data,
-                              xla::ffi::Span<const int64_t> dims, size_t bytes) {
+  const XLA_FFI_Buffer* slice(xla::ffi::DataType dt, void* data, xla::ffi::Span<const int64_t> dims,
+                              size_t bytes) {
     if (num_ranks < 0 && !(dims.size() == 0)) num_ranks = dims[0];
     if ((dims.size() == 0) || dims[0] != num_ranks || num_ranks < 1) {
       if (error.empty())
-        error = "every operand and result must be stacked over the virtual ranks (leading "
-                "dimension " + std::to_string(num_ranks) + ")";
+        error =
+            "every operand and result must be stacked over the virtual ranks (leading dimension " +
+            std::to_string(num_ranks) + ")";
       num_ranks = num_ranks < 1 ? 1 : num_ranks;
     }
     XLA_FFI_Buffer b{};
@@ -93,8 +94,8 @@ struct Ranks<xla::ffi::Error (*)(cudaStream_t, int32_t, Ts...), impl> {
     std::tuple<Ts...> rank0{Slicer<Ts>::apply(probe, xs)...};
     if (!probe.error.empty()) return fail(probe.error);
     if (probe.num_ranks < 1 || probe.num_ranks > kMaxRanks)
-      return fail("the stacked operands name " + std::to_string(probe.num_ranks) +
-                  " ranks; 1 to " + std::to_string(kMaxRanks) + " are supported");
+      return fail("the stacked operands name " + std::to_string(probe.num_ranks) + " ranks; 1 to " +
+                  std::to_string(kMaxRanks) + " are supported");
     VirtualRank v;
     v.device = device;
     v.dry_run = true;
@@ -120,8 +121,8 @@ struct Ranks<xla::ffi::Error (*)(cudaStream_t, int32_t, Ts...), impl> {
       vr.rank = r;
       vr.num_ranks = R;
       VirtualRankScope scope(&vr);
-      xla::ffi::Error e = impl(static_cast<cudaStream_t>(rank_stream(rs, r)), device,
-                               Slicer<Ts>::apply(s, xs)...);
+      xla::ffi::Error e =
+          impl(static_cast<cudaStream_t>(rank_stream(rs, r)), device, Slicer<Ts>::apply(s, xs)...);
       // Rank 0 passed every check above, so a failure here is a CUDA error: the other ranks
       // still launch (a rank left out would leave its peers waiting until the timeout).
       if (e.failure() && first.success()) first = std::move(e);
@@ -139,7 +140,6 @@ struct Ranks<xla::ffi::Error (*)(cudaStream_t, int32_t, Ts...), impl> {
 
 // A production handler `name` (command-buffer compatible) and its virtual-rank twin `name`Vr,
 // both bound by `binding`.
-#define JAX_EP_DEFINE_HANDLER_AND_VR(name, impl, binding)                                      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding,                                           \
-                                {xla::ffi::Traits::kCmdBufferCompatible});                     \
+#define JAX_EP_DEFINE_HANDLER_AND_VR(name, impl, binding)                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding, {xla::ffi::Traits::kCmdBufferCompatible}); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Vr, JAX_EP_VIRTUAL_RANKS(impl), binding)

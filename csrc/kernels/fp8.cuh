@@ -1,7 +1,8 @@
 // Per-128-column-group FP8 (e4m3fn) quantisation, exactly as docs/ffi.md defines it, so the
 // result is bit-identical to jax_ep/reference.py:quantize_fp8 (float32 operations only):
 //   amax  = max(max_i |x_i|, 1e-4)
-//   round_scale: scale = 2^ceil(log2(amax * (1/448))) on the bits of amax * (1/448) (exponent + 1 when
+//   round_scale: scale = 2^ceil(log2(amax * (1/448))) on the bits of amax * (1/448) (exponent + 1
+//   when
 //                the mantissa is non-zero, mantissa 0);  q_i = e4m3(x_i * (1 / scale))
 //   otherwise:   scale = amax * (1/448);                   q_i = e4m3(x_i * (448 / amax))
 // e4m3 = round to nearest even, saturating to +-448 (the reference clips to +-448 first, which
@@ -19,11 +20,11 @@
 namespace jax_ep {
 namespace fp8 {
 
-constexpr int kGroup = 128;         // columns per scale
-constexpr float kMax = 448.0f;      // largest finite e4m3fn
+constexpr int kGroup = 128;     // columns per scale
+constexpr float kMax = 448.0f;  // largest finite e4m3fn
 // scale = amax * float32(1/448) (not amax / 448): the form XLA computes for the reference too.
 constexpr float kInvMax = 1.0f / 448.0f;
-constexpr float kAmaxMin = 1e-4f;   // amax floor (float32 of 1e-4, as jnp.maximum(amax, 1e-4))
+constexpr float kAmaxMin = 1e-4f;  // amax floor (float32 of 1e-4, as jnp.maximum(amax, 1e-4))
 constexpr uint32_t kNanScaleBits = 0x7fc00000u;  // the scale of a non-finite group
 constexpr uint32_t kNanBytes = 0x7f7f7f7fu;      // four e4m3fn NaN bytes
 
@@ -42,7 +43,7 @@ __device__ __forceinline__ float round_up_pow2(float s) {
 // From the group's max |x| (before the 1e-4 floor): the stored scale and the multiplier.
 __device__ __forceinline__ void group_scale(float amax, bool round_scale, float* scale,
                                             float* inv) {
-  if (!isfinite(amax)) {            // NaN or inf in the group
+  if (!isfinite(amax)) {  // NaN or inf in the group
     *scale = *inv = __uint_as_float(kNanScaleBits);
     return;
   }
@@ -50,7 +51,7 @@ __device__ __forceinline__ void group_scale(float amax, bool round_scale, float*
   if (round_scale) {
     const float s = round_up_pow2(__fmul_rn(amax, kInvMax));
     *scale = s;
-    *inv = __frcp_rn(s);            // == 1.0f / s (exact for a power of two)
+    *inv = __frcp_rn(s);  // == 1.0f / s (exact for a power of two)
   } else {
     *scale = __fmul_rn(amax, kInvMax);
     *inv = __fdiv_rn(kMax, amax);
@@ -101,8 +102,7 @@ __device__ __forceinline__ float quantise_group_slice(const uint4 (&raw)[2], boo
   bf16x8_to_float(raw[1], w);
   float amax = max_keep_nan(abs_max8(v), abs_max8(w));
 #pragma unroll
-  for (int o = 4; o >= 1; o >>= 1)
-    amax = max_keep_nan(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int o = 4; o >= 1; o >>= 1) amax = max_keep_nan(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float scale, inv;
   group_scale(amax, round_scale, &scale, &inv);
   if (active) {

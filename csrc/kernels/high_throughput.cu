@@ -21,7 +21,9 @@ constexpr int kCopyUnroll = 16;
 // int4 in flight per lane), with U * 16 / sizeof(T) f32 accumulators per lane. U is 3 for 16-bit
 // types (4 spills at 512 threads: 64 registers of loads + 32 accumulators), 4 for f32.
 template <typename T>
-constexpr int combine_unroll() { return sizeof(T) == 4 ? 4 : 3; }
+constexpr int combine_unroll() {
+  return sizeof(T) == 4 ? 4 : 3;
+}
 constexpr int kCombineRanks = 4;
 
 // Read-only loads of peer XLA operands (never written while an op runs).
@@ -179,14 +181,13 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
 
   uint8_t* mask_s = reinterpret_cast<uint8_t*>(a.scratch) + static_cast<int64_t>(s) * T;
   int32_t* cnt = a.scratch + (static_cast<int64_t>(R) * T + 3) / 4;  // cnt[b][q]
-  int32_t* inv_c = cnt + static_cast<int64_t>(nblk) * R;               // inv[c] (s == me)
+  int32_t* inv_c = cnt + static_cast<int64_t>(nblk) * R;             // inv[c] (s == me)
 
   // Stages ids (and weights when with_w) of tokens [ts, ts + n) of source s in shared memory.
   auto stage = [&](int ts, int n, bool with_w) {
     const int64_t w0 = static_cast<int64_t>(ts) * K;
-    stage_words(s_idx, idx_s + w0, s_wt, with_w ? reinterpret_cast<const int32_t*>(w_s) + w0
-                                                 : nullptr,
-                n * K, vec);
+    stage_words(s_idx, idx_s + w0, s_wt,
+                with_w ? reinterpret_cast<const int32_t*>(w_s) + w0 : nullptr, n * K, vec);
   };
 
   // Phase 1: destination mask of every token of the chunk, counts per destination, invalid ids.
@@ -207,8 +208,10 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
       uint32_t m = 0;
       for (int k = 0; k < K; ++k) {
         const int raw = row[k];
-        if (expert_id_invalid(raw, E)) ++inv;
-        else if (raw >= 0) m |= 1u << (raw / L);
+        if (expert_id_invalid(raw, E))
+          ++inv;
+        else if (raw >= 0)
+          m |= 1u << (raw / L);
       }
       mask_s[t] = static_cast<uint8_t>(m);  // read back in phase 2 by this same thread
 #pragma unroll
@@ -468,8 +471,10 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
       if (lane + 32 < G) sc1 = ld_nc_f32(sp + lane + 32);
     }
     uint8_t* dst = a.recv_x + j * Hb;
-    if (s >= 0) copy_row(dst, s_x[s] + t * Hb, Hb, vec, lane);
-    else zero_row(dst, Hb, vec, lane);
+    if (s >= 0)
+      copy_row(dst, s_x[s] + t * Hb, Hb, vec, lane);
+    else
+      zero_row(dst, Hb, vec, lane);
     if (!kGather && G > 0) {
       float* d = a.recv_scales + j * G;
       if (lane < G) d[lane] = sc0;
@@ -678,8 +683,8 @@ void launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
                                   "high-throughput copy", a.num_blocks, kCopyThreads, 0);
   if (!layout_ok || !copy_ok) return;
   dispatch_layout_kernel<<<layout_grid, kLayoutThreads, smem, stream>>>(a);
-  CopyArgs c{a.ps, a.timeout_ns, a.x, a.recv_src, a.stats, a.T, a.C, a.G, a.Hb, a.recv_x,
-             a.recv_scales};
+  CopyArgs c{a.ps, a.timeout_ns, a.x,  a.recv_src, a.stats,      a.T,
+             a.C,  a.G,          a.Hb, a.recv_x,   a.recv_scales};
   copy_rows_kernel<false><<<a.num_blocks, kCopyThreads, 0, stream>>>(c);
 }
 
@@ -701,9 +706,15 @@ void launch_combine_as(const CombineArgs& a, cudaStream_t stream) {
 
 void launch_combine(const CombineArgs& a, cudaStream_t stream) {
   switch (a.dtype) {
-    case DType::kF32: launch_combine_as<float>(a, stream); break;
-    case DType::kBF16: launch_combine_as<__nv_bfloat16>(a, stream); break;
-    case DType::kF16: launch_combine_as<__half>(a, stream); break;
+    case DType::kF32:
+      launch_combine_as<float>(a, stream);
+      break;
+    case DType::kBF16:
+      launch_combine_as<__nv_bfloat16>(a, stream);
+      break;
+    case DType::kF16:
+      launch_combine_as<__half>(a, stream);
+      break;
   }
 }
 

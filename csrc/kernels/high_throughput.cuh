@@ -13,16 +13,22 @@ namespace ht {
 
 // Indices of the addresses the dispatch publishes in its slot (gather / combine publish one
 // address at index 0).
-enum : int { kPtrX = 0, kPtrScales = 1, kPtrTopkIdx = 2, kPtrTopkWeights = 3, kNumDispatchPtrs = 4 };
+enum : int {
+  kPtrX = 0,
+  kPtrScales = 1,
+  kPtrTopkIdx = 2,
+  kPtrTopkWeights = 3,
+  kNumDispatchPtrs = 4
+};
 
 // Dispatch layout kernel: grid = R x nch blocks (block (s, c): tokens [c*chunk, (c+1)*chunk)
 // of source s), at most one block per SM (co-resident: it has one grid barrier).
-constexpr int kLayoutThreads = 256;   // tokens per sub-chunk (one thread per token)
-constexpr int kLayoutMinChunk = 32;   // tokens; chunks are multiples of 32
+constexpr int kLayoutThreads = 256;  // tokens per sub-chunk (one thread per token)
+constexpr int kLayoutMinChunk = 32;  // tokens; chunks are multiples of 32
 // topk_idx / topk_weights of a sub-chunk are staged in shared memory when they fit this
 // (K <= 16; larger K reads them from the peer directly). Static + dynamic stay under 48 KiB.
 constexpr int kLayoutSmemBytes = 32 * 1024;
-constexpr int kCopyThreads = 512;    // row copy (dispatch / gather) and combine: grid = num_blocks
+constexpr int kCopyThreads = 512;  // row copy (dispatch / gather) and combine: grid = num_blocks
 
 // Chunking of the layout kernel for R ranks, T tokens, at most max_blocks blocks (the SM count).
 struct LayoutPlan {
@@ -44,16 +50,16 @@ struct DispatchArgs {
   int T, K, E, L, C, G;
   int64_t Hb;
   // results
-  uint8_t* recv_x;             // [C, Hb]
-  float* recv_scales;          // [C, G]
-  int32_t* recv_topk_idx;      // [C, K]
-  float* recv_topk_weights;    // [C, K]
-  int32_t* recv_src;           // [C]
-  int32_t* send_rows;          // [T, R]
+  uint8_t* recv_x;                  // [C, Hb]
+  float* recv_scales;               // [C, G]
+  int32_t* recv_topk_idx;           // [C, K]
+  float* recv_topk_weights;         // [C, K]
+  int32_t* recv_src;                // [C]
+  int32_t* send_rows;               // [T, R]
   int32_t* recv_tokens_per_expert;  // [L]
-  int32_t* stats;              // [4]
-  int32_t* scratch;            // [ht_scratch_words(R, T)]
-  LayoutPlan plan;             // plan_layout(R, T, #SMs), set by the handler
+  int32_t* stats;                   // [4]
+  int32_t* scratch;                 // [ht_scratch_words(R, T)]
+  LayoutPlan plan;                  // plan_layout(R, T, #SMs), set by the handler
 };
 
 struct GatherArgs {

@@ -20,18 +20,21 @@ __global__ void zero_kernel(int32_t* tokens_per_rank, int num_ranks, int32_t* to
                             int num_experts, int32_t* num_invalid) {
   const int n = num_experts + num_ranks + 1;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    if (i < num_experts) tokens_per_expert[i] = 0;
-    else if (i < num_experts + num_ranks) tokens_per_rank[i - num_experts] = 0;
-    else *num_invalid = 0;
+    if (i < num_experts)
+      tokens_per_expert[i] = 0;
+    else if (i < num_experts + num_ranks)
+      tokens_per_rank[i - num_experts] = 0;
+    else
+      *num_invalid = 0;
   }
 }
 
 // One thread per token (grid-stride). Counters are aggregated in shared memory, then added to
 // the (zeroed) global results with one atomic per non-zero counter per block.
-__global__ void __launch_bounds__(kThreads) count_kernel(
-    const int32_t* __restrict__ topk_idx, int num_tokens, int top_k, int num_experts,
-    int num_ranks, bool use_smem, int32_t* tokens_per_rank, int32_t* tokens_per_expert,
-    bool* is_token_in_rank, int32_t* num_invalid) {
+__global__ void __launch_bounds__(kThreads)
+    count_kernel(const int32_t* __restrict__ topk_idx, int num_tokens, int top_k, int num_experts,
+                 int num_ranks, bool use_smem, int32_t* tokens_per_rank, int32_t* tokens_per_expert,
+                 bool* is_token_in_rank, int32_t* num_invalid) {
   extern __shared__ int s_counters[];  // [num_experts] experts, [num_ranks] ranks, [1] invalid
   const int local_experts = num_experts / num_ranks;
   int* s_expert = s_counters;
@@ -45,8 +48,7 @@ __global__ void __launch_bounds__(kThreads) count_kernel(
   int32_t* c_rank = use_smem ? s_rank : tokens_per_rank;
 
   int invalid = 0;
-  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens;
-       t += gridDim.x * blockDim.x) {
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
     const int32_t* row = topk_idx + static_cast<int64_t>(t) * top_k;
     uint64_t mask = 0;
     for (int k = 0; k < top_k; ++k) {
@@ -56,8 +58,7 @@ __global__ void __launch_bounds__(kThreads) count_kernel(
       if (v < 0) continue;
       mask |= 1ull << (v / local_experts);
       bool dup = false;
-      for (int k2 = 0; k2 < k; ++k2)
-        dup |= sanitize_expert_id(__ldg(row + k2), num_experts) == v;
+      for (int k2 = 0; k2 < k; ++k2) dup |= sanitize_expert_id(__ldg(row + k2), num_experts) == v;
       if (!dup) atomicAdd(&c_expert[v], 1);
     }
     bool* in_rank = is_token_in_rank + static_cast<int64_t>(t) * num_ranks;

@@ -19,14 +19,14 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxParts = 4;         // most warps per (token, destination) send row / received row
-constexpr int kQuantUnits = 4;       // 128-column groups in flight per 8 lanes (quantisation)
-constexpr int kCopyRegs = 8;         // vectors in flight per lane while copying a row
-constexpr int kFastRegs = 6;         // the same in copy_row_fast (loaded with the row's words)
-constexpr int kFillInts = 512;       // recv_src / recv_slot entries per fill item
-constexpr int kCombineVpt = 2;       // column vectors per lane per combine item
-constexpr int kCombineKb = 8;        // top-k rows loaded together in combine
-constexpr int kPollSleepNs = 128;    // pause between polls of a row tag or an epoch word
+constexpr int kMaxParts = 4;       // most warps per (token, destination) send row / received row
+constexpr int kQuantUnits = 4;     // 128-column groups in flight per 8 lanes (quantisation)
+constexpr int kCopyRegs = 8;       // vectors in flight per lane while copying a row
+constexpr int kFastRegs = 6;       // the same in copy_row_fast (loaded with the row's words)
+constexpr int kFillInts = 512;     // recv_src / recv_slot entries per fill item
+constexpr int kCombineVpt = 2;     // column vectors per lane per combine item
+constexpr int kCombineKb = 8;      // top-k rows loaded together in combine
+constexpr int kPollSleepNs = 128;  // pause between polls of a row tag or an epoch word
 
 __host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
 
@@ -78,14 +78,18 @@ __device__ __forceinline__ void unpack(const uint2& v, float (&f)[4]) {
   f[2] = bf16_bits_to_float(v.y & 0xffffu);
   f[3] = __uint_as_float(v.y & 0xffff0000u);
 }
-__device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) { fp8::bf16x8_to_float(v, f); }
+__device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
+  fp8::bf16x8_to_float(v, f);
+}
 __device__ __forceinline__ unsigned int pack2(float a, float b) {
   return float_to_bf16_bits(a) | (float_to_bf16_bits(b) << 16);
 }
 __device__ __forceinline__ void pack(const float (&f)[1], unsigned short* o) {
   *o = (unsigned short)float_to_bf16_bits(f[0]);
 }
-__device__ __forceinline__ void pack(const float (&f)[2], unsigned int* o) { *o = pack2(f[0], f[1]); }
+__device__ __forceinline__ void pack(const float (&f)[2], unsigned int* o) {
+  *o = pack2(f[0], f[1]);
+}
 __device__ __forceinline__ void pack(const float (&f)[4], uint2* o) {
   *o = make_uint2(pack2(f[0], f[1]), pack2(f[2], f[3]));
 }
@@ -215,8 +219,9 @@ __device__ __noinline__ void dispatch_position_item(const DispatchParams& p, int
     }
     base += __popc(b);
   }
-  if (lane == 0) st_relaxed_sys(dispatch_counts(p.buf[q], p, par, r) + (e - q * p.L),
-                                with_epoch(es, static_cast<unsigned int>(base)));
+  if (lane == 0)
+    st_relaxed_sys(dispatch_counts(p.buf[q], p, par, r) + (e - q * p.L),
+                   with_epoch(es, static_cast<unsigned int>(base)));
 }
 
 // Whole warp: groups [g_begin, g_end) of bf16 row xr quantised into pay (e4m3) and sc (scales),
@@ -241,9 +246,9 @@ __device__ __forceinline__ void quantise_part(const uint8_t* xr, uint8_t* pay, f
       scl[u] = 0.f;
       const int g = g0 + 4 * u + quarter;
       if (g0 + 4 * u >= g_end) continue;  // warp-uniform: no group of this u in any quarter
-      scl[u] = fp8::quantise_group_slice(
-          raw[u], round_scale, g < g_end, sub,
-          reinterpret_cast<uint4*>(pay + g * fp8::kGroup + sub * 16));
+      scl[u] =
+          fp8::quantise_group_slice(raw[u], round_scale, g < g_end, sub,
+                                    reinterpret_cast<uint4*>(pay + g * fp8::kGroup + sub * 16));
     }
     float mine = 0.f;
 #pragma unroll
@@ -260,8 +265,8 @@ __device__ __forceinline__ void quantise_part(const uint8_t* xr, uint8_t* pay, f
 // marked so) when no expert of t lives on q; else row t of our area in q's buffer gets the ids,
 // the payload (FP8: quantised here, quantise_part; BF16: copied), then the part's tags.
 template <typename V>
-__device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it, int parts,
-                                                int par, unsigned long long es, int lane) {
+__device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it, int parts, int par,
+                                                unsigned long long es, int lane) {
   const PeerSlots& ps = p.ps;
   const int R = ps.num_ranks, r = ps.rank;
   const int part = it % parts, tq = it / parts;
@@ -318,10 +323,11 @@ __device__ __noinline__ unsigned long long wait_word_slow(const DispatchParams& 
   while (word_older(v = ld_relaxed_sys(w), er)) {
     __nanosleep(kPollSleepNs);
     if ((int64_t)(global_timer_ns() - start) > p.timeout_ns && first_timeout_report()) {
-      printf("jax_ep: rank %d timed out after %lld s in phase 'll_dispatch: wait for the peers' "
-             "%s' waiting for rank %d (epoch %llu, seen %llu). A peer did not arrive: check "
-             "that every rank runs the same program (JAX_EP_TIMEOUT_S sets the limit).\n",
-             p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), what, s, er, v >> 32);
+      printf(
+          "jax_ep: rank %d timed out after %lld s in phase 'll_dispatch: wait for the peers' "
+          "%s' waiting for rank %d (epoch %llu, seen %llu). A peer did not arrive: check "
+          "that every rank runs the same program (JAX_EP_TIMEOUT_S sets the limit).\n",
+          p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), what, s, er, v >> 32);
       __trap();
     }
   }
@@ -365,7 +371,7 @@ __device__ __noinline__ bool wait_row_slow(const DispatchParams& p, const int* h
       if (!word_older(f, er))
         past = static_cast<unsigned int>(f >> 32) != static_cast<unsigned int>(er) ? 2
                : t >= static_cast<int>(f & 0xffffffffu)                            ? 1
-                                                                                  : 0;
+                                                                                   : 0;
     }
     past = __shfl_sync(kFull, past, 0);
     if (past == 1) return false;
@@ -376,12 +382,13 @@ __device__ __noinline__ bool wait_row_slow(const DispatchParams& p, const int* h
     __nanosleep(kPollSleepNs);
     if (lane == 0 && (int64_t)(global_timer_ns() - start) > p.timeout_ns &&
         first_timeout_report()) {
-      printf("jax_ep: rank %d timed out after %lld s in phase 'll_dispatch: wait for the peers' "
-             "rows' waiting for row %d of rank %d (epoch %llu, tag %d, flag epoch %llu). A peer "
-             "did not arrive: check that every rank runs the same program (JAX_EP_TIMEOUT_S "
-             "sets the limit).\n",
-             p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), t, s, er,
-             ld_acquire_sys_s32(hdr), ld_acquire_sys(flag) >> 32);
+      printf(
+          "jax_ep: rank %d timed out after %lld s in phase 'll_dispatch: wait for the peers' "
+          "rows' waiting for row %d of rank %d (epoch %llu, tag %d, flag epoch %llu). A peer "
+          "did not arrive: check that every rank runs the same program (JAX_EP_TIMEOUT_S "
+          "sets the limit).\n",
+          p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), t, s, er, ld_acquire_sys_s32(hdr),
+          ld_acquire_sys(flag) >> 32);
       __trap();
     }
   }
@@ -417,9 +424,10 @@ __device__ __noinline__ void dispatch_fill_item(const DispatchParams& p, int l, 
                                                 unsigned long long er, int lane) {
   const int R = p.ps.num_ranks;
   const int64_t RM = (int64_t)R * p.M;
-  int n = lane < R ? static_cast<int>(word_of(p, dispatch_counts(p.buf[p.ps.rank], p, par, lane)
-                                                     + l, lane, par, er, "counts"))
-                   : 0;
+  int n = lane < R
+              ? static_cast<int>(word_of(p, dispatch_counts(p.buf[p.ps.rank], p, par, lane) + l,
+                                         lane, par, er, "counts"))
+              : 0;
   n = __reduce_add_sync(kFull, n);
   if (c == 0 && lane == 0) p.recv_count[l] = n;
   const int64_t b = (int64_t)c * kFillInts, e = min(RM, b + kFillInts);
@@ -435,16 +443,14 @@ __device__ __forceinline__ void clear_src_rows(const DispatchParams& p, int s, i
 }
 
 // Out of line (a late word): output_row_of's sum, each word waited for in turn.
-__device__ __noinline__ int output_row_slow(const DispatchParams& p, const int* hdr, int s,
-                                            int kl, int le, int par, unsigned long long er,
-                                            int rot) {
+__device__ __noinline__ int output_row_slow(const DispatchParams& p, const int* hdr, int s, int kl,
+                                            int le, int par, unsigned long long er, int rot) {
   const int R = p.ps.num_ranks;
   uint8_t* own = p.buf[p.ps.rank];
   int j = static_cast<int>(word_of(p, hdr_pos(hdr) + kl, s, par, er, "positions"));
   for (int o2 = 0; o2 < (s - rot + R) % R; ++o2) {
     const int s2 = (rot + o2) % R;
-    j += static_cast<int>(word_of(p, dispatch_counts(own, p, par, s2) + le, s2, par, er,
-                                  "counts"));
+    j += static_cast<int>(word_of(p, dispatch_counts(own, p, par, s2) + le, s2, par, er, "counts"));
   }
   return j;
 }
@@ -457,9 +463,8 @@ constexpr int kFastSenders = 3;
 // loaded at once up to kFastSenders senders before s, then checked; a late word, a remote
 // sender (the slow path waits for its flag; a remote s: wait_row did) or more senders:
 // output_row_slow.
-__device__ __forceinline__ int output_row_of(const DispatchParams& p, const int* hdr, int s,
-                                             int kl, int le, int par, unsigned long long er,
-                                             int rot) {
+__device__ __forceinline__ int output_row_of(const DispatchParams& p, const int* hdr, int s, int kl,
+                                             int le, int par, unsigned long long er, int rot) {
   const int R = p.ps.num_ranks;
   const int ns = (s - rot + R) % R;
   uint8_t* own = p.buf[p.ps.rank];
@@ -553,8 +558,8 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
       // cost ~5 us of the receive at R = 4: a load round trip per lead, in series).
       const float* sc = reinterpret_cast<const float*>(pay + p.H);  // 16 B aligned (H % 128 == 0)
       if (p.G % 4 == 0 && (reinterpret_cast<uintptr_t>(p.recv_scales) & 15) == 0)
-        store_to_leads(reinterpret_cast<const uint4*>(sc),
-                       reinterpret_cast<uint4*>(p.recv_scales), p.G / 4, mask, le, j, RM, lane);
+        store_to_leads(reinterpret_cast<const uint4*>(sc), reinterpret_cast<uint4*>(p.recv_scales),
+                       p.G / 4, mask, le, j, RM, lane);
       else
         store_to_leads(sc, p.recv_scales, p.G, mask, le, j, RM, lane);
     }
@@ -571,8 +576,8 @@ __device__ __noinline__ void copy_row_part(const DispatchParams& p, int s, int t
 // than kFastSenders senders before s): the caller then runs copy_row_part.
 template <typename VV>
 __device__ __forceinline__ bool copy_row_fast(const DispatchParams& p, int s, int t, int part,
-                                              int parts, int64_t pay_bytes,
-                                              unsigned long long er, int par, int rot, int lane) {
+                                              int parts, int64_t pay_bytes, unsigned long long er,
+                                              int par, int rot, int lane) {
   const int R = p.ps.num_ranks, r = p.ps.rank;
   const int ns = (s - rot + R) % R;  // senders before s in the receive order
   if (p.K > 32 || p.L > 32 || ns > kFastSenders || is_remote(p.ps, s)) return false;
@@ -597,8 +602,7 @@ __device__ __forceinline__ bool copy_row_fast(const DispatchParams& p, int s, in
   const unsigned long long* cp[kFastSenders];
 #pragma unroll
   for (int o2 = 0; o2 < kFastSenders; ++o2)
-    cp[o2] = o2 < ns && lane < p.L ? dispatch_counts(own, p, par, (rot + o2) % R) + lane
-                                   : nullptr;
+    cp[o2] = o2 < ns && lane < p.L ? dispatch_counts(own, p, par, (rot + o2) % R) + lane : nullptr;
   const int id = slot ? __ldcg(hdr_ids(hdr, p.K) + lane) : -1;
   const unsigned long long pw = slot ? ld_relaxed_sys(hdr_pos(hdr) + lane) : 0ull;
   unsigned long long cw[kFastSenders];
@@ -635,7 +639,7 @@ __device__ __forceinline__ bool copy_row_fast(const DispatchParams& p, int s, in
   const unsigned mask = __ballot_sync(kFull, j >= 0);
   VV* recv_x = static_cast<VV*>(p.recv_x);
   uint4* recv_sc = reinterpret_cast<uint4*>(p.recv_scales);
-  for (int base = v0;; base += kFastRegs * 32) {  // warp-uniform; long parts load again
+  for (int base = v0;; base += kFastRegs * 32) {   // warp-uniform; long parts load again
     for (unsigned m = mask; m != 0; m &= m - 1) {  // warp-uniform
       const int64_t orow = lead_row(le, j, __ffs(m) - 1, RM);
 #pragma unroll
@@ -658,9 +662,9 @@ __device__ __forceinline__ bool copy_row_fast(const DispatchParams& p, int s, in
 // Copy item (row t of sender s, column part `part`, its tags are in): the fast form, else the
 // general one.
 template <typename VV>
-__device__ __noinline__ void copy_item(const DispatchParams& p, int s, int t, int part,
-                                       int parts, int64_t pay_bytes, unsigned long long er,
-                                       int par, int lane) {
+__device__ __noinline__ void copy_item(const DispatchParams& p, int s, int t, int part, int parts,
+                                       int64_t pay_bytes, unsigned long long er, int par,
+                                       int lane) {
   const int r = p.ps.rank;
   if (lane == 0) diag_max(p.ps, p.diag, trace::kDiagItemDataIn);
   if (!copy_row_fast<VV>(p, s, t, part, parts, pay_bytes, er, par, r, lane))
@@ -668,8 +672,8 @@ __device__ __noinline__ void copy_item(const DispatchParams& p, int s, int t, in
 }
 
 // Closing step of the send phase (whole warp): num_invalid over our own ids.
-__device__ __forceinline__ void dispatch_close_send(const DispatchParams& p,
-                                                    unsigned long long es, int lane) {
+__device__ __forceinline__ void dispatch_close_send(const DispatchParams& p, unsigned long long es,
+                                                    int lane) {
   const PeerSlots& ps = p.ps;
   if (lane == 0) trace_mark_last(ps, trace::kLlDispatchSendDone);
   int c = 0;
@@ -804,11 +808,24 @@ __global__ void __launch_bounds__(kThreads, 1)
 // The source decides the same from its topk_idx; it adds w * row for the rows and the partials
 // as they are, in k order (the partial at slot a).
 
-template <typename V> struct LoOf;  // the low bytes (1 per column) of a vector V of bf16 columns
-template <> struct LoOf<uint4> { using T = uint2; };
-template <> struct LoOf<uint2> { using T = unsigned int; };
-template <> struct LoOf<unsigned int> { using T = unsigned short; };
-template <> struct LoOf<unsigned short> { using T = unsigned char; };
+template <typename V>
+struct LoOf;  // the low bytes (1 per column) of a vector V of bf16 columns
+template <>
+struct LoOf<uint4> {
+  using T = uint2;
+};
+template <>
+struct LoOf<uint2> {
+  using T = unsigned int;
+};
+template <>
+struct LoOf<unsigned int> {
+  using T = unsigned short;
+};
+template <>
+struct LoOf<unsigned short> {
+  using T = unsigned char;
+};
 
 // float -> its bits rounded to the upper 24 (half away from zero; a NaN stays a NaN).
 __device__ __forceinline__ unsigned int round24(float f) {
@@ -882,8 +899,8 @@ __device__ __forceinline__ void join24(const V& hi, unsigned long long b,
   unpack(hi, f);
 #pragma unroll
   for (int e = 0; e < EPV; ++e)
-    f[e] = __uint_as_float(__float_as_uint(f[e]) | (static_cast<unsigned int>((b >> (8 * e)) &
-                                                                               0xffu) << 8));
+    f[e] = __uint_as_float(__float_as_uint(f[e]) |
+                           (static_cast<unsigned int>((b >> (8 * e)) & 0xffu) << 8));
 }
 
 // Row (t, k) of parity par in a combine buffer, the tag of its column part, s's weights and their
@@ -910,22 +927,22 @@ __device__ __forceinline__ int* combine_wflag(uint8_t* buf, const CombineParams&
          par * p.ps.num_ranks + s;
 }
 
-
 // One lane: wait until *tag is not older than e32; trap after the timeout (what / t / k say
 // which wait: the first thread to time out reports). The poll loop is out of line: the callers
 // keep their registers on the fast path.
-__device__ __noinline__ void wait_tag_slow(const CombineParams& p, const int* tag,
-                                           unsigned int e32, const char* what, int t, int k) {
+__device__ __noinline__ void wait_tag_slow(const CombineParams& p, const int* tag, unsigned int e32,
+                                           const char* what, int t, int k) {
   const uint64_t start = global_timer_ns();
   while (tag_older(ld_acquire_sys_s32(tag), e32)) {
     __nanosleep(kPollSleepNs);  // leave the issue slots and memory pipes to the senders
     if ((int64_t)(global_timer_ns() - start) > p.timeout_ns && first_timeout_report()) {
-      printf("jax_ep: rank %d timed out after %lld s in phase 'll_combine: %s' (token %d, slot "
-             "%d, epoch %u, tag %d). A peer did not send it: check that every rank runs the "
-             "same program and that combine gets the dispatch's topk_idx and handle "
-             "(JAX_EP_TIMEOUT_S sets the limit).\n",
-             p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), what, t, k, e32,
-             ld_acquire_sys_s32(tag));
+      printf(
+          "jax_ep: rank %d timed out after %lld s in phase 'll_combine: %s' (token %d, slot "
+          "%d, epoch %u, tag %d). A peer did not send it: check that every rank runs the "
+          "same program and that combine gets the dispatch's topk_idx and handle "
+          "(JAX_EP_TIMEOUT_S sets the limit).\n",
+          p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), what, t, k, e32,
+          ld_acquire_sys_s32(tag));
       __trap();
     }
   }
@@ -941,8 +958,8 @@ __device__ __forceinline__ void combine_send_weights(const CombineParams& p, int
                                                      unsigned long long es, int lane) {
   float* dst = combine_weights(p.buf[q], p, par, p.ps.rank);
   const int n = p.T * p.K;
-  if ((n & 3) == 0 && ((reinterpret_cast<uintptr_t>(p.topk_weights) |
-                        reinterpret_cast<uintptr_t>(dst)) & 15) == 0)
+  if ((n & 3) == 0 &&
+      ((reinterpret_cast<uintptr_t>(p.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0)
     for (int i = lane; i < n / 4; i += 32)
       reinterpret_cast<uint4*>(dst)[i] = __ldg(reinterpret_cast<const uint4*>(p.topk_weights) + i);
   else
@@ -1024,8 +1041,8 @@ __device__ __noinline__ void combine_send_item(const CombineParams& p, int s, in
     if (has == 0) continue;
     const unsigned rest = has & (has - 1);
     const int a = __ffs(has) - 1, b = rest != 0 ? __ffs(rest) - 1 : -1;
-    const bool partial = kb == 0 && __popc(has) >= p.min_partial && !is_remote(p.ps, s) &&
-                         b >= 0 && a / kCombineKb == b / kCombineKb;
+    const bool partial = kb == 0 && __popc(has) >= p.min_partial && !is_remote(p.ps, s) && b >= 0 &&
+                         a / kCombineKb == b / kCombineKb;
     if (!partial) {
       // rows: one per lead (the first slot with that row; K > 32: earlier passes checked too)
       const unsigned same = __match_any_sync(kFull, rr);
@@ -1051,9 +1068,9 @@ __device__ __noinline__ void combine_send_item(const CombineParams& p, int s, in
       // (docs/design.md#release-tags).
       __syncwarp();
       for (int i = lane; i < __popc(leads) * upi; i += 32)
-        st_release_sys_s32(combine_tag(dbuf, p, par, t, kb + __fns(leads, 0, i / upi + 1),
-                                       u0 + i % upi),
-                           static_cast<int>(es));
+        st_release_sys_s32(
+            combine_tag(dbuf, p, par, t, kb + __fns(leads, 0, i / upi + 1), u0 + i % upi),
+            static_cast<int>(es));
       continue;
     }
     // partial: s's weights first (written by s at the start of its combine)
@@ -1114,8 +1131,8 @@ __device__ __forceinline__ SlotInfo slot_regs(const CombineParams& p, int t, int
   const unsigned same_q = __match_any_sync(kFull, q);
   const unsigned rest = same_q & (same_q - 1);
   const int a = __ffs(same_q) - 1, b = rest != 0 ? __ffs(rest) - 1 : -1;
-  const bool partial = valid && __popc(same_q) >= p.min_partial && !is_remote(p.ps, q) &&
-                       b >= 0 && a / kCombineKb == b / kCombineKb;
+  const bool partial = valid && __popc(same_q) >= p.min_partial && !is_remote(p.ps, q) && b >= 0 &&
+                       a / kCombineKb == b / kCombineKb;
   if (partial) return SlotInfo::make(lane == a, lane == b, a, b, 1.f);
   return SlotInfo::make(valid, false, __ffs(same_e) - 1, -1, w);
 }
@@ -1168,8 +1185,7 @@ __device__ __forceinline__ void combine_recv_item(const CombineParams& p, int t,
   using LoV = typename LoOf<V>::T;
   constexpr int EPV = sizeof(V) / 2;
   const int nvec = p.H / EPV;
-  const SlotInfo g =
-      p.K <= 32 ? slot_regs(p, t, lane) : SlotInfo::make(false, false, 0, -1, 0.f);
+  const SlotInfo g = p.K <= 32 ? slot_regs(p, t, lane) : SlotInfo::make(false, false, 0, -1, 0.f);
   combine_wait_rows(p, t, par, er, g, lane);
   if (lane == 0) diag_max(p.ps, p.diag, trace::kDiagItemDataIn);
   uint8_t* own = p.buf[p.ps.rank];
@@ -1331,8 +1347,7 @@ int64_t dispatch_count_bytes(int64_t L) { return align16(8 * L); }
 int64_t dispatch_area_bytes(int64_t M, int64_t K, int64_t H, int64_t L, bool use_fp8) {
   return M * dispatch_row_bytes(K, H, use_fp8) + dispatch_count_bytes(L);
 }
-int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_t L,
-                              bool use_fp8) {
+int64_t dispatch_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H, int64_t L, bool use_fp8) {
   return 2 * R * dispatch_area_bytes(M, K, H, L, use_fp8);
 }
 int64_t combine_buffer_bytes(int64_t R, int64_t M, int64_t K, int64_t H) {
@@ -1370,8 +1385,8 @@ cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stre
 }
 
 cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream) {
-  const int vw = vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.y),
-                            reinterpret_cast<uintptr_t>(p.out)});
+  const int vw = vec_bytes(
+      {(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.y), reinterpret_cast<uintptr_t>(p.out)});
   launch_gated(vw == 16  ? combine_kernel<uint4>
                : vw == 8 ? combine_kernel<uint2>
                : vw == 4 ? combine_kernel<unsigned int>

@@ -59,24 +59,24 @@ __host__ __device__ inline int64_t combine_wflags_offset(int64_t R, int64_t M, i
 
 struct DispatchParams {
   PeerSlots ps;
-  uint8_t* buf[kMaxRanks];    // this slot's receive buffer on every rank (UVA)
-  int mode;                   // push::Mode
+  uint8_t* buf[kMaxRanks];  // this slot's receive buffer on every rank (UVA)
+  int mode;                 // push::Mode
   // send side (mode & kModeSend)
-  const void* x;              // [T, H] bf16
-  const int32_t* topk_idx;    // [T, K]
-  int32_t* stats;             // [2]: num_invalid, send epoch (the split's ticket)
+  const void* x;            // [T, H] bf16
+  const int32_t* topk_idx;  // [T, K]
+  int32_t* stats;           // [2]: num_invalid, send epoch (the split's ticket)
   // receive side (mode & kModeRecv)
-  const int32_t* ticket;      // receive-only kernel: the send's stats (epoch in [1]); else null
-  void* recv_x;               // [L, R*M, H] bf16, or e4m3 with use_fp8
-  float* recv_scales;         // [L, R*M, G]
-  int32_t* recv_count;        // [L]
-  int32_t* recv_src;          // [L, R*M]: s * M + t, -1 past the count
-  int32_t* recv_slot;         // [L, R*M]: first top-k slot of (s, t) naming the expert, -1 past
-  int32_t* src_rows;          // [R*M, K]: row l * R*M + j of slot k of (s, t) naming local
-                              //   expert l, else -1 (the combine's pre-reduction reads it)
+  const int32_t* ticket;  // receive-only kernel: the send's stats (epoch in [1]); else null
+  void* recv_x;           // [L, R*M, H] bf16, or e4m3 with use_fp8
+  float* recv_scales;     // [L, R*M, G]
+  int32_t* recv_count;    // [L]
+  int32_t* recv_src;      // [L, R*M]: s * M + t, -1 past the count
+  int32_t* recv_slot;     // [L, R*M]: first top-k slot of (s, t) naming the expert, -1 past
+  int32_t* src_rows;      // [R*M, K]: row l * R*M + j of slot k of (s, t) naming local
+                          //   expert l, else -1 (the combine's pre-reduction reads it)
   int T, H, K, E, L, M, G;
   int use_fp8, round_scale;
-  int diag;                   // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
+  int diag;  // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
   int64_t hdr_bytes, row_bytes, area_bytes;
   int64_t timeout_ns;
 };
@@ -96,13 +96,13 @@ struct CombineParams {
   const int32_t* topk_idx;    // [T, K]
   const float* topk_weights;  // [T, K]
   // receive side (source rank)
-  const int32_t* ticket_in;   // receive-only kernel: the send's ticket; else null
-  void* out;                  // [T, H] bf16
+  const int32_t* ticket_in;  // receive-only kernel: the send's ticket; else null
+  void* out;                 // [T, H] bf16
   int T, H, K, E, L, M;
   // Pre-reduce on the expert rank when at least this many of a token's slots name its experts
   // (>= 2; larger than K: never). The same on every rank (both sides decide from it).
   int min_partial;
-  int diag;                   // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
+  int diag;  // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
   int64_t timeout_ns;
 };
 

@@ -2,7 +2,6 @@
 
 #include <cuda_runtime.h>
 
-
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -30,7 +29,10 @@ static void not_built() {
       "'.[cuda13]'), or run one process over all GPUs of the node");
 }
 void attach(size_t) { not_built(); }
-std::vector<long long> self_test() { not_built(); return {}; }
+std::vector<long long> self_test() {
+  not_built();
+  return {};
+}
 void init_groups(const std::vector<std::vector<int>>&) { not_built(); }
 Workspace* group_workspace(const int64_t*, int, int, bool* remote, std::string* err) {
   *remote = false;
@@ -66,8 +68,8 @@ struct SymGroup {
 std::map<std::vector<int>, SymGroup> g_sym_groups;
 struct SymSlotBuffer {
   uint8_t* local = nullptr;
-  size_t bytes = 0;   // per image
-  int images = 0;     // scratch images after the buffer (one per rank of the group, remote mode)
+  size_t bytes = 0;  // per image
+  int images = 0;    // scratch images after the buffer (one per rank of the group, remote mode)
 };
 SymSlotBuffer g_sym_slot_bufs[kNumSlots];
 
@@ -119,8 +121,8 @@ void attach(size_t bytes) {
   if (g_api != nullptr) {
     if (bytes != g_arena_bytes) {
       std::ostringstream os;
-      os << "jax_ep: already attached with a " << g_arena_bytes << "-byte arena (asked "
-         << bytes << ")";
+      os << "jax_ep: already attached with a " << g_arena_bytes << "-byte arena (asked " << bytes
+         << ")";
       throw std::runtime_error(os.str());
     }
     return;
@@ -189,8 +191,7 @@ void init_groups(const std::vector<std::vector<int>>& table) {
   }
 }
 
-Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote,
-                           std::string* err) {
+Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote, std::string* err) {
   std::lock_guard<std::mutex> lock(g_mu);
   *remote = false;
   const SymGroup* g = find_group(members, n);
@@ -227,9 +228,10 @@ std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& tab
       }
       void* a = peer_address(sb.local, members[r]);
       // Remote member: its scratch image, tagged by bit 0 (addresses are 4096-aligned).
-      out.push_back(a != nullptr ? reinterpret_cast<unsigned long long>(a)
-                                 : reinterpret_cast<unsigned long long>(
-                                       sb.local + sb.bytes * (1 + r)) | 1ull);
+      out.push_back(a != nullptr
+                        ? reinterpret_cast<unsigned long long>(a)
+                        : reinterpret_cast<unsigned long long>(sb.local + sb.bytes * (1 + r)) |
+                              1ull);
     }
   }
   return out;

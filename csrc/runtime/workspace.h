@@ -10,15 +10,15 @@
 
 namespace jax_ep {
 
-constexpr int kMaxRanks = 8;       // EP group size limit for the one-process (peer) transport
-constexpr int kNumSlots = 128;     // call-site slots; each op names one (attribute "slot")
-constexpr int kFirstPushSlot = 64; // slots [0, 64): pull ops (HT); [64, 128): push ops (LL)
-constexpr int kMaxPtrs = 8;        // addresses one op can publish
+constexpr int kMaxRanks = 8;            // EP group size limit for the one-process (peer) transport
+constexpr int kNumSlots = 128;          // call-site slots; each op names one (attribute "slot")
+constexpr int kFirstPushSlot = 64;      // slots [0, 64): pull ops (HT); [64, 128): push ops (LL)
+constexpr int kMaxPtrs = 8;             // addresses one op can publish
 constexpr int kMaxLocalExperts = 1024;  // experts per rank of the low-latency ops
 constexpr int kMaxLayoutRanks = 64;     // layout kernel: a token's ranks are one 64-bit mask
 constexpr int kMaxNumBlocks = 4096;     // CTAs of the high-throughput kernels (num_blocks)
 // (module.cc exports these limits; jax_ep.runtime.limits() checks them at trace time)
-constexpr int kTraceSlots = 32;    // phase timestamps per slot (peer.cuh trace_mark, diagnostic)
+constexpr int kTraceSlots = 32;  // phase timestamps per slot (peer.cuh trace_mark, diagnostic)
 
 // One slot. Flags are monotonically increasing epochs: never reset, so no cleaning kernel.
 struct alignas(128) Slot {

@@ -33,8 +33,8 @@ template <typename F>
 void resolve(F* fn, const char* name) {
   *fn = reinterpret_cast<F>(dlsym(g.lib, name));
   if (*fn == nullptr)
-    throw std::runtime_error(std::string("jax_ep: the loaded NVSHMEM host library has no ") +
-                             name + " (NVSHMEM 3.x expected)");
+    throw std::runtime_error(std::string("jax_ep: the loaded NVSHMEM host library has no ") + name +
+                             " (NVSHMEM 3.x expected)");
 }
 
 __global__ void self_test_kernel(int* cell, int* out) {
@@ -96,7 +96,8 @@ const HostApi& open() {
   if (nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, 0, nullptr, version) != 0)
     throw std::runtime_error(
         "jax_ep: registering the extension's NVSHMEM device state failed (is the NVSHMEM the "
-        "extension was built with, " + std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." +
+        "extension was built with, " +
+        std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." +
         std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + ", compatible with the loaded one?)");
   g_open = true;
   return g.api;

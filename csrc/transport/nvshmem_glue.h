@@ -15,7 +15,7 @@ struct HostApi {
   void* (*ptr)(const void* sym, int pe);           // nvshmem_ptr: load/store address or null
   int (*my_pe)();
   int (*n_pes)();
-  void (*barrier_all)();                           // host barrier, collective
+  void (*barrier_all)();  // host barrier, collective
 };
 
 // The host API of the loaded NVSHMEM, with this module's device state registered. Throws

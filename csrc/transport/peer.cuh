@@ -127,11 +127,11 @@ __device__ __forceinline__ void wait_flag_geq(const unsigned long long* flag,
   const uint64_t start = global_timer_ns();
   while (ld_acquire_sys(flag) < target) {
     if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
-      printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for rank %d "
-             "(epoch %llu, seen %llu). A peer did not arrive: check that every rank runs the "
-             "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
-             rank, (long long)(timeout_ns / 1000000000LL), phase, peer, target,
-             ld_acquire_sys(flag));
+      printf(
+          "jax_ep: rank %d timed out after %lld s in phase '%s' waiting for rank %d "
+          "(epoch %llu, seen %llu). A peer did not arrive: check that every rank runs the "
+          "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
+          rank, (long long)(timeout_ns / 1000000000LL), phase, peer, target, ld_acquire_sys(flag));
       __trap();
     }
   }
@@ -200,8 +200,8 @@ __device__ __forceinline__ void grid_barrier_reset(const PeerSlots& ps) {
 // trace >= 0: marks trace (all blocks arrived) and trace + 1 (peers' done seen), last block.
 template <typename LastFn>
 __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
-                                                 int64_t timeout_ns, const char* phase,
-                                                 LastFn&& last_fn, int trace = -1) {
+                                            int64_t timeout_ns, const char* phase, LastFn&& last_fn,
+                                            int trace = -1) {
   __syncthreads();
   __shared__ bool is_last;
   if (threadIdx.x == 0) {
@@ -242,8 +242,7 @@ __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long l
 
 // end_barrier without a hook (non-template: preferred for a plain trace index).
 __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
-                                           int64_t timeout_ns, const char* phase,
-                                           int trace = -1) {
+                                            int64_t timeout_ns, const char* phase, int trace = -1) {
   end_barrier(ps, e, timeout_ns, phase, []() {}, trace);
 }
 

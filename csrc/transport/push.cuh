@@ -106,13 +106,13 @@ __device__ __forceinline__ unsigned int wait_data(const PeerSlots& ps, int s, in
       // (trapping at once could end it before the report is printed).
       if ((int64_t)(global_timer_ns() - start) > timeout_ns && first_timeout_report()) {
         const Slot* me = ps.slot[ps.rank];
-        printf("jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
-               "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; work %llx %llx, "
-               "exit %u). A peer did not arrive: check that every rank runs the "
-               "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
-               ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
-               ld_volatile_u64(&me->send_epoch), me->work[0], me->work[1],
-               me->exit_counter);
+        printf(
+            "jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
+            "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; work %llx %llx, "
+            "exit %u). A peer did not arrive: check that every rank runs the "
+            "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
+            ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
+            ld_volatile_u64(&me->send_epoch), me->work[0], me->work[1], me->exit_counter);
         __trap();
       }
     }
@@ -131,8 +131,8 @@ __device__ __forceinline__ void wait_freed(const PeerSlots& ps, int q, unsigned 
 // dispatch releases each row by its own tags; rows >= `rows` get none). Relaxed: the word
 // carries its epoch and nothing is ordered behind it. A remote q gets it from
 // remote::push_dispatch_rows after the puts of our rows instead.
-__device__ __forceinline__ void signal_data(const PeerSlots& ps, int q, int p,
-                                            unsigned long long e, unsigned int rows) {
+__device__ __forceinline__ void signal_data(const PeerSlots& ps, int q, int p, unsigned long long e,
+                                            unsigned int rows) {
   if (is_remote(ps, q)) return;
   st_relaxed_sys(&ps.slot[q]->data_flag[p][ps.rank], (e << 32) | rows);
 }
@@ -152,8 +152,7 @@ __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigne
 // and after it read send_epoch, so the resets cannot overtake them; the next kernel on the
 // stream sees them by kernel order. At R = 4 the fence before the count cost the dispatch
 // ~0.3 us, the last block's two fences ~0.6 us (the combine ~1.4 us; docs/design.md#no-fences).
-__device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode,
-                                             unsigned long long es) {
+__device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode, unsigned long long es) {
   __syncthreads();
   if (threadIdx.x == 0) {
     Slot* me = ps.slot[ps.rank];

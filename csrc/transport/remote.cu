@@ -26,8 +26,8 @@ __device__ __forceinline__ void put_flag(unsigned long long* flag, unsigned long
   nvshmem_uint64_p(reinterpret_cast<uint64_t*>(flag), v, pe);
 }
 
-__global__ void __launch_bounds__(kThreads) pull_prologue_kernel(
-    const __grid_constant__ PeerSlots ps, size_t bytes, int64_t timeout_ns) {
+__global__ void __launch_bounds__(kThreads)
+    pull_prologue_kernel(const __grid_constant__ PeerSlots ps, size_t bytes, int64_t timeout_ns) {
   Slot* me = ps.slot[ps.rank];
   const unsigned long long e = ld_volatile_u64(&me->epoch) + 1;
   const int q = threadIdx.x;
@@ -92,9 +92,10 @@ __device__ __forceinline__ void complete_warp_puts(int lane) {
 
 // Block b: the b-th remote peer q. Our area of q's buffer: the rows whose header tag is the
 // epoch, then the count block.
-__global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
-    const __grid_constant__ PeerSlots ps, uint8_t* own_buf, const __grid_constant__ Scratch scr,
-    int T, int M, int64_t row_bytes, int64_t area_bytes, int64_t count_bytes, int dbg) {
+__global__ void __launch_bounds__(kThreads)
+    push_dispatch_kernel(const __grid_constant__ PeerSlots ps, uint8_t* own_buf,
+                         const __grid_constant__ Scratch scr, int T, int M, int64_t row_bytes,
+                         int64_t area_bytes, int64_t count_bytes, int dbg) {
   __shared__ unsigned int s_count;
   Slot* me = ps.slot[ps.rank];
   const int q = nth_remote(ps, blockIdx.x);
@@ -119,8 +120,8 @@ __global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
   complete_warp_puts(lane);
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (dbg) printf("jax_ep debug: rank %d dispatch push to %d: epoch %llu, %u rows\n", r, q, e,
-                    s_count);
+    if (dbg)
+      printf("jax_ep debug: rank %d dispatch push to %d: epoch %llu, %u rows\n", r, q, e, s_count);
     // rows = T: the receiver scans our rows 0..T-1 (their tags say which were sent to it).
     put_flag(&me->data_flag[par][r], (e << 32) | static_cast<unsigned int>(T), ps.pe[q]);
     nvshmem_quiet();
@@ -130,10 +131,11 @@ __global__ void __launch_bounds__(kThreads) push_dispatch_kernel(
 // One block: the rows named by recv_src / recv_slot whose source is remote, then (after they
 // completed) their tags (int32 [parity][t][k][tags_per_row] at tags_offset,
 // kernels/low_latency.cuh: one per column part, all set here).
-__global__ void __launch_bounds__(kThreads) push_combine_kernel(
-    const __grid_constant__ PeerSlots ps, uint8_t* own_buf, const __grid_constant__ Scratch scr,
-    const int32_t* recv_src, const int32_t* recv_slot, const int32_t* recv_count, int L, int M,
-    int K, int64_t row_bytes, int64_t tags_offset, int tags_per_row, int dbg) {
+__global__ void __launch_bounds__(kThreads)
+    push_combine_kernel(const __grid_constant__ PeerSlots ps, uint8_t* own_buf,
+                        const __grid_constant__ Scratch scr, const int32_t* recv_src,
+                        const int32_t* recv_slot, const int32_t* recv_count, int L, int M, int K,
+                        int64_t row_bytes, int64_t tags_offset, int tags_per_row, int dbg) {
   __shared__ unsigned int s_count[kMaxRanks];
   Slot* me = ps.slot[ps.rank];
   const unsigned long long e = ld_volatile_u64(&me->send_epoch);
@@ -167,12 +169,11 @@ __global__ void __launch_bounds__(kThreads) push_combine_kernel(
   }
   const int s = threadIdx.x;
   if (dbg && s < R && is_remote(ps, s))
-    printf("jax_ep debug: rank %d combine push to %d: epoch %llu, %u rows\n", r, s, e,
-           s_count[s]);
+    printf("jax_ep debug: rank %d combine push to %d: epoch %llu, %u rows\n", r, s, e, s_count[s]);
 }
 
-__global__ void free_senders_kernel(const __grid_constant__ PeerSlots ps,
-                                    const int32_t* epoch32, int dbg) {
+__global__ void free_senders_kernel(const __grid_constant__ PeerSlots ps, const int32_t* epoch32,
+                                    int dbg) {
   Slot* me = ps.slot[ps.rank];
   const unsigned long long er =
       static_cast<unsigned int>(*reinterpret_cast<const volatile int32_t*>(epoch32));
@@ -229,8 +230,7 @@ cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* co
   return cudaGetLastError();
 }
 
-cudaError_t free_remote_senders(const PeerSlots& ps, const int32_t* epoch32,
-                                cudaStream_t stream) {
+cudaError_t free_remote_senders(const PeerSlots& ps, const int32_t* epoch32, cudaStream_t stream) {
   free_senders_kernel<<<1, 32, 0, stream>>>(ps, epoch32, debug());
   return cudaGetLastError();
 }

@@ -48,8 +48,7 @@ cudaError_t push_combine_rows(const PeerSlots& ps, uint8_t* own_buf, uint8_t* co
                               const int32_t* recv_count, int L, int M, int K, int64_t row_bytes,
                               int64_t tags_offset, int tags_per_row, cudaStream_t stream);
 // Push, after the receive kernel: epoch32 is where that kernel read its epoch (int32).
-cudaError_t free_remote_senders(const PeerSlots& ps, const int32_t* epoch32,
-                                cudaStream_t stream);
+cudaError_t free_remote_senders(const PeerSlots& ps, const int32_t* epoch32, cudaStream_t stream);
 
 }  // namespace remote
 }  // namespace jax_ep

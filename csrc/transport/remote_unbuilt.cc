@@ -13,8 +13,8 @@ cudaError_t push_dispatch_rows(const PeerSlots&, uint8_t*, uint8_t* const*, int,
   return cudaErrorNotSupported;
 }
 cudaError_t push_combine_rows(const PeerSlots&, uint8_t*, uint8_t* const*, const int32_t*,
-                              const int32_t*, const int32_t*, int, int, int, int64_t, int64_t,
-                              int, cudaStream_t) {
+                              const int32_t*, const int32_t*, int, int, int, int64_t, int64_t, int,
+                              cudaStream_t) {
   return cudaErrorNotSupported;
 }
 cudaError_t free_remote_senders(const PeerSlots&, const int32_t*, cudaStream_t) {

@@ -32,17 +32,17 @@ inline constexpr int kFp8Block = 128;
 struct GemmShape {
   Mode mode = Mode::kContiguous;
   Dtype dtype = Dtype::kBF16;
-  bool rhs_kn = true;   // rhs [G, K, N] (true) or [G, N, K] (false)
-  bool small_m = false; // the tile shape for few rows per group (64-row tiles)
+  bool rhs_kn = true;        // rhs [G, K, N] (true) or [G, N, K] (false)
+  bool small_m = false;      // the tile shape for few rows per group (64-row tiles)
   bool zero_padding = true;  // kMasked: write zeros past each count (else leave those rows)
   int64_t G = 0, M = 0, K = 0, N = 0;
 };
 
 struct Call {
   GemmShape s;
-  const void* lhs = nullptr;       // [M, K] or [G, C, K]
-  const void* rhs = nullptr;       // [G, K, N] / [G, N, K]; kTransposed: rhs2 [M, N]
-  const int32_t* sizes = nullptr;  // [G] group sizes (kMasked: counts)
+  const void* lhs = nullptr;          // [M, K] or [G, C, K]
+  const void* rhs = nullptr;          // [G, K, N] / [G, N, K]; kTransposed: rhs2 [M, N]
+  const int32_t* sizes = nullptr;     // [G] group sizes (kMasked: counts)
   const float* lhs_scales = nullptr;  // FP8: [M, K/128] or [G, C, K/128]
   const float* rhs_scales = nullptr;  // FP8: [G, K/128, N/128]
   void* out = nullptr;

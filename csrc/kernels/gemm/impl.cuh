@@ -53,8 +53,8 @@ struct Cfg16 {
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, 8, ElementB,
       LayoutB*, 8, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
       Schedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -77,8 +77,8 @@ struct CfgFp8 {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
       cute::tuple<RowMajor*, LayoutSFA*>, 16, ElementB, cute::tuple<ColMajor*, LayoutSFB*>, 16,
       float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
       Schedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -95,20 +95,24 @@ using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 // group's row count is arbitrary, and a cluster along M would idle half of it on every group with
 // an odd number of row tiles (measured: a quarter-used buffer took 0.59 of the full time).
 template <class T>
-using Fwd = Cfg16<T, RowMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>, Coop, CoopEpi>;
+using Fwd = Cfg16<T, RowMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
+                  Coop, CoopEpi>;
 template <class T>
-using FwdSmall =
-    Cfg16<T, RowMajor, RowMajor, cute::Shape<_64, _256, _64>, cute::Shape<_1, _1, _1>, Pingpong, PingpongEpi>;
+using FwdSmall = Cfg16<T, RowMajor, RowMajor, cute::Shape<_64, _256, _64>, cute::Shape<_1, _1, _1>,
+                       Pingpong, PingpongEpi>;
 template <class T>  // rhs stored [G, N, K]: the lhs gradient dout @ w^T
-using FwdNK = Cfg16<T, RowMajor, ColMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>, Coop, CoopEpi>;
+using FwdNK = Cfg16<T, RowMajor, ColMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
+                    Coop, CoopEpi>;
 template <class T>  // lhs^T @ rhs2 per group: the weight gradient
-using Tgrad = Cfg16<T, ColMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>, Coop, CoopEpi>;
+using Tgrad = Cfg16<T, ColMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
+                    Coop, CoopEpi>;
 // FP8: cooperative 128 x 128 tiles (larger ones need twice the accumulator registers, since
 // blockwise scaling keeps a second accumulator, and spill); 64 x 128 ping-pong tiles for few rows
 // per group. On one H200, 32 groups of 1024 rows at (K, N) = (7168, 4096): 1063-1080 TFLOP/s
 // with the cooperative tiles, 768 with the ping-pong ones clustered along N.
-using Fp8Fwd = CfgFp8<cute::Shape<_128, _128, _128>, cute::Shape<_1, _2, _1>,
-                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, CoopEpi>;
+using Fp8Fwd =
+    CfgFp8<cute::Shape<_128, _128, _128>, cute::Shape<_1, _2, _1>,
+           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, CoopEpi>;
 using Fp8FwdSmall =
     CfgFp8<cute::Shape<_64, _128, _128>, cute::Shape<_1, _1, _1>,
            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise, PingpongEpi>;
@@ -212,7 +216,6 @@ __global__ void __launch_bounds__(kSetupThreads) setup_kernel(Call c, Carved w) 
 // Launch
 // ---------------------------------------------------------------------------------------------
 
-
 template <class C>
 size_t cutlass_workspace(int G, int sm_count) {
   typename C::Gemm::Arguments args;
@@ -237,15 +240,17 @@ std::string run_config(const Call& c, cudaStream_t stream) {
 
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {
-      G, static_cast<typename ProblemShape::UnderlyingProblemShape*>(w.shapes), nullptr};
+  args.problem_shape = {G, static_cast<typename ProblemShape::UnderlyingProblemShape*>(w.shapes),
+                        nullptr};
   if constexpr (C::kFp8) {
     args.mainloop = {reinterpret_cast<const typename A::EA**>(w.ptr_a),
                      reinterpret_cast<typename A::StrideA*>(w.stride_a),
                      reinterpret_cast<const typename A::EB**>(w.ptr_b),
                      reinterpret_cast<typename A::StrideB*>(w.stride_b),
-                     const_cast<const float**>(w.ptr_sfa), reinterpret_cast<LayoutSFA*>(w.layout_sfa),
-                     const_cast<const float**>(w.ptr_sfb), reinterpret_cast<LayoutSFB*>(w.layout_sfb)};
+                     const_cast<const float**>(w.ptr_sfa),
+                     reinterpret_cast<LayoutSFA*>(w.layout_sfa),
+                     const_cast<const float**>(w.ptr_sfb),
+                     reinterpret_cast<LayoutSFB*>(w.layout_sfb)};
   } else {
     args.mainloop = {reinterpret_cast<const typename A::EA**>(w.ptr_a),
                      reinterpret_cast<typename A::StrideA*>(w.stride_a),
@@ -277,10 +282,10 @@ std::string run_config(const Call& c, cudaStream_t stream) {
 }  // namespace jax_ep::gemm
 
 // One variant per translation unit: its run and workspace functions (declared in variants.h).
-#define JAX_EP_GEMM_VARIANT(name, ...)                                                     \
-  namespace jax_ep::gemm::variants {                                                      \
+#define JAX_EP_GEMM_VARIANT(name, ...)                                                            \
+  namespace jax_ep::gemm::variants {                                                              \
   std::string run_##name(const Call& c, cudaStream_t s) { return run_config<__VA_ARGS__>(c, s); } \
-  size_t workspace_##name(int G, int sm_count) {                                          \
-    return cutlass_workspace<__VA_ARGS__>(G, sm_count);                                   \
-  }                                                                                       \
+  size_t workspace_##name(int G, int sm_count) {                                                  \
+    return cutlass_workspace<__VA_ARGS__>(G, sm_count);                                           \
+  }                                                                                               \
   }

@@ -71,7 +71,8 @@ std::string launch_prologue(const Call& c, const Carved& w, cudaStream_t stream)
   zero_fill_kernel<<<dim3(gx, static_cast<unsigned>(ny)), kThreads, 0, stream>>>(
       static_cast<char*>(c.out), w, s.mode, s.M, row_bytes, group_bytes, s.G);
   const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? std::string() : std::string("prologue launch: ") + cudaGetErrorString(e);
+  return e == cudaSuccess ? std::string()
+                          : std::string("prologue launch: ") + cudaGetErrorString(e);
 }
 
 }  // namespace jax_ep::gemm

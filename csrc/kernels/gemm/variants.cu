@@ -17,7 +17,7 @@ enum Variant : int {
   JAX_EP_GEMM_VARIANTS(JAX_EP_GEMM_ENUM)
 #endif
 #undef JAX_EP_GEMM_ENUM
-  kNumVariants
+      kNumVariants
 };
 
 [[maybe_unused]] int select(const GemmShape& s) {
@@ -72,8 +72,8 @@ size_t workspace_bytes(const GemmShape& s, int sm_count) {
 #ifdef JAX_EP_WITH_GEMM
   const int G = static_cast<int>(s.G);
   switch (select(s)) {
-#define JAX_EP_GEMM_WS(name) \
-  case k_##name:             \
+#define JAX_EP_GEMM_WS(name)                                 \
+  case k_##name:                                             \
     cutlass_bytes = variants::workspace_##name(G, sm_count); \
     break;
     JAX_EP_GEMM_VARIANTS(JAX_EP_GEMM_WS)

@@ -21,8 +21,8 @@
   X(fp8_fwd_small)
 
 namespace jax_ep::gemm::variants {
-#define JAX_EP_GEMM_DECLARE(name)                                  \
-  std::string run_##name(const Call& c, cudaStream_t stream);      \
+#define JAX_EP_GEMM_DECLARE(name)                             \
+  std::string run_##name(const Call& c, cudaStream_t stream); \
   size_t workspace_##name(int G, int sm_count);
 JAX_EP_GEMM_VARIANTS(JAX_EP_GEMM_DECLARE)
 #undef JAX_EP_GEMM_DECLARE

@@ -64,9 +64,8 @@ inline Carved carve(void* base, const GemmShape& s, size_t cutlass_bytes) {
     w.ptr_sfb = static_cast<const float**>(take(G * sizeof(void*)));
     w.layout_sfa = take(G * kScaleLayoutBytes);
     w.layout_sfb = take(G * kScaleLayoutBytes);
-    w.sfa_t = static_cast<float*>(
-        take(static_cast<size_t>(scale_rows(s)) * static_cast<size_t>(s.K / kFp8Block) *
-             sizeof(float)));
+    w.sfa_t = static_cast<float*>(take(static_cast<size_t>(scale_rows(s)) *
+                                       static_cast<size_t>(s.K / kFp8Block) * sizeof(float)));
   }
   w.cutlass = take(cutlass_bytes);
   w.total = off;
