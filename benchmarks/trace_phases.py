@@ -7,7 +7,7 @@ and prints, per op and device, the time between consecutive marks in microsecond
 
 Ops: HT dispatch bf16 with H = 8 (layout + synchronisation only), HT dispatch bf16 H = 7168,
 HT combine bf16 H = 7168, LL dispatch FP8 (128 tokens / rank, H = 7168), LL combine bf16.
-Mark indices: csrc/transport/peer.cuh ("Phase tracer").
+Mark indices: csrc/transport/trace_marks.h.
 
 With JAX_EP_LL_DIAG=1 the LL kernels also record, per phase, the latest time any block or warp
 reached a point (its first ticket, the end of its items, its fence and count...): marks 0..11

@@ -153,10 +153,10 @@ NB_MODULE(_C, m) {
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
   m.def("ll_dispatch_buffer_bytes", &jax_ep::ll::dispatch_buffer_bytes, nb::arg("R"), nb::arg("M"),
         nb::arg("K"), nb::arg("H"), nb::arg("L"), nb::arg("use_fp8"),
-        "Bytes of a low-latency dispatch slot's receive buffer (kernels/low_latency.cu).");
+        "Bytes of a low-latency dispatch slot's receive buffer (kernels/low_latency/geometry.cu).");
   m.def("ll_combine_buffer_bytes", &jax_ep::ll::combine_buffer_bytes, nb::arg("R"), nb::arg("M"),
         nb::arg("K"), nb::arg("H"),
-        "Bytes of a low-latency combine slot's receive buffer (kernels/low_latency.cu).");
+        "Bytes of a low-latency combine slot's receive buffer (kernels/low_latency/geometry.cu).");
   m.def(
       "ht_stage_bytes",
       [](const std::vector<int64_t>& operand_bytes) {

@@ -303,7 +303,7 @@ def phase_traces(group, device) -> dict[int, list[int]]:
     jax_ep._ffi.group_table: `[d.local_hardware_id for d in mesh devices]`); device: the CUDA
     ordinal to read. Run an op, block on its result, then call this: it returns
     {slot: [trace_slots timestamps]} for the slots with any non-zero mark. The mark indices are
-    listed in csrc/transport/peer.cuh ("Phase tracer"); a mark the last call did not reach keeps
+    named in csrc/transport/trace_marks.h; a mark the last call did not reach keeps
     an older call's value, and 0 means never written. Synchronous device reads: not for hot paths.
     """
     ext = _load_extension()

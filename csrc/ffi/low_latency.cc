@@ -1,7 +1,7 @@
 // Low-latency handlers: the fused ops (jax_ep_ll_dispatch / jax_ep_ll_combine, one kernel each)
 // and the split ops (*_send / *_recv, one kernel each, same kernels in one phase). They decode
 // the attributes, check shapes and the receive buffer, and launch. Contract: docs/ffi.md.
-// Kernels: kernels/low_latency.cu.
+// Kernels: kernels/low_latency/.
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -26,7 +26,7 @@ constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
 
 // Attributes every LL op carries (the lowering adds the first five; see jax_ep/_ffi.py).
 // prereduce and diag are settings fixed at lowering (jax_ep/config.py): prereduce=false makes
-// the combine send one bf16 row per (token, expert), no partial sums (kernels/low_latency.cu,
+// the combine send one bf16 row per (token, expert), no partial sums (kernels/low_latency/combine.cu,
 // "Combine"); diag=true makes the kernels record per-warp timestamps (diag_max).
 struct LlAttrs {
   ffi::Span<const int64_t> groups;

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "kernels/ht_sizes.h"
-#include "transport/peer.cuh"
+#include "transport/pull.cuh"
 
 namespace jax_ep {
 namespace ht {

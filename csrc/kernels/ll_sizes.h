@@ -1,5 +1,5 @@
 // Receive-buffer sizes of the low-latency ops that Python asks for at lowering (plain C++: the
-// nanobind module includes it too). Defined in low_latency.cu, beside the layouts they measure.
+// nanobind module includes it too). Defined in low_latency/geometry.cu.
 #pragma once
 #include <cstdint>
 

@@ -1,5 +1,5 @@
 // Low-latency (decode) dispatch / combine: push protocol (transport/push.cuh), one kernel per op,
-// or two (send, receive) for the split API. Kernels in low_latency.cu; handlers in
+// or two (send, receive) for the split API. Kernels in low_latency/; handlers in
 // ffi/low_latency.cc; contract in docs/ffi.md; how they work in docs/kernels.md.
 #pragma once
 #include <cuda_runtime.h>
@@ -30,7 +30,7 @@ constexpr int kThreads = 512;  // 16 warps per block; one CTA per SM on 3/4 of t
 // place), then float32 weights [parity][source s][t][k] (s's topk_weights, written by s at the
 // start of its combine, for the expert-side pre-reduction), then int32 weight flags [parity][s]
 // (the epoch of s's weights). Row (t, k) holds the bf16 output of the expert named first by
-// slot k, or the two halves of a partial sum (low_latency.cu, "Combine").
+// slot k, or the two halves of a partial sum (low_latency/combine.cu, "Combine").
 // Tags per dispatch row: a row is sent by up to kDispatchTags warps (its parts); part p releases
 // the tags i with i % parts == p once its stores are out, so all of them say the row is in.
 constexpr int kDispatchTags = 4;
@@ -107,7 +107,7 @@ struct CombineParams {
 };
 
 // Blocks of the LL dispatch / combine kernels on `device` (three quarters of its SMs / all but
-// kCombineFreeSms: see low_latency.cu); 0 on a CUDA error.
+// kCombineFreeSms: see low_latency/combine.cu); 0 on a CUDA error.
 int dispatch_grid_size(int device);
 int combine_grid_size(int device);
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream);

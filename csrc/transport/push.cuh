@@ -5,7 +5,7 @@
 // run by one kernel (fused op) or by two (the send / receive split):
 //   send    wait until every receiver q has freed our half p from call e - 2 (freed[q] >= e - 2,
 //           written by q into OUR slot: normally long true), write rows into q's buffer, each
-//           followed by its tags (the epoch e, release stores: kernels/low_latency.cu). The LL
+//           followed by its tags (the epoch e, release stores: kernels/low_latency/). The LL
 //           dispatch also writes data_flag[p][r] = (e << 32) | rows (our token count) into q's
 //           slot when the send starts: rows past it get no tags.
 //   receive wait for each row's tags (local polls), read the rows from our own buffer into the
