@@ -342,4 +342,5 @@ def test_kernel_limits_come_from_the_extension():
         assert lim == {}
     else:
         assert lim == dict(max_ranks=ext.max_ranks, max_local_experts=ext.max_local_experts,
-                           max_layout_ranks=ext.max_layout_ranks)
+                           max_layout_ranks=ext.max_layout_ranks,
+                           max_num_blocks=ext.max_num_blocks)

@@ -26,8 +26,9 @@ constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
 
 // Attributes every LL op carries (the lowering adds the first five; see jax_ep/_ffi.py).
 // prereduce and diag are settings fixed at lowering (jax_ep/config.py): prereduce=false makes
-// the combine send one bf16 row per (token, expert), no partial sums (kernels/low_latency/combine.cu,
-// "Combine"); diag=true makes the kernels record per-warp timestamps (diag_max).
+// the combine send one bf16 row per (token, expert), no partial sums
+// (kernels/low_latency/combine.cu, "Combine"); diag=true makes the kernels record per-warp
+// timestamps (diag_max).
 struct LlAttrs {
   ffi::Span<const int64_t> groups;
   int64_t group_size, slot, timeout_ns;
