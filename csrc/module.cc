@@ -18,7 +18,7 @@
 #include "kernels/ht_sizes.h"
 #include "kernels/ll_sizes.h"
 #include "runtime/device.h"
-#include "runtime/symmetric.h"
+#include "nvshmem/symmetric.h"
 #include "runtime/virtual_ranks.h"
 #include "runtime/workspace.h"
 #include "transport/trace_marks.h"
@@ -131,7 +131,7 @@ NB_MODULE(_C, m) {
       nb::arg("group"), nb::arg("slot"), nb::arg("bytes"), nb::arg("layout"),
       "Receive buffer (>= bytes) of a push slot for one row layout on every device of the "
       "group: device addresses in group order.");
-  // Per-process mode (runtime/symmetric.h).
+  // Per-process mode (nvshmem/symmetric.h).
   m.def("nvshmem_built", &jax_ep::sym::built);
   m.def("sym_active", &jax_ep::sym::active);
   m.def("sym_my_pe", &jax_ep::sym::my_pe);

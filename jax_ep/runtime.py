@@ -8,7 +8,7 @@ with the sizes the extension defines (jax_ep._C.ll_dispatch_buffer_bytes and fri
 
 One process per GPU (jax.distributed): the same kernels, with workspaces and buffers in the
 NVSHMEM symmetric heap and peers addressed through nvshmem_ptr (jax_ep/per_process.py,
-csrc/runtime/symmetric.h). The group tables then name JAX process indices (= NVSHMEM PEs), and
+csrc/nvshmem/symmetric.h). The group tables then name JAX process indices (= NVSHMEM PEs), and
 high-throughput operands are staged through symmetric buffers, since a peer process cannot read
 this process's XLA buffers.
 """

@@ -12,7 +12,7 @@ jax.distributed shutdown run); any failure exits non-zero at once (no collective
 a failed peer could hang).
 
 With JAX_EP_FORCE_REMOTE_PEERS=1 every other process is treated as a remote peer (no load/store
-access): the same checks then run the NVSHMEM put / get kernels of transport/remote.h.
+access): the same checks then run the NVSHMEM put / get kernels of nvshmem/remote.h.
 
 --kill-rank r: rank r exits before the first op; the others must fail within JAX_EP_TIMEOUT_S
 with the kernel's timeout message, not hang (tests/test_multiprocess.py checks it).

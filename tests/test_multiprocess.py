@@ -53,7 +53,7 @@ def test_per_process_suite(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_per_process_suite_remote_peers(n):
     """Every other process treated as remote: the NVSHMEM put-with-signal (low-latency) and get
-    (high-throughput) kernels of transport/remote.h run the whole suite, here over NVSHMEM's
+    (high-throughput) kernels of nvshmem/remote.h run the whole suite, here over NVSHMEM's
     own NVLink transport. The worker checks that runtime_info lists every other PE as remote."""
     p, _ = _launch(n, env={"JAX_EP_FORCE_REMOTE_PEERS": "1"})
     out = p.stdout + p.stderr

@@ -1,6 +1,6 @@
 #include "ffi/group.h"
 
-#include "runtime/symmetric.h"
+#include "nvshmem/symmetric.h"
 #include "runtime/virtual_ranks.h"
 
 #include <sstream>
@@ -44,7 +44,7 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
                                                          &remote, &why)
                                   : group_workspace(members, static_cast<int>(group_size), d);
       out->peers.pe[r] = d;
-      if (remote) {  // reached through NVSHMEM kernels (transport/remote.h), never directly
+      if (remote) {  // reached through NVSHMEM kernels (nvshmem/remote.h), never directly
         out->peers.remote |= 1u << r;
         out->peers.slot[r] = nullptr;
         continue;

@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "ffi/common.h"
 #include "transport/peer.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,34 +24,11 @@ xla::ffi::Error resolve_group(int device, xla::ffi::Span<const int64_t> groups, 
 
 // An address table that names one buffer per entry of the group table (`bufs` of the LL ops,
 // `stage` of the HT ops in per-process mode): the R addresses of out->group's row, bit 0 cleared.
-// Bit 0 set marks a remote peer (runtime/symmetric.h), whose address is this rank's image of its
+// Bit 0 set marks a remote peer (nvshmem/symmetric.h), whose address is this rank's image of its
 // buffer; it must agree with gi.peers. `what` names the buffer in the errors.
 xla::ffi::Error decode_peer_row(const char* op, const char* what,
                                 xla::ffi::Span<const int64_t> table,
                                 xla::ffi::Span<const int64_t> groups, const GroupInfo& gi,
                                 uint8_t** out);
-
-// True when `d` is exactly `want` (shape checks of the handlers).
-inline bool dims_are(xla::ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (d[i++] != w) return false;
-  return true;
-}
-
-// "[d0, d1, ...]" for error messages.
-inline std::string dims_str(xla::ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-inline xla::ffi::Error cuda_error(const char* where) {
-  cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return xla::ffi::Error::Success();
-  return xla::ffi::Error(xla::ffi::ErrorCode::kInternal,
-                         std::string("jax_ep: ") + where + ": " + cudaGetErrorString(e));
-}
 
 }  // namespace jax_ep

@@ -11,27 +11,16 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jax_ep::dims_are;
 using jax_ep::dims_str;
 namespace gemm = jax_ep::gemm;
 
 namespace {
 
-ffi::Error bad(const std::string& m) {
-  return ffi::Error::InvalidArgument("jax_ep_grouped_gemm: " + m);
-}
+ffi::Error bad(const std::string& m) { return jax_ep::op_error("jax_ep_grouped_gemm", m); }
 
-std::string want_str(std::initializer_list<int64_t> want) {
-  std::string s = "[";
-  size_t i = 0;
-  for (int64_t w : want) s += (i++ ? ", " : "") + std::to_string(w);
-  return s + "]";
-}
-
-#define JAX_EP_EXPECT_DIMS(buf, name, ...)                                            \
-  if (!dims_are((buf).dimensions(), {__VA_ARGS__}))                                   \
-    return bad(std::string(name) + " must be " + want_str({__VA_ARGS__}) + ", got " + \
-               dims_str((buf).dimensions()));
+#define JAX_EP_EXPECT_DIMS(buf, name, ...) \
+  JAX_EP_RETURN_IF_ERROR(                  \
+      jax_ep::expect_dims("jax_ep_grouped_gemm", name, (buf).dimensions(), {__VA_ARGS__}))
 
 ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
                            ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> sizes,

@@ -15,7 +15,7 @@
 #include "ffi/virtual_ranks.h"
 #include "kernels/high_throughput.cuh"
 #include "runtime/device.h"
-#include "transport/remote.h"
+#include "nvshmem/remote.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -27,32 +27,14 @@ using jax_ep::ht::GatherArgs;
 
 namespace {
 
-constexpr int64_t kMaxInt = (int64_t{1} << 31) - 1;
-
-// Checks `dims == want`; on mismatch returns a message naming the op and the buffer.
-bool shape_is(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want, const char* op,
-              const char* name, std::string* err) {
-  bool ok = dims.size() == want.size();
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (!ok) break;
-    ok = dims[i++] == w;
-  }
-  if (!ok) {
-    std::vector<int64_t> w(want);
-    *err = std::string(op) + ": " + name + " must have shape " +
-           dims_str(ffi::Span<const int64_t>(w.data(), w.size())) + ", got " + dims_str(dims);
-  }
-  return ok;
-}
+constexpr int64_t kMaxInt = jax_ep::kInt32Max;
 
 ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks) {
-  if (timeout_ns <= 0)
-    return ffi::Error::InvalidArgument(std::string(op) + ": timeout_ns must be positive");
+  if (timeout_ns <= 0) return jax_ep::op_error(op, "timeout_ns must be positive");
   if (num_blocks < 1 || num_blocks > jax_ep::kMaxNumBlocks)
-    return ffi::Error::InvalidArgument(std::string(op) + ": num_blocks must be in [1, " +
-                                       std::to_string(jax_ep::kMaxNumBlocks) + "], got " +
-                                       std::to_string(num_blocks));
+    return jax_ep::op_error(op, "num_blocks must be in [1, " +
+                                    std::to_string(jax_ep::kMaxNumBlocks) + "], got " +
+                                    std::to_string(num_blocks));
   return ffi::Error::Success();
 }
 
@@ -64,7 +46,7 @@ ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks)
 // stage = [0]: nothing to do. Reuse is safe: the previous call on the slot ended with the end
 // barrier, after every peer finished reading. An entry with bit 0 set names a remote peer
 // (symmetric.h): its stage[] is this rank's mirror of that peer's staging buffer, which
-// run_pulled fills (transport/remote.h). *staged: the staged bytes (the same on every rank).
+// run_pulled fills (nvshmem/remote.h). *staged: the staged bytes (the same on every rank).
 ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const int64_t> stage,
                           ffi::Span<const int64_t> groups, jax_ep::GroupInfo* gi,
                           std::initializer_list<std::pair<const void*, size_t>> operands,
@@ -89,7 +71,7 @@ ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const i
 }
 
 // Launches the op's kernels (launch()), between the NVSHMEM prologue and epilogue when the group
-// has remote peers (transport/remote.h).
+// has remote peers (nvshmem/remote.h).
 template <typename Launch>
 ffi::Error run_pulled(const char* op, const jax_ep::GroupInfo& gi, size_t staged,
                       int64_t timeout_ns, cudaStream_t stream, Launch&& launch) {
@@ -109,17 +91,8 @@ ffi::Error run_pulled(const char* op, const jax_ep::GroupInfo& gi, size_t staged
   return ffi::Error::Success();
 }
 
-#define JAX_EP_RETURN_IF_ERROR(expr) \
-  do {                               \
-    ffi::Error _e = (expr);          \
-    if (_e.failure()) return _e;     \
-  } while (0)
-#define JAX_EP_CHECK_SHAPE(buf, op, name, ...)                       \
-  do {                                                               \
-    std::string _m;                                                  \
-    if (!shape_is((buf).dimensions(), {__VA_ARGS__}, op, name, &_m)) \
-      return ffi::Error::InvalidArgument(_m);                        \
-  } while (0)
+#define JAX_EP_CHECK_SHAPE(buf, op, name, ...) \
+  JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(op, name, (buf).dimensions(), {__VA_ARGS__}))
 
 // ------------------------------------------------------------------------------------------
 ffi::Error HtDispatchImpl(

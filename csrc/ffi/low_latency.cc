@@ -11,7 +11,7 @@
 #include "ffi/handlers.h"
 #include "ffi/virtual_ranks.h"
 #include "kernels/low_latency.cuh"
-#include "transport/remote.h"
+#include "nvshmem/remote.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -22,7 +22,7 @@ namespace push = jax_ep::push;
 
 namespace {
 
-constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
+constexpr int64_t kIntMax = jax_ep::kInt32Max;
 
 // Attributes every LL op carries (the lowering adds the first five; see jax_ep/_ffi.py).
 // prereduce and diag are settings fixed at lowering (jax_ep/config.py): prereduce=false makes
@@ -39,15 +39,13 @@ struct LlAttrs {
 
 // The group of `device`, its receive buffers and the common shape checks. bufs[q]: where the
 // kernels write q's rows: q's buffer, or for a remote q (bit 0 of its entry, symmetric.h) this
-// rank's scratch image of it, which transport/remote.h then puts. *own: this rank's buffer.
+// rank's scratch image of it, which nvshmem/remote.h then puts. *own: this rank's buffer.
 ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::GroupInfo* gi,
                    uint8_t** bufs, uint8_t** own, int64_t need_bytes) {
   if (ffi::Error err = jax_ep::resolve_group(device, a.groups, a.group_size, a.slot, gi);
       err.failure())
     return err;
-  auto bad = [op](const std::string& m) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": " + m);
-  };
+  auto bad = [op](const std::string& m) { return jax_ep::op_error(op, m); };
   const int64_t R = a.group_size, E = a.num_experts;
   if (E < R || E % R != 0 || E > (1 << 30))
     return bad("num_experts (" + std::to_string(E) +
@@ -140,9 +138,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
                          ffi::Result<ffi::AnyBuffer>* recv_src,
                          ffi::Result<ffi::AnyBuffer>* recv_slot,
                          ffi::Result<ffi::AnyBuffer>* src_rows) {
-  auto bad = [op](const std::string& m) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": " + m);
-  };
+  auto bad = [op](const std::string& m) { return jax_ep::op_error(op, m); };
   const int64_t R = a.group_size, M = a.max_tokens, E = a.num_experts, L = E / R;
   const int64_t H = a.hidden, K = a.num_topk;
   int64_t T = 0;
@@ -272,9 +268,7 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
                         const ffi::AnyBuffer* rows, int32_t* ticket, const int32_t* ticket_in,
                         const ffi::AnyBuffer* idx, const ffi::AnyBuffer* w,
                         ffi::Result<ffi::AnyBuffer>* out) {
-  auto bad = [op](const std::string& m) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": " + m);
-  };
+  auto bad = [op](const std::string& m) { return jax_ep::op_error(op, m); };
   const int64_t R = a.group_size, M = a.max_tokens, E = a.num_experts, L = E / R;
   const int64_t H = a.hidden, K = a.num_topk;
   int64_t T = 0;

@@ -42,7 +42,7 @@ int64_t dispatch_area_bytes(int64_t M, int64_t K, int64_t H, int64_t L, bool use
 // Column parts of a combine row: each is sent by its own warp and has its own tag.
 constexpr int kCombineParts = 4;
 // Stride of the combine's rows (bf16, padded to 16 bytes), and where their tags, the weights and
-// the weight flags start: kernels, handlers and the NVSHMEM push (transport/remote.h).
+// the weight flags start: kernels, handlers and the NVSHMEM push (nvshmem/remote.h).
 __host__ __device__ inline int64_t combine_row_bytes(int64_t H) {
   return (2 * H + 15) & ~int64_t{15};
 }

@@ -34,7 +34,7 @@ struct alignas(128) Slot {
   unsigned long long data_flag[2][kMaxRanks];  // [parity][s]: (epoch << 32) | rows, from sender s
   unsigned long long freed[kMaxRanks];         // [q]: last epoch whose data receiver q has read
   unsigned long long send_epoch;               // owner: epoch of the last send phase
-  // Peers without load/store access (per-process mode, transport/remote.h) write the flags
+  // Peers without load/store access (per-process mode, nvshmem/remote.h) write the flags
   // above with NVSHMEM puts, after their data puts completed (quiet). Pull: a remote peer s sets
   // ready_from[s] = e when its staged operands of call e can be read (its done[] flags serve
   // the end of the call).

@@ -35,7 +35,7 @@ struct PeerSlots {
   unsigned long long stage_off[kMaxPtrs];
   // Per-process mode: bit q set when rank q is not reachable by loads and stores (another node,
   // or JAX_EP_FORCE_REMOTE_PEERS=1). Its slot[q] is null; the kernels never touch its memory:
-  // NVSHMEM kernels (transport/remote.h) launched around them move its data and flags. pe[q]:
+  // NVSHMEM kernels (nvshmem/remote.h) launched around them move its data and flags. pe[q]:
   // rank q's NVSHMEM PE.
   unsigned int remote;
   int pe[kMaxRanks];

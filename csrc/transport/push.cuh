@@ -17,7 +17,7 @@
 // nobody reads XLA buffers of another rank, so XLA may reuse them as soon as the kernel ends.
 // Remote peers (PeerSlots::remote, per-process mode): the send phase writes their rows into this
 // rank's scratch image of their buffer (the handler points buf[q] there), and NVSHMEM kernels
-// (transport/remote.h) put them after the send kernel, then (once the puts completed) the flag
+// (nvshmem/remote.h) put them after the send kernel, then (once the puts completed) the flag
 // (dispatch: the receiver waits for it before it reads a remote sender's rows) or the row tags.
 //
 // Work is split into items taken from per-phase ticket counters by whole warps, so the warps

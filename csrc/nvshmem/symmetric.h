@@ -16,7 +16,8 @@
 namespace jax_ep {
 namespace sym {
 
-// True when the extension was compiled against NVSHMEM (JAX_EP_WITH_NVSHMEM).
+// True when the extension was compiled against NVSHMEM (CMake option JAX_EP_WITH_NVSHMEM and
+// the wheel found; otherwise unbuilt.cc stands in for symmetric.cc).
 bool built();
 // True after attach(): the ops of this process run in per-process mode.
 bool active();
@@ -36,7 +37,7 @@ std::vector<long long> self_test();
 // Workspaces of every group of a table (PEs in axis order), in table order, new groups only.
 void init_groups(const std::vector<std::vector<int>>& table);
 // This process's address of rank r's workspace in the group `members[0..n)`. Null with
-// *remote = true: rank r is not reachable by loads and stores (transport/remote.h); null
+// *remote = true: rank r is not reachable by loads and stores (nvshmem/remote.h); null
 // otherwise: unknown group, err names the reason.
 Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote, std::string* err);
 // Symmetric buffer of call-site slot `slot`, at least `bytes`: the same offset on every PE (a
@@ -48,7 +49,7 @@ Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote, s
 std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& table, int slot,
                                         size_t bytes);
 // PEs this process reaches only through NVSHMEM operations (no load/store mapping, or all of
-// them with JAX_EP_FORCE_REMOTE_PEERS=1): the ops then run the transport/remote.h kernels.
+// them with JAX_EP_FORCE_REMOTE_PEERS=1): the ops then run the nvshmem/remote.h kernels.
 std::vector<int> remote_pes();
 size_t arena_bytes();
 size_t arena_used();

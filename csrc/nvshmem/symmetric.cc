@@ -1,4 +1,5 @@
-#include "runtime/symmetric.h"
+// Compiled only in builds with NVSHMEM (CMakeLists.txt); the others compile unbuilt.cc.
+#include "nvshmem/symmetric.h"
 
 #include <cuda_runtime.h>
 
@@ -9,45 +10,10 @@
 #include <sstream>
 #include <stdexcept>
 
-#ifdef JAX_EP_WITH_NVSHMEM
-#include "transport/nvshmem_glue.h"
-#endif
+#include "nvshmem/glue.h"
 
 namespace jax_ep {
 namespace sym {
-
-#ifndef JAX_EP_WITH_NVSHMEM
-
-bool built() { return false; }
-bool active() { return false; }
-int my_pe() { return -1; }
-int n_pes() { return 0; }
-static void not_built() {
-  throw std::runtime_error(
-      "jax_ep: this build has no per-process (NVSHMEM) transport: rebuild with the "
-      "nvidia-nvshmem-cu12/-cu13 wheel installed (pip install --no-build-isolation "
-      "'.[cuda13]'), or run one process over all GPUs of the node");
-}
-void attach(size_t) { not_built(); }
-std::vector<long long> self_test() {
-  not_built();
-  return {};
-}
-void init_groups(const std::vector<std::vector<int>>&) { not_built(); }
-Workspace* group_workspace(const int64_t*, int, int, bool* remote, std::string* err) {
-  *remote = false;
-  *err = "no per-process transport in this build";
-  return nullptr;
-}
-std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>&, int, size_t) {
-  not_built();
-  return {};
-}
-std::vector<int> remote_pes() { return {}; }
-size_t arena_bytes() { return 0; }
-size_t arena_used() { return 0; }
-
-#else
 
 namespace {
 constexpr size_t kAlign = 4096;
@@ -247,8 +213,6 @@ std::vector<int> remote_pes() {
 }
 size_t arena_bytes() { return g_arena_bytes; }
 size_t arena_used() { return g_used; }
-
-#endif  // JAX_EP_WITH_NVSHMEM
 
 }  // namespace sym
 }  // namespace jax_ep

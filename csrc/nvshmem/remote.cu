@@ -10,7 +10,7 @@
 
 #include <nvshmem.h>
 #include <nvshmemx.h>
-#include "transport/remote.h"
+#include "nvshmem/remote.h"
 
 namespace jax_ep {
 namespace remote {

@@ -1,4 +1,4 @@
-// NVSHMEM glue for the per-process mode (see nvshmem_glue.h): the host functions we call, resolved
+// NVSHMEM glue for the per-process mode (see glue.h): the host functions we call, resolved
 // from the libnvshmem_host.so.3 already loaded in the process, and the registration of this
 // module's device state. NVIDIA's static device library (linked into this module, which is
 // built with relocatable device code) calls three host-library entry points to register its
@@ -13,7 +13,7 @@
 
 #include <nvshmem.h>
 #include <nvshmemx.h>
-#include "transport/nvshmem_glue.h"
+#include "nvshmem/glue.h"
 
 namespace {
 

@@ -2,8 +2,8 @@
 // (nvshmem4py loads libnvshmem_host.so.3): we resolve the few host functions we call from it at
 // run time, so the extension imports, and the one-process mode works, without NVSHMEM installed.
 // Our kernels link NVIDIA's static device library; its device state (nvshmemi_device_state_d, a
-// copy per CUDA module) is registered with the host library by open() (see nvshmem_glue.cu).
-// Only compiled with JAX_EP_WITH_NVSHMEM.
+// copy per CUDA module) is registered with the host library by open() (see glue.cu).
+// Only compiled in builds with NVSHMEM (CMakeLists.txt).
 #pragma once
 #include <cstddef>
 
