@@ -159,7 +159,7 @@ def main():
         from jax_ep import grouped_gemm as _gg
 
         def small(a, w, s, M=M, N=N):
-            return _gg._gemm_call(a, w, s, None, None, mode="contiguous", rhs_kn=True,
+            return _gg.gemm_call(a, w, s, None, None, mode="contiguous", rhs_kn=True,
                                   small_m=True, out_shape=(M, N), out_dtype=jnp.bfloat16)
         if args.backend == "cuda":
             for dist, sz in (("uniform", s_uni), ("Zipf", s_zipf)):

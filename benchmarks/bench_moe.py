@@ -157,15 +157,15 @@ def main():
 
     def p_reorder(recv_x, recv_idx):
         lay = _ref.expert_layout(recv_idx, num_local_experts=L, capacity=M, alignment=1)
-        return _ht._expand(recv_x, lay["src"], lay["row_of"], K)
+        return _ht.expand_rows(recv_x, lay["src"], lay["row_of"], K)
     record("  part: expert-major order and rows (sort + gather)",
            time_op(p_reorder, res, reps=reps), impl="ours", op="part")
     h = jnp.asarray(rng.standard_normal((M, 2 * I)), jnp.bfloat16)
-    record("  part: silu(gate) * up", time_op(lambda h: _moe._act(h).astype(jnp.bfloat16),
+    record("  part: silu(gate) * up", time_op(lambda h: _moe.swiglu(h).astype(jnp.bfloat16),
                                                 (h,), reps=reps), impl="ours", op="part")
 
     def p_wsum(y, wk, src, row_of):
-        return _ht._reduce(y, wk, src, row_of, K)
+        return _ht.reduce_rows(y, wk, src, row_of, K)
     src = jnp.asarray(rng.permutation(M), jnp.int32)
     row_of = jnp.zeros((M,), jnp.int32).at[src].set(jnp.arange(M, dtype=jnp.int32))
     wk = jnp.asarray(rng.random((T, K)), jnp.float32)

@@ -171,7 +171,7 @@ def _cuda_ok(backend, dtype, out_dtype, shape_check, what):
     return False
 
 
-def _gemm_call(lhs, rhs, sizes, lhs_scales, rhs_scales, *, mode, rhs_kn, small_m, out_shape,
+def gemm_call(lhs, rhs, sizes, lhs_scales, rhs_scales, *, mode, rhs_kn, small_m, out_shape,
                out_dtype, zero_padding=True):
     """One jax_ep_grouped_gemm custom call (docs/ffi.md)."""
     ext = runtime.extension()
@@ -240,7 +240,7 @@ def _gmm_core(lhs, rhs, sizes, cfg):
     if not use_cuda:
         return _ref_gmm(lhs, rhs, sizes, out_dtype)
     M, N = lhs.shape[0], rhs.shape[2]
-    return _gemm_call(lhs, rhs, sizes, None, None, mode="contiguous", rhs_kn=True,
+    return gemm_call(lhs, rhs, sizes, None, None, mode="contiguous", rhs_kn=True,
                       small_m=small_m, out_shape=(M, N), out_dtype=out_dtype)
 
 
@@ -269,10 +269,10 @@ def _gmm_bwd(cfg, res, g):
     G, _, N = rhs.shape
     g = g.astype(lhs.dtype)
     # d lhs[rows of g] = dout[rows of g] @ rhs[g]^T: rhs [G, K, N] read as [G, N', K'] (N' = K).
-    dlhs = _gemm_call(g, rhs, sizes, None, None, mode="contiguous", rhs_kn=False,
+    dlhs = gemm_call(g, rhs, sizes, None, None, mode="contiguous", rhs_kn=False,
                       small_m=False, out_shape=(M, K), out_dtype=lhs.dtype)
     # d rhs[g] = lhs[rows of g]^T @ dout[rows of g] (zeros for groups without rows).
-    drhs = _gemm_call(lhs, g, sizes, None, None, mode="transposed", rhs_kn=True,
+    drhs = gemm_call(lhs, g, sizes, None, None, mode="transposed", rhs_kn=True,
                       small_m=False, out_shape=(G, K, N), out_dtype=rhs.dtype)
     return dlhs, drhs, None
 
@@ -290,7 +290,7 @@ def _fp8_core(lq, ls, rq, rs, sizes, cfg):
     if not use_cuda:
         return _ref_gmm(*_dequantized(lq, ls, rq, rs), sizes, jnp.bfloat16)
     M, N = lq.shape[0], rq.shape[1]
-    return _gemm_call(lq, rq, sizes, ls, rs, mode="contiguous", rhs_kn=False, small_m=small_m,
+    return gemm_call(lq, rq, sizes, ls, rs, mode="contiguous", rhs_kn=False, small_m=small_m,
                       out_shape=(M, N), out_dtype=jnp.bfloat16)
 
 
@@ -386,7 +386,7 @@ def _masked_core(lhs, rhs, counts, cfg):
     if not use_cuda:
         return _ref_masked(lhs, rhs, jnp.maximum(counts, 0), out_dtype)
     G, C, _ = lhs.shape
-    return _gemm_call(lhs, rhs, counts, None, None, mode="masked", rhs_kn=True, small_m=True,
+    return gemm_call(lhs, rhs, counts, None, None, mode="masked", rhs_kn=True, small_m=True,
                       out_shape=(G, C, rhs.shape[2]), out_dtype=out_dtype,
                       zero_padding=zero_padding)
 
@@ -415,7 +415,7 @@ def _fp8_masked_core(lq, ls, rq, rs, counts, cfg):
     if not use_cuda:
         return _ref_masked(*_dequantized(lq, ls, rq, rs), jnp.maximum(counts, 0), jnp.bfloat16)
     G, C, _ = lq.shape
-    return _gemm_call(lq, rq, counts, ls, rs, mode="masked", rhs_kn=False, small_m=True,
+    return gemm_call(lq, rq, counts, ls, rs, mode="masked", rhs_kn=False, small_m=True,
                       out_shape=(G, C, rq.shape[1]), out_dtype=jnp.bfloat16,
                       zero_padding=zero_padding)
 

@@ -240,17 +240,17 @@ def _pair_weights(w, row_of):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _expand(x, src, row_first, K):
+def expand_rows(x, src, row_first, K):
     """[C, H] received rows -> [capacity, H] expert-major rows (row j holds x[src[j] // K]).
     row_first: row_of on the first slot of each pair, -1 on the others."""
     return _take_rows(x, jnp.where(src >= 0, src // K, -1))
 
 
-def _expand_fwd(x, src, row_first, K):
-    return _expand(x, src, row_first, K), (src, row_first)
+def _expand_rows_fwd(x, src, row_first, K):
+    return expand_rows(x, src, row_first, K), (src, row_first)
 
 
-def _expand_bwd(K, res, g):
+def _expand_rows_bwd(K, res, g):
     src, row_first = res
     C = row_first.shape[0]
     dx = jnp.sum(_take_rows(g, row_first.reshape(C * K)).reshape(C, K, *g.shape[1:])
@@ -258,11 +258,11 @@ def _expand_bwd(K, res, g):
     return dx.astype(g.dtype), None, None
 
 
-_expand.defvjp(_expand_fwd, _expand_bwd)
+expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _reduce(y, w, src, row_of, K):
+def reduce_rows(y, w, src, row_of, K):
     """[capacity, H] expert-major rows, [C, K] weights -> [C, H] float32: row c is
     sum_k w[c, k] * y[row_of[c, k]] over the slots with a row."""
     C = w.shape[0]
@@ -272,11 +272,11 @@ def _reduce(y, w, src, row_of, K):
     return jnp.sum(yg * w.astype(jnp.float32)[:, :, None], axis=1)
 
 
-def _reduce_fwd(y, w, src, row_of, K):
-    return _reduce(y, w, src, row_of, K), (y, w, src, row_of)
+def _reduce_rows_fwd(y, w, src, row_of, K):
+    return reduce_rows(y, w, src, row_of, K), (y, w, src, row_of)
 
 
-def _reduce_bwd(K, res, g):
+def _reduce_rows_bwd(K, res, g):
     y, w, src, row_of = res
     C = w.shape[0]
     wj = _take_rows(_pair_weights(w, row_of).reshape(C * K), src)
@@ -286,7 +286,7 @@ def _reduce_bwd(K, res, g):
     return dy, dw.astype(w.dtype), None, None
 
 
-_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+reduce_rows.defvjp(_reduce_rows_fwd, _reduce_rows_bwd)
 
 
 def _to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weights):
@@ -298,7 +298,7 @@ def _to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weigh
         rows = jnp.where(src >= 0, src // K, -1)
         xe = tuple(_take_rows(a, rows) for a in recv_x)
     else:
-        xe = _expand(recv_x, src, jnp.where(ref.first_occurrence(ridx), row_of, -1), K)
+        xe = expand_rows(recv_x, src, jnp.where(ref.first_occurrence(ridx), row_of, -1), K)
     w = rw if has_weights else (ridx >= 0).astype(jnp.float32)
     we = _take_rows(_pair_weights(w, row_of).reshape(C * K), src)
     ehandle = ExpertDispatchHandle(handle, row_of, src, w,
@@ -479,7 +479,7 @@ def combine(y, handle, *, axis_name="ep", backend="auto", check=None):
     cfg = _Config(0, rank.recv_src.shape[0], axis_name, be)
     if expert:
         y, w = _ffi.varying([y, handle.weights, rank.recv_src], axis_name)[:2]
-        y = _reduce(y, w, handle.src, handle.row_of, handle.row_of.shape[1]).astype(y.dtype)
+        y = reduce_rows(y, w, handle.src, handle.row_of, handle.row_of.shape[1]).astype(y.dtype)
     else:
         (y,) = _ffi.varying([y, rank.recv_src], axis_name)[:1]
     return _combine_diff(y, rank, cfg)

@@ -29,7 +29,7 @@ def _weights(name, w, L, shape_tail, fp8_ok):
     return w
 
 
-def _act(h):
+def swiglu(h):
     """silu(gate) * up of h = [gate | up] along the last axis, in float32."""
     I = h.shape[-1] // 2
     h = h.astype(jnp.float32)
@@ -103,7 +103,7 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
     res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
                    capacity=capacity, layout="expert", backend=backend)
     h = grouped_gemm.grouped_matmul(res.recv_x, w_gate_up, res.expert_sizes, backend=backend)
-    a = _act(h).astype(w_down.dtype)
+    a = swiglu(h).astype(w_down.dtype)
     y = grouped_gemm.grouped_matmul(a, w_down, res.expert_sizes, backend=backend)
     # combine weights each (token, expert) row and sums per token
     return combine(y.astype(x.dtype), res.handle, axis_name=axis_name, backend=backend)
@@ -116,7 +116,7 @@ def _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts, 
                                use_fp8=use_fp8, backend=backend)
     h = grouped_gemm.grouped_matmul_masked(res.recv_x, w_gate_up, res.recv_count,
                                            zero_padding=False, backend=backend)
-    a = _act(h).astype(w_down.dtype)
+    a = swiglu(h).astype(w_down.dtype)
     # rows past the counts are never read by the combine: neither GEMM writes zeros there
     y = grouped_gemm.grouped_matmul_masked(a, w_down, res.recv_count, zero_padding=False,
                                            backend=backend)
