@@ -1,10 +1,10 @@
 """Every `JAX_EP_*` environment setting in one place: its name, default, meaning, when it is
 read, and whether every rank must see the same value.
 
-Settings that change what a kernel does are read when a call is lowered and become attributes
-of its custom call: they are then in the HLO (and the compilation-cache key), the same for every
-rank of that program, and never read again at run time. `jax_ep.config.describe()` prints the
-table; docs/API.md lists the user-facing ones.
+Settings that change what a kernel does are read when a call is traced or lowered and become
+attributes of its custom call: they are then in the HLO (and the compilation-cache key), the
+same for every rank of that program, and never read again at run time.
+`jax_ep.config.describe()` prints the table; docs/API.md lists the user-facing ones.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ class Setting(NamedTuple):
     name: str
     default: str
     meaning: str
-    read: str                  # when: "trace", "lowering (attribute)", "start-up", "tests"
+    read: str                  # when: "trace", "trace (attribute)", "lowering (attribute)",
+    #                            "start-up", "tests"
     same_on_every_rank: bool
 
 
@@ -33,10 +34,10 @@ SETTINGS = {s.name: s for s in (
             "trace", True),
     Setting("JAX_EP_LL_PREREDUCE", "1",
             "0: the low-latency combine sends one row per (token, expert), no partial sums",
-            "lowering (attribute)", True),
+            "trace (attribute)", True),
     Setting("JAX_EP_LL_DIAG", "0",
             "1: the low-latency kernels record per-warp timestamps (benchmarks/trace_phases.py)",
-            "lowering (attribute)", False),
+            "trace (attribute)", False),
     Setting("JAX_EP_VIRTUAL_RANKS", "",
             "jax_ep.testing.run_ranks: 1 forces virtual ranks on one GPU, 0 forbids them",
             "tests", False),
@@ -55,17 +56,23 @@ SETTINGS = {s.name: s for s in (
 
 
 def raw(name: str) -> str:
-    """The setting's value as given (its default when unset)."""
-    return os.environ.get(name, SETTINGS[name].default)
+    """The setting's value as given (its default when unset or empty)."""
+    return os.environ.get(name) or SETTINGS[name].default
 
 
 def is_set(name: str) -> bool:
     return name in os.environ
 
 
+_TRUE, _FALSE = ("1", "true", "True"), ("0", "false", "False", "")
+
+
 def flag(name: str) -> bool:
-    """A 0/1 setting ("", "0", "false" count as off)."""
-    return raw(name) not in ("", "0", "false", "False")
+    """A 0/1 setting (also true / false); ValueError naming the setting for anything else."""
+    v = raw(name)
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    raise ValueError(f"{name}={v!r}: expected 0 or 1 ({SETTINGS[name].meaning})")
 
 
 def seconds(name: str) -> float:

@@ -299,7 +299,8 @@ def _to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weigh
         xe = tuple(_take_rows(a, rows) for a in recv_x)
     else:
         xe = expand_rows(recv_x, src, jnp.where(ref.first_occurrence(ridx), row_of, -1), K)
-    w = rw if has_weights else (ridx >= 0).astype(jnp.float32)
+    # without weights each (token, expert) pair weighs 1, however many slots name it
+    w = rw if has_weights else ref.first_occurrence(ridx).astype(jnp.float32)
     we = _take_rows(_pair_weights(w, row_of).reshape(C * K), src)
     ehandle = ExpertDispatchHandle(handle, row_of, src, w,
                                    handle.num_dropped + lay["num_dropped"])
@@ -349,7 +350,7 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
       capacity: rows of the receive buffer (static, below 2^31). Default R * T, the worst
         case: nothing is ever dropped. Tokens past it are dropped and counted in
         `handle.num_dropped`. With layout="expert": rows of the expert-major buffer, default
-        R * T * K + L * (expert_alignment - 1), the worst case.
+        R * T * min(K, L) + L * (expert_alignment - 1), the worst case.
       layout: "rank" (one row per received token, by source rank) or "expert" (one row per
         (token, local expert) pair, grouped by expert: `ExpertDispatchResult`).
       expert_alignment: with layout="expert", every expert's segment starts at a multiple of
@@ -369,8 +370,9 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
       topk_weights); `expert_sizes` `[L]` (segment lengths with alignment padding: the
       `group_sizes` of `grouped_matmul` over recv_x); `recv_count`; `handle` for `combine`.
 
-    Differentiable in x (its cotangent is `combine` of recv_x's) and topk_weights; an FP8
-    dispatch is forward-only. The contract in full: docs/API.md.
+    Differentiable in x (its cotangent is `combine` of recv_x's; with layout="expert" the
+    unweighted sum of its rows' cotangents) and topk_weights; an FP8 dispatch is forward-only.
+    The contract in full: docs/API.md.
     """
     fp8 = isinstance(x, (tuple, list))
     if fp8:
@@ -410,7 +412,12 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
         raise ValueError(f"expert_alignment={A} applies to layout='expert' only (the rank-major "
                          "layout has no expert segments)")
     K, L = topk_idx.shape[1], num_experts // R
-    worst = R * T if layout == "rank" else R * T * K + L * (A - 1)
+    # a received token has at most min(K, L) pairs here (one per distinct local expert)
+    worst = R * T if layout == "rank" else R * T * min(K, L) + L * (A - 1)
+    if layout == "expert" and max(R * T * K, L * A) > _checks.INT32_LIMIT:
+        raise ValueError(f"expert_alignment={A}: R * T * K = {R * T * K} (token, slot) pairs and "
+                         f"L * expert_alignment = {L * A} rows are indexed in int32, so each "
+                         "must be < 2^31")
     capacity = worst if capacity is None else _checks.static_int("capacity", capacity, 1)
     if capacity > _checks.INT32_LIMIT:
         raise ValueError(f"capacity={capacity}: rows are indexed in int32, so it must be < 2^31 "
@@ -455,9 +462,9 @@ def combine(y, handle, *, axis_name="ep", backend="auto", check=None):
       `[T, H]` in y's dtype: for each token, the sum over the ranks that received it of their
       row, accumulated in float32; a token sent nowhere gives 0. After a layout="expert"
       dispatch each rank first sums its rows of the token weighted by their routing weights
-      (1 without topk_weights), in float32, rounded once to y's dtype. Differentiable in y
-      (its cotangent is the dispatch of out's) and, for the expert layout, in the routing
-      weights of the dispatch.
+      (1 per pair without topk_weights), in float32, rounded once to y's dtype.
+      Differentiable in y (its cotangent is the dispatch of out's, weighted for the expert
+      layout) and, for the expert layout, in the routing weights of the dispatch.
     """
     del check  # combine cannot drop or see invalid ids; accepted for uniformity
     expert = isinstance(handle, ExpertDispatchHandle)

@@ -56,7 +56,8 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
       mode: "high_throughput" (training, prefill: `dispatch` / `combine`, `grouped_matmul`) or
         "low_latency" (decoding: `low_latency_dispatch` / `low_latency_combine`,
         `grouped_matmul_masked`; needs max_tokens_per_rank).
-      capacity: high-throughput expert-major rows (default R * T * K, nothing dropped).
+      capacity: high-throughput (token, expert) rows of the expert-major dispatch (default
+        R * T * min(K, L), nothing dropped); rows past it are dropped.
       use_fp8: dispatch FP8 activations into the FP8 GEMM of w_gate_up (an `Fp8Weights`);
         forward only.
       backend: "auto", "reference" or "cuda" for every op of the layer.

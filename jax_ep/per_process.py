@@ -37,7 +37,12 @@ def _parse_bytes(text: str) -> int:
 
 
 def arena_bytes() -> int:
-    return _parse_bytes(config.raw("JAX_EP_SYMMETRIC_BYTES"))
+    v = config.raw("JAX_EP_SYMMETRIC_BYTES")
+    try:
+        return _parse_bytes(v)
+    except ValueError:
+        raise ValueError(f"JAX_EP_SYMMETRIC_BYTES={v!r}: expected a size such as 4GiB, 512M "
+                         "or 1073741824") from None
 
 
 def attached() -> bool:

@@ -186,7 +186,7 @@ def expert_layout(recv_topk_idx, *, num_local_experts, capacity, alignment):
     pos = jnp.zeros((P,), jnp.int32).at[order].set(pos_sorted, unique_indices=True)
     keep = pos < capacity
     src = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(keep, pos, capacity)].set(
-        jnp.arange(P, dtype=jnp.int32), mode="drop", unique_indices=True)
+        jnp.arange(P, dtype=jnp.int32), mode="drop")   # dropped pairs share one index
     # every slot takes the row of the first slot naming its expert
     same = recv_topk_idx[:, :, None] == recv_topk_idx[:, None, :]           # [C, k, k']
     first_slot = jnp.argmax(same, axis=2)                                    # [C, K]
@@ -195,6 +195,7 @@ def expert_layout(recv_topk_idx, *, num_local_experts, capacity, alignment):
     room = jnp.maximum(capacity - offsets, 0)
     sizes = jnp.minimum(padded, room).astype(jnp.int32)
     held = jnp.minimum(counts, room).astype(jnp.int32)
+    offsets = jnp.minimum(offsets, capacity)     # a segment dropped whole starts at the end
     return dict(row_of=row_of, src=src, expert_sizes=sizes, expert_offsets=offsets,
                 counts=held, recv_count=jnp.sum(sizes).astype(jnp.int32),
                 num_dropped=(jnp.sum(counts) - jnp.sum(held)).astype(jnp.int32))

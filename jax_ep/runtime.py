@@ -161,8 +161,9 @@ def limits() -> dict:
     ext = _load_extension()
     if ext is None:
         return {}
-    return {k: int(getattr(ext, k)) for k in ("max_ranks", "max_local_experts",
+    got = {k: getattr(ext, k, None) for k in ("max_ranks", "max_local_experts",
                                               "max_layout_ranks", "max_num_blocks")}
+    return {k: int(v) for k, v in got.items() if v is not None}   # an older build: fewer
 
 
 def max_ranks():

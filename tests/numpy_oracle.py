@@ -117,13 +117,16 @@ def expert_dispatch(xs, idxs, ws, num_experts, alignment=1, capacity=None):
     R = len(idxs)
     T, K = np.asarray(idxs[0]).shape
     L = num_experts // R
-    C = R * T * K + L * (alignment - 1) if capacity is None else capacity
+    C = R * T * min(K, L) + L * (alignment - 1) if capacity is None else capacity
     ranks = ht_dispatch(xs, idxs, ws, num_experts, min(R * T, C))
     out = []
     for d in ranks:
         ridx = d["recv_topk_idx"]
         Ct = ridx.shape[0]
-        w = d["recv_topk_weights"] if ws is not None else (ridx >= 0).astype(np.float32)
+        # without weights each (row, expert) pair weighs 1: its first slot
+        w = d["recv_topk_weights"] if ws is not None else np.array(
+            [[float(ridx[c, k] >= 0 and ridx[c, k] not in ridx[c, :k]) for k in range(K)]
+             for c in range(Ct)], np.float32).reshape(Ct, K)
         tup = isinstance(d["recv_x"], tuple)
         parts = d["recv_x"] if tup else (d["recv_x"],)
         recv = [np.zeros((C,) + a.shape[1:], a.dtype) for a in parts]
@@ -135,7 +138,7 @@ def expert_dispatch(xs, idxs, ws, num_experts, alignment=1, capacity=None):
             # one pair per (row, expert): a row naming e in two slots is held once, with the
             # slots' weights summed
             pairs = [c for c in range(Ct) if e in ridx[c]]
-            offsets.append(pos)
+            offsets.append(min(pos, C))   # a segment dropped whole starts at the end
             for i, c in enumerate(pairs):
                 if pos + i < C:
                     slots = [k for k in range(K) if ridx[c, k] == e]

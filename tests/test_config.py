@@ -66,3 +66,12 @@ def test_the_extension_owns_its_sizes_and_trace_marks():
     marks = ext.trace_marks
     assert marks[0] == "layout start" and len(marks) >= 20
     assert max(marks) < ext.trace_slots and max(ext.diag_marks) < ext.trace_slots
+
+
+def test_flags_take_0_or_1_and_name_the_setting(monkeypatch):
+    monkeypatch.setenv("JAX_EP_LL_PREREDUCE", "off")
+    with pytest.raises(ValueError, match=r"JAX_EP_LL_PREREDUCE='off': expected 0 or 1"):
+        config.flag("JAX_EP_LL_PREREDUCE")
+    for v, want in (("0", False), ("false", False), ("1", True), ("true", True), ("", True)):
+        monkeypatch.setenv("JAX_EP_LL_PREREDUCE", v)   # "": unset, the default (1)
+        assert config.flag("JAX_EP_LL_PREREDUCE") is want, v

@@ -31,7 +31,8 @@ def expert_fn(mesh, alignment=1, capacity=None, has_w=True, check=None, backend=
 
 def capacity_of(mesh, T, K, alignment, capacity):
     R = ep_size(mesh)
-    return R * T * K + (E // R) * (alignment - 1) if capacity is None else capacity
+    L = E // R
+    return R * T * min(K, L) + L * (alignment - 1) if capacity is None else capacity
 
 
 def check_case(mesh, xs, idxs, ws, alignment=1, capacity=None, seed=1):
@@ -211,6 +212,8 @@ def test_expert_layout_bad_arguments(mesh2):
         call(expert_alignment=4)
     with pytest.raises(TypeError, match="expert_alignment must be a static Python int"):
         call(layout="expert", expert_alignment=2.0)
+    with pytest.raises(ValueError, match=r"expert_alignment=536870912: .* must be < 2\^31"):
+        call(layout="expert", expert_alignment=2**29)
 
     def bad_rows(x, idx):
         res = jax_ep.dispatch(x, idx, num_experts=E, layout="expert")
