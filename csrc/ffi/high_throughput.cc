@@ -315,10 +315,19 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
 
 }  // namespace
 
+// What every high-throughput handler binds first (stream, device) and the attributes the
+// lowering adds to each (jax_ep/_ffi.py), in the handlers' parameter order.
+#define JAX_EP_HT_BIND \
+  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
+#define JAX_EP_HT_GROUP_ATTRS               \
+  .Attr<ffi::Span<const int64_t>>("groups") \
+      .Attr<int64_t>("group_size")          \
+      .Attr<int64_t>("slot")                \
+      .Attr<int64_t>("timeout_ns")          \
+      .Attr<int64_t>("num_blocks")
+
 #define JAX_EP_BIND_HT_DISPATCH                                      \
-  ffi::Ffi::Bind()                                                   \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                      \
-      .Ctx<ffi::DeviceOrdinal>()                                     \
+  JAX_EP_HT_BIND                                                     \
       .Arg<ffi::Buffer<ffi::U8>>()  /* x [T, Hb] */                  \
       .Arg<ffi::Buffer<ffi::F32>>() /* x_scales [T, G] */            \
       .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx [T, K] */            \
@@ -332,42 +341,23 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
       .Ret<ffi::Buffer<ffi::S32>>() /* recv_tokens_per_expert [L] */ \
       .Ret<ffi::Buffer<ffi::S32>>() /* stats [4] */                  \
       .Ret<ffi::Buffer<ffi::S32>>() /* scratch [ht_scratch_words] */ \
-      .Attr<ffi::Span<const int64_t>>("groups")                      \
-      .Attr<int64_t>("group_size")                                   \
-      .Attr<int64_t>("slot")                                         \
-      .Attr<int64_t>("timeout_ns")                                   \
-      .Attr<int64_t>("num_blocks")                                   \
-      .Attr<int64_t>("num_experts")                                  \
+      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("num_experts")             \
       .Attr<ffi::Span<const int64_t>>("stage")
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DISPATCH);
 
 #define JAX_EP_BIND_HT_GATHER                            \
-  ffi::Ffi::Bind()                                       \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()          \
-      .Ctx<ffi::DeviceOrdinal>()                         \
+  JAX_EP_HT_BIND                                         \
       .Arg<ffi::Buffer<ffi::U8>>()  /* x [T, Hb] */      \
       .Arg<ffi::Buffer<ffi::S32>>() /* recv_src [C] */   \
       .Arg<ffi::Buffer<ffi::S32>>() /* stats [4] */      \
       .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */ \
-      .Attr<ffi::Span<const int64_t>>("groups")          \
-      .Attr<int64_t>("group_size")                       \
-      .Attr<int64_t>("slot")                             \
-      .Attr<int64_t>("timeout_ns")                       \
-      .Attr<int64_t>("num_blocks")                       \
-      .Attr<ffi::Span<const int64_t>>("stage")
+      JAX_EP_HT_GROUP_ATTRS.Attr<ffi::Span<const int64_t>>("stage")
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER);
 
 #define JAX_EP_BIND_HT_COMBINE                                      \
-  ffi::Ffi::Bind()                                                  \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                     \
-      .Ctx<ffi::DeviceOrdinal>()                                    \
+  JAX_EP_HT_BIND                                                    \
       .Arg<ffi::AnyBuffer>()        /* y [C, H] f32 / bf16 / f16 */ \
       .Arg<ffi::Buffer<ffi::S32>>() /* send_rows [T, R] */          \
       .Ret<ffi::AnyBuffer>()        /* out [T, H], dtype of y */    \
-      .Attr<ffi::Span<const int64_t>>("groups")                     \
-      .Attr<int64_t>("group_size")                                  \
-      .Attr<int64_t>("slot")                                        \
-      .Attr<int64_t>("timeout_ns")                                  \
-      .Attr<int64_t>("num_blocks")                                  \
-      .Attr<ffi::Span<const int64_t>>("stage")
+      JAX_EP_HT_GROUP_ATTRS.Attr<ffi::Span<const int64_t>>("stage")
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE);
