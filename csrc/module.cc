@@ -14,10 +14,12 @@
 #include <cuda_runtime.h>
 
 #include "ffi/handlers.h"
+#include "ffi/site_state.h"
 #include "kernels/gemm/grouped_gemm.h"
 #include "kernels/ht_sizes.h"
 #include "kernels/ll_sizes.h"
 #include "runtime/device.h"
+#include "runtime/lease.h"
 #include "nvshmem/symmetric.h"
 #include "runtime/virtual_ranks.h"
 #include "runtime/workspace.h"
@@ -62,10 +64,16 @@ NB_MODULE(_C, m) {
     d["jax_ep_layout"] = encapsulate(JaxEpLayout);
     d["jax_ep_grouped_gemm"] = encapsulate(JaxEpGroupedGemm);
     // Each communication handler and its one-GPU multi-rank twin, target name + "_vr"
-    // (ffi/virtual_ranks.h).
+    // (ffi/virtual_ranks.h): stateful, the call site's lease taken in the instantiate stage
+    // (ffi/site_state.h).
     auto with_vr = [&d](const std::string& name, auto* fn, auto* vr) {
-      d[name.c_str()] = encapsulate(fn);
-      d[(name + "_vr").c_str()] = encapsulate(vr);
+      for (auto [n, f] : {std::pair<std::string, nb::capsule>{name, encapsulate(fn)},
+                          {name + "_vr", encapsulate(vr)}}) {
+        nb::dict stages;
+        stages["instantiate"] = encapsulate(JaxEpSiteInstantiate);
+        stages["execute"] = f;
+        d[n.c_str()] = stages;
+      }
     };
     with_vr("jax_ep_ht_dispatch", JaxEpHtDispatch, JaxEpHtDispatchVr);
     with_vr("jax_ep_ht_gather", JaxEpHtGather, JaxEpHtGatherVr);
@@ -113,24 +121,51 @@ NB_MODULE(_C, m) {
       "Diagnostic: num_slots * trace_slots phase timestamps (ns, slot-major) of the group's "
       "workspace on `device` (see csrc/transport/peer.cuh, phase tracer).");
   m.def(
-      "reserve_slot_buffer",
-      [](nb::list group, int slot, size_t bytes, const std::string& layout) {
-        std::vector<int> g;
-        for (nb::handle h : group) g.push_back(nb::cast<int>(h));
-        if (slot < jax_ep::kFirstPushSlot || slot >= jax_ep::kNumSlots)
-          throw std::invalid_argument("jax_ep: not a push slot");
-        std::vector<unsigned long long> ptrs;
-        {
-          nb::gil_scoped_release release;
-          ptrs = jax_ep::reserve_slot_buffer(g, slot, bytes, layout);
-        }
-        nb::list out;
-        for (unsigned long long p : ptrs) out.append(p);
-        return out;
+      "site_state_type",
+      []() {
+        nb::dict t;  // what jax.ffi.register_ffi_type takes
+        t["type_id"] = nb::capsule(reinterpret_cast<void*>(&jax_ep::SiteState::id));
+        t["type_info"] = nb::capsule(
+            reinterpret_cast<void*>(const_cast<XLA_FFI_TypeInfo*>(jax_ep::site_state_type_info())));
+        return t;
       },
-      nb::arg("group"), nb::arg("slot"), nb::arg("bytes"), nb::arg("layout"),
-      "Receive buffer (>= bytes) of a push slot for one row layout on every device of the "
-      "group: device addresses in group order.");
+      "Type id and type info of the call-site state (ffi/site_state.h), for "
+      "jax.ffi.register_ffi_type under the name site_state_type_name.");
+  m.attr("site_state_type_name") = "jax_ep.site_state";
+  m.def(
+      "lease_stats",
+      []() {
+        const jax_ep::LeaseStats s = jax_ep::lease_stats();
+        nb::dict d;
+        d["live"] = s.live;
+        d["free_push_slots"] = s.free_push;
+        d["free_pull_slots"] = s.free_pull;
+        d["buffer_bytes"] = s.buffer_bytes;
+        d["created"] = s.created;
+        return d;
+      },
+      "Call-site leases (runtime/lease.h): live ones, free slots, bytes of live buffers, made "
+      "since start.");
+  m.def("lease_buffer_bytes", &jax_ep::lease_buffer_bytes, nb::arg("device"),
+        "Bytes of live call-site buffers on one CUDA device.");
+  m.def("flush_buffer_frees", &jax_ep::flush_buffer_frees, release_gil(),
+        "Wait until the buffers of released call-site leases are freed.");
+  m.def(
+      "device_memory_used",
+      [](int device) {
+        int prev = 0;
+        cudaGetDevice(&prev);
+        size_t free_b = 0, total = 0;
+        cudaError_t e = cudaSetDevice(device);
+        if (e == cudaSuccess) e = cudaMemGetInfo(&free_b, &total);
+        cudaSetDevice(prev);
+        if (e != cudaSuccess) {
+          cudaGetLastError();
+          throw std::runtime_error(std::string("jax_ep: cudaMemGetInfo: ") + cudaGetErrorString(e));
+        }
+        return static_cast<int64_t>(total - free_b);
+      },
+      nb::arg("device"), "Bytes of device memory in use on a CUDA device (cudaMemGetInfo).");
   // Per-process mode (nvshmem/symmetric.h).
   m.def("nvshmem_built", &jax_ep::sym::built);
   m.def("sym_active", &jax_ep::sym::active);
@@ -143,13 +178,10 @@ NB_MODULE(_C, m) {
         "Collective: [device my_pe, device n_pes, token received, token expected, next PE "
         "mapped] from a kernel of this module calling NVSHMEM device functions.");
   m.def("sym_init_groups", &jax_ep::sym::init_groups, nb::arg("table"), release_gil());
-  m.def("sym_reserve", &jax_ep::sym::reserve, nb::arg("table"), nb::arg("slot"), nb::arg("bytes"),
-        release_gil());
   m.def("sym_remote_pes", &jax_ep::sym::remote_pes,
         "PEs reached only through NVSHMEM operations (no load/store mapping)");
   m.def("sym_arena_bytes", &jax_ep::sym::arena_bytes);
   m.def("sym_arena_used", &jax_ep::sym::arena_used);
-  m.def("slot_buffer_bytes", &jax_ep::slot_buffer_bytes, nb::arg("device"));
   m.def("workspace_bytes", []() { return sizeof(jax_ep::Workspace); });
   m.def("ll_dispatch_buffer_bytes", &jax_ep::ll::dispatch_buffer_bytes, nb::arg("R"), nb::arg("M"),
         nb::arg("K"), nb::arg("H"), nb::arg("L"), nb::arg("use_fp8"),

@@ -2,11 +2,11 @@
 
 One primitive serves all targets. Its lowering adds what only the lowering knows: the EP group
 table (CUDA device ordinals of every group along `axis_name`, from the enclosing shard_map's
-mesh, in the flat device order the executable is compiled for), and makes sure the peer
-runtime covers those devices. Push ops (attribute `buffer_bytes`, the low-latency kernels) also
-get their slot's receive buffers, reserved here from the static shapes, as device addresses
-(`bufs`, aligned with the group table). Calls are marked side-effecting so XLA never merges or
-drops them.
+mesh, in the flat device order the executable is compiled for) and a call-site id (`site`),
+and makes sure the peer runtime covers those devices. Nothing is allocated here: each call site
+leases its workspace slot and buffers in the handlers' instantiate stage, once per compiled
+executable, and gives them back when the executable is destroyed (csrc/runtime/lease.h). Calls
+are marked side-effecting so XLA never merges or drops them.
 
 Under `jax.vmap` over the op's EP axis (one device, no shard_map) a call becomes the one-GPU
 multi-rank mode: the same handler body over R virtual ranks (target name + "_vr", operands and
@@ -39,8 +39,10 @@ def _register_targets():
     ext = runtime.extension()
     if ext is None:
         raise RuntimeError("jax_ep: the CUDA extension is not built")
-    for name, capsule in ext.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    # The call-site state type first: the stateful handlers name it.
+    jax.ffi.register_ffi_type(ext.site_state_type_name, ext.site_state_type(), platform="CUDA")
+    for name, handler in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, handler, platform="CUDA")
     _registered = True
 
 
@@ -123,29 +125,15 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure,
     if has_groups:
         kwargs["groups"] = table.reshape(-1)
         kwargs["group_size"] = np.int64(table.shape[1])
-        push = "buffer_bytes" in kwargs
-        slot = kwargs.pop("slot", None)  # given: a send / receive pair shares one slot
-        slot = runtime.next_slot(push=push) if slot is None else int(slot)
-        kwargs["slot"] = np.int64(slot)
+        # The call site's identity: its lease (slot, buffers) is taken when the executable is
+        # built. The halves of a split op pass the one they share.
+        site = kwargs.pop("site", None)
+        kwargs["site"] = np.int64(runtime.new_site() if site is None else int(site))
         kwargs["timeout_ns"] = np.int64(runtime.timeout_ns())
-        if push:
-            # One buffer per row layout of the slot (csrc/runtime/workspace.h): the send and
-            # receive halves of a split op name the same one.
-            kind = "dispatch" if "dispatch" in target else "combine"
-            layout = kind + ":" + ",".join(
-                f"{k}={int(kwargs[k])}" for k in ("buffer_bytes", "num_experts", "max_tokens",
-                                                  "num_topk", "hidden", "use_fp8")
-                if k in kwargs)
-            kwargs["bufs"] = np.asarray(
-                runtime.reserve_slot_buffers(table, slot, int(kwargs["buffer_bytes"]), layout),
-                dtype=np.int64)
-        elif target in ext.ht_staged_operands:
+        if "buffer_bytes" not in kwargs and target in ext.ht_staged_operands:
             # Per-process mode: peers read our operands from a symmetric staging buffer.
-            stage = [0]
-            if runtime.per_process():
-                stage = runtime.reserve_slot_buffers(
-                    table, slot, _stage_bytes(ext, target, ctx.avals_in))
-            kwargs["stage"] = np.asarray(stage, dtype=np.int64)
+            kwargs["stage_bytes"] = np.int64(
+                _stage_bytes(ext, target, ctx.avals_in) if runtime.per_process() else 0)
     name = target + "_vr" if vranks else target
     return jax.ffi.ffi_lowering(name, has_side_effect=not pure)(ctx, *args, **kwargs)
 
@@ -230,9 +218,9 @@ def call(target, args, out_types, *, axis_name=None, pure=False, **attrs):
     Calls are side-effecting (XLA never merges or drops them) unless `pure`: a computation
     without communication, which XLA may then remove when its result is unused.
 
-    With axis_name, the lowering adds groups / group_size / slot / timeout_ns (a `slot`
-    attribute given here is kept: the two halves of a split op share it) and, for push ops
-    (a `buffer_bytes` attribute), the receive buffers `bufs`.
+    With axis_name, the lowering adds groups / group_size / site / timeout_ns (a `site`
+    attribute given here is kept: the two halves of a split op share it) and, for the pull ops,
+    `stage_bytes`. Push ops carry `buffer_bytes`, the size of their call site's receive buffers.
     """
     args = varying(args, axis_name)
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))

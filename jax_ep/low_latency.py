@@ -365,14 +365,14 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
         return LowLatencyPending(_no_grad(lambda a, b: (a, b), "low_latency_dispatch_send")(
             x, idx), meta)
     _, attrs = _dispatch_cuda_args(cfg, idx.shape[1], x.shape[1])
-    slot = runtime.next_slot(push=True)
+    site = runtime.new_site()  # the halves share one call-site lease (slot and buffers)
 
     def send(a, b):
         return _ffi.call("jax_ep_ll_dispatch_send", [a, b], [((2,), jnp.int32)],
-                         axis_name=axis_name, slot=slot, **attrs)[0]
+                         axis_name=axis_name, site=site, **attrs)[0]
 
     stats = _no_grad(send, "low_latency_dispatch_send")(x, idx)
-    return LowLatencyPending((stats,), ("dispatch", cfg, tuple(x.shape), idx.shape[1], slot,
+    return LowLatencyPending((stats,), ("dispatch", cfg, tuple(x.shape), idx.shape[1], site,
                                         check))
 
 
@@ -381,7 +381,7 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyResult:
     if not isinstance(pending, LowLatencyPending) or pending.meta[0] != "dispatch":
         raise TypeError("pending: expected the result of jax_ep.low_latency_dispatch_send, got "
                         f"{type(pending).__name__}")
-    _, cfg, x_shape, K, slot, check = pending.meta
+    _, cfg, x_shape, K, site, check = pending.meta
     num_experts, M, use_fp8, round_scale, axis_name, backend = cfg
     if backend == "reference":
         rx, cnt, handle = _dispatch_core(*pending.arrays, cfg)
@@ -389,7 +389,7 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyResult:
         (stats,) = pending.arrays
         recv_types, attrs = _dispatch_cuda_args(cfg, K, x_shape[1])
         outs = _ffi.call("jax_ep_ll_dispatch_recv", [stats], recv_types, axis_name=axis_name,
-                         slot=slot, **attrs)
+                         site=site, **attrs)
         rx, cnt, handle = _dispatch_result(outs, stats, use_fp8)
     _check_invalid(handle, axis_name, check, "low_latency_dispatch_recv")
     return LowLatencyResult(rx, cnt, handle)
@@ -414,15 +414,15 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     R, _ = ref.axis_info(axis_name)
     K, H = idx.shape[1], y.shape[-1]
     attrs = _combine_attrs(cfg.num_experts, R, cfg.max_tokens, K, H)
-    slot = runtime.next_slot(push=True)
+    site = runtime.new_site()  # the halves share one call-site lease (slot and buffers)
 
     def send(yy, src, sl, cnt, rows, ii, ww):
         return _ffi.call("jax_ep_ll_combine_send", [yy, src, sl, cnt, rows, ii, ww],
-                         [((1,), jnp.int32)], axis_name=axis_name, slot=slot, **attrs)[0]
+                         [((1,), jnp.int32)], axis_name=axis_name, site=site, **attrs)[0]
 
     ticket = _no_grad(send, "low_latency_combine_send")(
         y, handle.recv_src, handle.recv_slot, handle.recv_count, handle.src_rows, idx, w)
-    return LowLatencyPending((ticket, idx, w), ("combine", cfg, tuple(y.shape), slot))
+    return LowLatencyPending((ticket, idx, w), ("combine", cfg, tuple(y.shape), site))
 
 
 def low_latency_combine_recv(pending: LowLatencyPending):
@@ -430,7 +430,7 @@ def low_latency_combine_recv(pending: LowLatencyPending):
     if not isinstance(pending, LowLatencyPending) or pending.meta[0] != "combine":
         raise TypeError("pending: expected the result of jax_ep.low_latency_combine_send, got "
                         f"{type(pending).__name__}")
-    _, cfg, y_shape, slot = pending.meta
+    _, cfg, y_shape, site = pending.meta
     num_experts, M, axis_name, backend = cfg
     if backend == "reference":
         y, idx, w, src, sl, cnt, rows = pending.arrays
@@ -441,5 +441,5 @@ def low_latency_combine_recv(pending: LowLatencyPending):
     H = y_shape[-1]
     attrs = _combine_attrs(num_experts, R, M, K, H)
     (out,) = _ffi.call("jax_ep_ll_combine_recv", [ticket, idx, w], [((T, H), jnp.bfloat16)],
-                       axis_name=axis_name, slot=slot, **attrs)
+                       axis_name=axis_name, site=site, **attrs)
     return out

@@ -2,9 +2,10 @@
 
 One process driving all GPUs of a node: each device gets a small workspace (flags and published
 addresses, see csrc/runtime/workspace.h) and peer access to the others. High-throughput kernels
-read their peers' XLA buffers directly (no data buffers). Low-latency kernels push into per-slot
-receive buffers, which the lowering reserves from the op's static shapes (reserve_slot_buffer)
-with the sizes the extension defines (jax_ep._C.ll_dispatch_buffer_bytes and friends).
+read their peers' XLA buffers directly (no data buffers). Low-latency kernels push into receive
+buffers of their call site, sized from the op's static shapes by the extension
+(jax_ep._C.ll_dispatch_buffer_bytes and friends). Each call site of a compiled program leases
+its workspace slot and buffers while the program lives (csrc/runtime/lease.h).
 
 One process per GPU (jax.distributed): the same kernels, with workspaces and buffers in the
 NVSHMEM symmetric heap and peers addressed through nvshmem_ptr (jax_ep/per_process.py,
@@ -26,8 +27,7 @@ _ext = None
 _ext_error: str | None = None
 _ext_loaded = False
 _warned = False
-_slot_counter = itertools.count()
-_push_slot_counter = itertools.count()
+_site_counter = itertools.count(1)
 _num_blocks: int | None = None
 
 
@@ -137,19 +137,12 @@ def check_enabled(check: bool | None) -> bool:
     return config.flag("JAX_EP_CHECK")
 
 
-def next_slot(push: bool = False) -> int:
-    """Workspace slot of a new call site (round robin over the pull or the push slots).
-
-    Pull ops (high-throughput) and push ops (low-latency) keep separate slot ranges: their
-    epoch counters advance differently, so one slot must never serve both kinds.
-    """
-    ext = extension()
-    if ext is None:        # no kernels: slots mean nothing (the extension owns their ranges)
-        return 0
-    n, first_push = ext.num_slots, ext.first_push_slot
-    if push:
-        return first_push + next(_push_slot_counter) % (n - first_push)
-    return next(_slot_counter) % first_push
+def new_site() -> int:
+    """A new call-site id: the key of the call site's lease (its workspace slot and buffers,
+    csrc/runtime/lease.h). Only an identity within this process: the slot itself is taken when
+    an executable holding the call site is built, and given back when it is destroyed."""
+    with _lock:
+        return next(_site_counter)
 
 
 def limits() -> dict:
@@ -176,29 +169,6 @@ def per_process() -> bool:
     import jax
 
     return jax.process_count() > 1
-
-
-def reserve_slot_buffers(groups, slot: int, nbytes: int, layout: str = "") -> list[int]:
-    """Data buffers (>= nbytes) of a slot for every EP group of the table.
-
-    Returns device addresses aligned with the flattened group table (what the `bufs` attribute
-    of the low-latency custom calls and the `stage` attribute of the high-throughput calls in
-    per-process mode carry). Per-process mode: symmetric memory, addresses as this process sees
-    its own group's members, 0 for other groups. layout: the row layout of the call site; in one
-    process every layout of a slot gets buffers of its own (csrc/runtime/workspace.h says why;
-    the per-process mode does not separate them yet).
-    """
-    ext = _load_extension()
-    if per_process():
-        with _lock:
-            return [int(p) for p in ext.sym_reserve([[int(v) for v in g] for g in groups],
-                                                    int(slot), int(nbytes))]
-    out = []
-    with _lock:
-        for g in groups:
-            out.extend(int(p) for p in ext.reserve_slot_buffer([int(v) for v in g], int(slot),
-                                                               int(nbytes), str(layout)))
-    return out
 
 
 def ensure_peer_runtime(devices, groups=None) -> None:
@@ -275,8 +245,9 @@ def runtime_info() -> dict:
             "peer_devices": list(ext.runtime_devices()),
             "ep_groups": int(ext.runtime_num_groups()),
             "workspace_bytes_per_device_per_group": int(ext.workspace_bytes()),
-            "ll_receive_buffer_bytes_per_device": {
-                int(d): int(ext.slot_buffer_bytes(int(d))) for d in ext.runtime_devices()},
+            "call_site_buffer_bytes_per_device": {
+                int(d): int(ext.lease_buffer_bytes(int(d))) for d in ext.runtime_devices()},
+            "call_site_leases": dict(ext.lease_stats()),
             "num_slots": int(ext.num_slots),
             "nvshmem_built": bool(ext.nvshmem_built()),
             "max_ranks": int(ext.max_ranks),

@@ -758,24 +758,3 @@ def test_virtual_ranks_that_cannot_be_resident():
         R))(x, idx)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                rtol=2e-2, atol=2e-2)
-
-
-def test_ll_call_sites_of_two_layouts_sharing_a_slot(monkeypatch):
-    """Every low-latency call site on one push slot (what the round robin gives the 65th call
-    site): programs of two row layouts alternate on it, and each must still read only rows of
-    its own call. A buffer shared by both layouts let stale payload bytes pass as row tags."""
-    from jax_ep import runtime
-    monkeypatch.setattr(runtime, "next_slot", lambda push=False: 64 if push else 0)
-    R, K = 4, 8
-    rng = np.random.default_rng(17)
-    progs = []
-    for T, M, H, E, fp8 in [(57, 64, 2048, 32, False), (100, 128, 7168, 64, True)]:
-        body = _ll_body(E, M, fp8, False)
-        progs.append((T, M, H, E, fp8, _ranks(body, R)))
-    for step in range(6):
-        T, M, H, E, fp8, f = progs[step % 2]
-        x = jnp.asarray(rng.standard_normal((R * T, H)) * 3, jnp.bfloat16)
-        idx = jnp.asarray(_routing("masked", rng, R, T, K, E))
-        w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
-        cu, rf = jax.device_get(f(x, idx, w))
-        _assert_ll_equal(cu, rf, x, T, M, fp8, False, R, E // R)

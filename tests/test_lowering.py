@@ -36,12 +36,7 @@ def cuda_lowering(monkeypatch):
             ll_dispatch_buffer_bytes = staticmethod(lambda R, M, K, H, L, fp8: 1 << 20)
             ll_combine_buffer_bytes = staticmethod(lambda R, M, K, H: 1 << 20)
             ht_staged_operands = {t: 1 for t in PULL_TARGETS}
-            num_slots, first_push_slot = 128, 64
         monkeypatch.setattr(jax_ep.runtime, "extension", lambda: SizesOnly)
-    # receive buffers of the push slots: fake addresses, one per device of the table
-    monkeypatch.setattr(jax_ep.runtime, "reserve_slot_buffers",
-                        lambda groups, slot, n, layout="": [4096 * (slot + 1) + i
-                                                 for i in range(np.size(groups))])
 
 
 def expected_groups(mesh, axis="ep"):
@@ -136,7 +131,7 @@ def test_cuda_lowering(cuda_lowering, meshes, mesh_name):
         assert t in targets, f"{t} not lowered; got {sorted(set(targets))}"
     want = expected_groups(mesh)
     R = mesh.shape["ep"]
-    slots = []
+    sites = []
     for target, a in calls:
         if not target.startswith("jax_ep_"):
             continue
@@ -152,34 +147,29 @@ def test_cuda_lowering(cuda_lowering, meshes, mesh_name):
         assert sorted(rows) == sorted(want), (target, rows, want)
         assert int_attr(a, "group_size") == R
         assert int_attr(a, "timeout_ns") > 0
-        slot = int_attr(a, "slot")
+        # No slot and no buffer addresses at lowering: the call site's lease holds them, taken
+        # when the executable is built (csrc/runtime/lease.h).
+        assert attr(a, "slot") is None and attr(a, "bufs") is None and attr(a, "stage") is None
+        site = int_attr(a, "site")
         if target in PULL_TARGETS:
             assert int_attr(a, "num_blocks") >= 1
-            assert 0 <= slot < 64, (target, slot)
             # one process: no staging buffers (the per-process mode stages operands)
-            m = re.search(r"stage = (?:dense<\[?([-\d, ]+)\]?>|array<i64: ([-\d, ]+)>)", a)
-            assert m and (m.group(1) or m.group(2)).strip() == "0", (target, a[:300])
-        else:  # push ops: a push slot and its receive buffer on every device of the table
-            assert 64 <= slot < 128, (target, slot)
-            m = re.search(r"bufs = (?:dense<\[?([-\d, ]+)\]?>|array<i64: ([-\d, ]+)>)", a)
-            assert m, a[:300]
-            bufs = [int(v) for v in (m.group(1) or m.group(2)).split(",")]
-            assert bufs == [4096 * (slot + 1) + i for i in range(len(flat))]
+            assert int_attr(a, "stage_bytes") == 0, (target, a[:300])
+        else:  # push ops: the size of their call site's receive buffers
             assert int_attr(a, "buffer_bytes") > 0
-        sig = re.sub(r"(slot = \d+ : i64|bufs = (dense|array)<[^>]*>)", "",
-                     re.sub(r"%[\w#]+", "%", a))
-        slots.append((target, sig, slot))
-    # Call sites get their own workspace slot. (JAX's lowering cache gives call sites with the
-    # same target, attributes and types one lowering, hence one slot; the slot's epoch protocol
-    # orders such calls, which run one after the other in the same order on every rank.)
-    # The two halves of a split op share one slot (its receive buffer); nothing else does.
+        sig = re.sub(r"site = \d+ : i64", "", re.sub(r"%[\w#]+", "%", a))
+        sites.append((target, sig, site))
+    # Call sites get their own site id, hence their own lease. (JAX's lowering cache gives call
+    # sites with the same target, attributes and types one lowering, hence one site; the slot's
+    # epoch protocol orders such calls, which run one after the other in the same order on
+    # every rank.) The two halves of a split op share one site; nothing else does.
     by_sig = {}
-    for target, sig, slot in slots:
-        by_sig.setdefault((target, sig), set()).add(slot)
+    for target, sig, site in sites:
+        by_sig.setdefault((target, sig), set()).add(site)
     assert all(len(v) == 1 for v in by_sig.values()), by_sig
-    slot_of = {t: next(iter(v)) for (t, _), v in by_sig.items()}
-    assert slot_of["jax_ep_ll_dispatch_send"] == slot_of["jax_ep_ll_dispatch_recv"]
-    assert slot_of["jax_ep_ll_combine_send"] == slot_of["jax_ep_ll_combine_recv"]
+    site_of = {t: next(iter(v)) for (t, _), v in by_sig.items()}
+    assert site_of["jax_ep_ll_dispatch_send"] == site_of["jax_ep_ll_dispatch_recv"]
+    assert site_of["jax_ep_ll_combine_send"] == site_of["jax_ep_ll_combine_recv"]
     distinct = [next(iter(v)) for (t, _), v in by_sig.items() if not t.endswith("_recv")]
     assert len(distinct) >= 9 and len(set(distinct)) == len(distinct), by_sig
 

@@ -12,6 +12,7 @@
 
 #include "ffi/group.h"
 #include "ffi/handlers.h"
+#include "ffi/site_state.h"
 #include "ffi/virtual_ranks.h"
 #include "kernels/high_throughput.cuh"
 #include "runtime/device.h"
@@ -29,7 +30,10 @@ namespace {
 
 constexpr int64_t kMaxInt = jax_ep::kInt32Max;
 
-ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks) {
+ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks,
+                         const jax_ep::SiteState* st) {
+  if (st == nullptr || st->lease == nullptr)
+    return ffi::Error::Internal(std::string(op) + ": no call-site state (instantiate stage)");
   if (timeout_ns <= 0) return jax_ep::op_error(op, "timeout_ns must be positive");
   if (num_blocks < 1 || num_blocks > jax_ep::kMaxNumBlocks)
     return jax_ep::op_error(op, "num_blocks must be in [1, " +
@@ -38,20 +42,21 @@ ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks)
   return ffi::Error::Success();
 }
 
-// Per-process mode (`stage` names a staging buffer per rank, aligned with `groups`): peers
+// Per-process mode (the call site's lease names a staging buffer per rank, aligned with
+// `groups`; its size is the `stage_bytes` attribute, kernels/ht_sizes.h): peers
 // cannot read this rank's XLA buffers, so copy the operands they read into this rank's
 // symmetric staging buffer, stream-ordered before the kernel, and point the kernel at the
 // staging buffers (PeerSlots::stage). Operand i sits at the sum of the 256-byte-aligned sizes
-// of operands 0..i-1 (kernels/ht_sizes.h, which also sizes the buffer). One-process mode passes
-// stage = [0]: nothing to do. Reuse is safe: the previous call on the slot ended with the end
-// barrier, after every peer finished reading. An entry with bit 0 set names a remote peer
+// of operands 0..i-1 (kernels/ht_sizes.h, which also sizes the buffer). One-process mode has
+// no staging buffers: nothing to do. Reuse is safe: the previous call on the slot ended with the
+// end barrier, after every peer finished reading. An entry with bit 0 set names a remote peer
 // (symmetric.h): its stage[] is this rank's mirror of that peer's staging buffer, which
 // run_pulled fills (nvshmem/remote.h). *staged: the staged bytes (the same on every rank).
 ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const int64_t> stage,
                           ffi::Span<const int64_t> groups, jax_ep::GroupInfo* gi,
                           std::initializer_list<std::pair<const void*, size_t>> operands,
                           size_t* staged) {
-  if (stage.size() == 1 && stage[0] == 0) return ffi::Error::Success();
+  if (stage.size() == 0) return ffi::Error::Success();
   uint8_t* bufs[jax_ep::kMaxRanks];
   if (ffi::Error err = jax_ep::decode_peer_row(op, "staging buffer", stage, groups, *gi, bufs);
       err.failure())
@@ -104,12 +109,12 @@ ffi::Error HtDispatchImpl(
     ffi::Result<ffi::Buffer<ffi::S32>> recv_src, ffi::Result<ffi::Buffer<ffi::S32>> send_rows,
     ffi::Result<ffi::Buffer<ffi::S32>> recv_tokens_per_expert,
     ffi::Result<ffi::Buffer<ffi::S32>> stats, ffi::Result<ffi::Buffer<ffi::S32>> scratch,
-    ffi::Span<const int64_t> groups, int64_t group_size, int64_t slot, int64_t timeout_ns,
-    int64_t num_blocks, int64_t num_experts, ffi::Span<const int64_t> stage) {
+    ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ns,
+    int64_t num_blocks, int64_t num_experts, int64_t stage_bytes, jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_dispatch";
-  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
   jax_ep::GroupInfo gi;
-  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, slot, &gi));
+  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
   const int64_t R = group_size;
   if (num_experts < R || num_experts % R != 0 || num_experts > kMaxInt)
     return ffi::Error::InvalidArgument(
@@ -169,7 +174,8 @@ ffi::Error HtDispatchImpl(
                                 std::to_string(plan.scratch_words) + " scratch words");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, &gi,
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, ffi::Span<const int64_t>(st->lease->bufs),
+                                        groups, &gi,
                                         {{x.untyped_data(), x.size_bytes()},
                                          {x_scales.untyped_data(), x_scales.size_bytes()},
                                          {topk_idx.untyped_data(), topk_idx.size_bytes()},
@@ -208,12 +214,12 @@ ffi::Error HtDispatchImpl(
 ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8> x,
                         ffi::Buffer<ffi::S32> recv_src, ffi::Buffer<ffi::S32> stats,
                         ffi::Result<ffi::Buffer<ffi::U8>> recv_x, ffi::Span<const int64_t> groups,
-                        int64_t group_size, int64_t slot, int64_t timeout_ns, int64_t num_blocks,
-                        ffi::Span<const int64_t> stage) {
+                        int64_t group_size, int64_t site, int64_t timeout_ns, int64_t num_blocks,
+                        int64_t stage_bytes, jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_gather";
-  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
   jax_ep::GroupInfo gi;
-  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, slot, &gi));
+  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
   const auto dx = x.dimensions();
   if (dx.size() != 2)
     return ffi::Error::InvalidArgument(std::string(op) + ": x must be [T, Hb] u8, got " +
@@ -230,8 +236,9 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, &gi,
-                                        {{x.untyped_data(), x.size_bytes()}}, &staged));
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, ffi::Span<const int64_t>(st->lease->bufs),
+                                        groups, &gi, {{x.untyped_data(), x.size_bytes()}},
+                                        &staged));
   GatherArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
@@ -250,12 +257,13 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
 // ------------------------------------------------------------------------------------------
 ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                          ffi::Buffer<ffi::S32> send_rows, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t slot,
-                         int64_t timeout_ns, int64_t num_blocks, ffi::Span<const int64_t> stage) {
+                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                         int64_t timeout_ns, int64_t num_blocks, int64_t stage_bytes,
+                         jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_combine";
-  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks));
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
   jax_ep::GroupInfo gi;
-  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, slot, &gi));
+  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
   DType dt;
   switch (y.element_type()) {
     case ffi::DataType::F32:
@@ -296,8 +304,9 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, stage, groups, &gi,
-                                        {{y.untyped_data(), y.size_bytes()}}, &staged));
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, ffi::Span<const int64_t>(st->lease->bufs),
+                                        groups, &gi, {{y.untyped_data(), y.size_bytes()}},
+                                        &staged));
   CombineArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
@@ -322,7 +331,7 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
 #define JAX_EP_HT_GROUP_ATTRS               \
   .Attr<ffi::Span<const int64_t>>("groups") \
       .Attr<int64_t>("group_size")          \
-      .Attr<int64_t>("slot")                \
+      .Attr<int64_t>("site")                \
       .Attr<int64_t>("timeout_ns")          \
       .Attr<int64_t>("num_blocks")
 
@@ -342,7 +351,8 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
       .Ret<ffi::Buffer<ffi::S32>>() /* stats [4] */                  \
       .Ret<ffi::Buffer<ffi::S32>>() /* scratch [ht_scratch_words] */ \
       JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("num_experts")             \
-      .Attr<ffi::Span<const int64_t>>("stage")
+      .Attr<int64_t>("stage_bytes")                                  \
+      .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DISPATCH);
 
 #define JAX_EP_BIND_HT_GATHER                            \
@@ -351,7 +361,8 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DIS
       .Arg<ffi::Buffer<ffi::S32>>() /* recv_src [C] */   \
       .Arg<ffi::Buffer<ffi::S32>>() /* stats [4] */      \
       .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */ \
-      JAX_EP_HT_GROUP_ATTRS.Attr<ffi::Span<const int64_t>>("stage")
+      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("stage_bytes") \
+      .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER);
 
 #define JAX_EP_BIND_HT_COMBINE                                      \
@@ -359,5 +370,6 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER)
       .Arg<ffi::AnyBuffer>()        /* y [C, H] f32 / bf16 / f16 */ \
       .Arg<ffi::Buffer<ffi::S32>>() /* send_rows [T, R] */          \
       .Ret<ffi::AnyBuffer>()        /* out [T, H], dtype of y */    \
-      JAX_EP_HT_GROUP_ATTRS.Attr<ffi::Span<const int64_t>>("stage")
+      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("stage_bytes")            \
+      .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE);

@@ -9,6 +9,7 @@
 
 #include "ffi/group.h"
 #include "ffi/handlers.h"
+#include "ffi/site_state.h"
 #include "ffi/virtual_ranks.h"
 #include "kernels/low_latency.cuh"
 #include "nvshmem/remote.h"
@@ -24,15 +25,15 @@ namespace {
 
 constexpr int64_t kIntMax = jax_ep::kInt32Max;
 
-// Attributes every LL op carries (the lowering adds the first five; see jax_ep/_ffi.py).
+// Attributes every LL op carries (the lowering adds the first four; see jax_ep/_ffi.py). The
+// call site's slot and receive buffers come from its lease (ffi/site_state.h).
 // prereduce and diag are settings fixed at lowering (jax_ep/config.py): prereduce=false makes
 // the combine send one bf16 row per (token, expert), no partial sums
 // (kernels/low_latency/combine.cu, "Combine"); diag=true makes the kernels record per-warp
 // timestamps (diag_max).
 struct LlAttrs {
   ffi::Span<const int64_t> groups;
-  int64_t group_size, slot, timeout_ns;
-  ffi::Span<const int64_t> bufs;  // receive buffer of this slot, per device of `groups`
+  int64_t group_size, site, timeout_ns;
   int64_t buffer_bytes, num_experts, max_tokens, num_topk, hidden;
   bool use_fp8, round_scale, prereduce, diag;
 };
@@ -40,9 +41,12 @@ struct LlAttrs {
 // The group of `device`, its receive buffers and the common shape checks. bufs[q]: where the
 // kernels write q's rows: q's buffer, or for a remote q (bit 0 of its entry, symmetric.h) this
 // rank's scratch image of it, which nvshmem/remote.h then puts. *own: this rank's buffer.
-ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::GroupInfo* gi,
-                   uint8_t** bufs, uint8_t** own, int64_t need_bytes) {
-  if (ffi::Error err = jax_ep::resolve_group(device, a.groups, a.group_size, a.slot, gi);
+ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, const jax_ep::SiteState* st,
+                   jax_ep::GroupInfo* gi, uint8_t** bufs, uint8_t** own, int64_t need_bytes) {
+  if (st == nullptr || st->lease == nullptr)
+    return ffi::Error::Internal(std::string(op) + ": no call-site state (instantiate stage)");
+  const jax_ep::Lease& lease = *st->lease;
+  if (ffi::Error err = jax_ep::resolve_group(device, a.groups, a.group_size, lease.slot, gi);
       err.failure())
     return err;
   auto bad = [op](const std::string& m) { return jax_ep::op_error(op, m); };
@@ -53,12 +57,13 @@ ffi::Error resolve(const char* op, int32_t device, const LlAttrs& a, jax_ep::Gro
   if (E / R > jax_ep::kMaxLocalExperts)
     return bad("experts per rank " + std::to_string(E / R) + " exceeds " +
                std::to_string(jax_ep::kMaxLocalExperts));
-  if (a.slot < jax_ep::kFirstPushSlot) return bad("slot is not a push slot");
-  if (need_bytes > a.buffer_bytes)
+  if (lease.slot < jax_ep::kFirstPushSlot) return bad("slot is not a push slot");
+  if (need_bytes > a.buffer_bytes || static_cast<size_t>(a.buffer_bytes) != lease.request.bytes)
     return bad("the receive buffer holds " + std::to_string(a.buffer_bytes) +
                " bytes, this call needs " + std::to_string(need_bytes) +
                " (a lowering bug: the buffer is sized from the same shapes)");
-  if (ffi::Error err = jax_ep::decode_peer_row(op, "receive buffer", a.bufs, a.groups, *gi, bufs);
+  if (ffi::Error err = jax_ep::decode_peer_row(
+          op, "receive buffer", ffi::Span<const int64_t>(lease.bufs), a.groups, *gi, bufs);
       err.failure())
     return err;
   *own = bufs[gi->peers.rank];
@@ -131,8 +136,9 @@ ffi::Error combine_with_remote(const char* op, const ll::CombineParams& p, int g
 // ------------------------------------------------------------------------------------------
 
 ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t device,
-                         const LlAttrs& a, const ffi::AnyBuffer* x, const ffi::AnyBuffer* idx,
-                         int32_t* stats, const int32_t* ticket, ffi::Result<ffi::AnyBuffer>* recv_x,
+                         const LlAttrs& a, const jax_ep::SiteState* st, const ffi::AnyBuffer* x,
+                         const ffi::AnyBuffer* idx, int32_t* stats, const int32_t* ticket,
+                         ffi::Result<ffi::AnyBuffer>* recv_x,
                          ffi::Result<ffi::AnyBuffer>* recv_scales,
                          ffi::Result<ffi::AnyBuffer>* recv_count,
                          ffi::Result<ffi::AnyBuffer>* recv_src,
@@ -178,7 +184,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
   jax_ep::GroupInfo gi;
   ll::DispatchParams p{};
   uint8_t* own = nullptr;
-  if (ffi::Error err = resolve(op, device, a, &gi, p.buf, &own,
+  if (ffi::Error err = resolve(op, device, a, st, &gi, p.buf, &own,
                                ll::dispatch_buffer_bytes(R, M, K, H, L, a.use_fp8));
       err.failure())
     return err;
@@ -219,40 +225,36 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
   return jax_ep::cuda_error(op);
 }
 
-ffi::Error LlDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer idx,
-                          ffi::Result<ffi::AnyBuffer> recv_x,
-                          ffi::Result<ffi::AnyBuffer> recv_scales,
-                          ffi::Result<ffi::AnyBuffer> recv_count,
-                          ffi::Result<ffi::AnyBuffer> recv_src,
-                          ffi::Result<ffi::AnyBuffer> recv_slot,
-                          ffi::Result<ffi::AnyBuffer> src_rows,
-                          ffi::Result<ffi::Buffer<ffi::S32>> stats, LlAttrs a) {
+ffi::Error LlDispatchImpl(
+    cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer idx,
+    ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+    ffi::Result<ffi::AnyBuffer> recv_count, ffi::Result<ffi::AnyBuffer> recv_src,
+    ffi::Result<ffi::AnyBuffer> recv_slot, ffi::Result<ffi::AnyBuffer> src_rows,
+    ffi::Result<ffi::Buffer<ffi::S32>> stats, LlAttrs a, jax_ep::SiteState* st) {
   if (stats->element_count() != 2) return ffi::Error::InvalidArgument("stats must be [2]");
-  return LlDispatchAny("jax_ep_ll_dispatch", push::kModeBoth, stream, device, a, &x, &idx,
+  return LlDispatchAny("jax_ep_ll_dispatch", push::kModeBoth, stream, device, a, st, &x, &idx,
                        stats->typed_data(), nullptr, &recv_x, &recv_scales, &recv_count, &recv_src,
                        &recv_slot, &src_rows);
 }
 
 ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                               ffi::AnyBuffer idx, ffi::Result<ffi::Buffer<ffi::S32>> stats,
-                              LlAttrs a) {
+                              LlAttrs a, jax_ep::SiteState* st) {
   if (stats->element_count() != 2) return ffi::Error::InvalidArgument("stats must be [2]");
-  return LlDispatchAny("jax_ep_ll_dispatch_send", push::kModeSend, stream, device, a, &x, &idx,
+  return LlDispatchAny("jax_ep_ll_dispatch_send", push::kModeSend, stream, device, a, st, &x, &idx,
                        stats->typed_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                        nullptr);
 }
 
-ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
-                              ffi::Result<ffi::AnyBuffer> recv_x,
-                              ffi::Result<ffi::AnyBuffer> recv_scales,
-                              ffi::Result<ffi::AnyBuffer> recv_count,
-                              ffi::Result<ffi::AnyBuffer> recv_src,
-                              ffi::Result<ffi::AnyBuffer> recv_slot,
-                              ffi::Result<ffi::AnyBuffer> src_rows, LlAttrs a) {
+ffi::Error LlDispatchRecvImpl(
+    cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket, ffi::Result<ffi::AnyBuffer> recv_x,
+    ffi::Result<ffi::AnyBuffer> recv_scales, ffi::Result<ffi::AnyBuffer> recv_count,
+    ffi::Result<ffi::AnyBuffer> recv_src, ffi::Result<ffi::AnyBuffer> recv_slot,
+    ffi::Result<ffi::AnyBuffer> src_rows, LlAttrs a, jax_ep::SiteState* st) {
   if (ticket.element_count() != 2 || ticket.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jax_ep_ll_dispatch_recv: ticket must be int32 [2]");
   // The send's stats: orders this op after the send, and carries the send's epoch.
-  return LlDispatchAny("jax_ep_ll_dispatch_recv", push::kModeRecv, stream, device, a, nullptr,
+  return LlDispatchAny("jax_ep_ll_dispatch_recv", push::kModeRecv, stream, device, a, st, nullptr,
                        nullptr, nullptr, static_cast<const int32_t*>(ticket.untyped_data()),
                        &recv_x, &recv_scales, &recv_count, &recv_src, &recv_slot, &src_rows);
 }
@@ -263,11 +265,11 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 // ------------------------------------------------------------------------------------------
 
 ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t device,
-                        const LlAttrs& a, const ffi::AnyBuffer* y, const ffi::AnyBuffer* src,
-                        const ffi::AnyBuffer* slot, const ffi::AnyBuffer* count,
-                        const ffi::AnyBuffer* rows, int32_t* ticket, const int32_t* ticket_in,
-                        const ffi::AnyBuffer* idx, const ffi::AnyBuffer* w,
-                        ffi::Result<ffi::AnyBuffer>* out) {
+                        const LlAttrs& a, const jax_ep::SiteState* st, const ffi::AnyBuffer* y,
+                        const ffi::AnyBuffer* src, const ffi::AnyBuffer* slot,
+                        const ffi::AnyBuffer* count, const ffi::AnyBuffer* rows, int32_t* ticket,
+                        const int32_t* ticket_in, const ffi::AnyBuffer* idx,
+                        const ffi::AnyBuffer* w, ffi::Result<ffi::AnyBuffer>* out) {
   auto bad = [op](const std::string& m) { return jax_ep::op_error(op, m); };
   const int64_t R = a.group_size, M = a.max_tokens, E = a.num_experts, L = E / R;
   const int64_t H = a.hidden, K = a.num_topk;
@@ -301,7 +303,7 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
   ll::CombineParams p{};
   uint8_t* own = nullptr;
   if (ffi::Error err =
-          resolve(op, device, a, &gi, p.buf, &own, ll::combine_buffer_bytes(R, M, K, H));
+          resolve(op, device, a, st, &gi, p.buf, &own, ll::combine_buffer_bytes(R, M, K, H));
       err.failure())
     return err;
   const int grid = ll::combine_grid_size(device);
@@ -338,26 +340,27 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
 ffi::Error LlCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, ffi::AnyBuffer src,
                          ffi::AnyBuffer slot, ffi::AnyBuffer count, ffi::AnyBuffer rows,
                          ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                         LlAttrs a) {
-  return LlCombineAny("jax_ep_ll_combine", push::kModeBoth, stream, device, a, &y, &src, &slot,
+                         LlAttrs a, jax_ep::SiteState* st) {
+  return LlCombineAny("jax_ep_ll_combine", push::kModeBoth, stream, device, a, st, &y, &src, &slot,
                       &count, &rows, nullptr, nullptr, &idx, &w, &out);
 }
 
 ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                              ffi::AnyBuffer src, ffi::AnyBuffer slot, ffi::AnyBuffer count,
                              ffi::AnyBuffer rows, ffi::AnyBuffer idx, ffi::AnyBuffer w,
-                             ffi::Result<ffi::Buffer<ffi::S32>> ticket, LlAttrs a) {
-  return LlCombineAny("jax_ep_ll_combine_send", push::kModeSend, stream, device, a, &y, &src, &slot,
-                      &count, &rows, ticket->typed_data(), nullptr, &idx, &w, nullptr);
+                             ffi::Result<ffi::Buffer<ffi::S32>> ticket, LlAttrs a,
+                             jax_ep::SiteState* st) {
+  return LlCombineAny("jax_ep_ll_combine_send", push::kModeSend, stream, device, a, st, &y, &src,
+                      &slot, &count, &rows, ticket->typed_data(), nullptr, &idx, &w, nullptr);
 }
 
 ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
                              ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                             LlAttrs a) {
+                             LlAttrs a, jax_ep::SiteState* st) {
   if (ticket.element_count() != 1 || ticket.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jax_ep_ll_combine_recv: ticket must be int32 [1]");
   // The send's ticket: orders this op after the send, and carries the send's epoch.
-  return LlCombineAny("jax_ep_ll_combine_recv", push::kModeRecv, stream, device, a, nullptr,
+  return LlCombineAny("jax_ep_ll_combine_recv", push::kModeRecv, stream, device, a, st, nullptr,
                       nullptr, nullptr, nullptr, nullptr, nullptr,
                       static_cast<const int32_t*>(ticket.untyped_data()), &idx, &w, &out);
 }
@@ -367,13 +370,12 @@ ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
 // Attribute decoding shared by the six handlers (a dictionary of exactly these names).
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     LlAttrs, ffi::StructMember<ffi::Span<const int64_t>>("groups"),
-    ffi::StructMember<int64_t>("group_size"), ffi::StructMember<int64_t>("slot"),
-    ffi::StructMember<int64_t>("timeout_ns"), ffi::StructMember<ffi::Span<const int64_t>>("bufs"),
-    ffi::StructMember<int64_t>("buffer_bytes"), ffi::StructMember<int64_t>("num_experts"),
-    ffi::StructMember<int64_t>("max_tokens"), ffi::StructMember<int64_t>("num_topk"),
-    ffi::StructMember<int64_t>("hidden"), ffi::StructMember<bool>("use_fp8"),
-    ffi::StructMember<bool>("round_scale"), ffi::StructMember<bool>("prereduce"),
-    ffi::StructMember<bool>("diag"));
+    ffi::StructMember<int64_t>("group_size"), ffi::StructMember<int64_t>("site"),
+    ffi::StructMember<int64_t>("timeout_ns"), ffi::StructMember<int64_t>("buffer_bytes"),
+    ffi::StructMember<int64_t>("num_experts"), ffi::StructMember<int64_t>("max_tokens"),
+    ffi::StructMember<int64_t>("num_topk"), ffi::StructMember<int64_t>("hidden"),
+    ffi::StructMember<bool>("use_fp8"), ffi::StructMember<bool>("round_scale"),
+    ffi::StructMember<bool>("prereduce"), ffi::StructMember<bool>("diag"));
 
 #define JAX_EP_LL_BIND \
   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
@@ -389,7 +391,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
       .Ret<ffi::AnyBuffer>()        /* recv_slot [L, R*M] */      \
       .Ret<ffi::AnyBuffer>()        /* src_rows [R*M, K] */       \
       .Ret<ffi::Buffer<ffi::S32>>() /* stats [2] */               \
-      .Attrs<LlAttrs>()
+      .Attrs<LlAttrs>()                                           \
+      .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatch, LlDispatchImpl, JAX_EP_BIND_LL_DISPATCH);
 
 #define JAX_EP_BIND_LL_DISPATCH_SEND                             \
@@ -397,7 +400,8 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatch, LlDispatchImpl, JAX_EP_BIND_LL_DIS
       .Arg<ffi::AnyBuffer>()        /* x */                      \
       .Arg<ffi::AnyBuffer>()        /* topk_idx */               \
       .Ret<ffi::Buffer<ffi::S32>>() /* stats [2] (the ticket) */ \
-      .Attrs<LlAttrs>()
+      .Attrs<LlAttrs>()                                          \
+      .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchSend, LlDispatchSendImpl, JAX_EP_BIND_LL_DISPATCH_SEND);
 
 #define JAX_EP_BIND_LL_DISPATCH_RECV           \
@@ -409,7 +413,8 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchSend, LlDispatchSendImpl, JAX_EP_BIN
       .Ret<ffi::AnyBuffer>() /* recv_src */    \
       .Ret<ffi::AnyBuffer>() /* recv_slot */   \
       .Ret<ffi::AnyBuffer>() /* src_rows */    \
-      .Attrs<LlAttrs>()
+      .Attrs<LlAttrs>()                        \
+      .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchRecv, LlDispatchRecvImpl, JAX_EP_BIND_LL_DISPATCH_RECV);
 
 #define JAX_EP_BIND_LL_COMBINE                             \
@@ -422,7 +427,8 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchRecv, LlDispatchRecvImpl, JAX_EP_BIN
       .Arg<ffi::AnyBuffer>() /* topk_idx [T, K] */         \
       .Arg<ffi::AnyBuffer>() /* topk_weights [T, K] f32 */ \
       .Ret<ffi::AnyBuffer>() /* out [T, H] bf16 */         \
-      .Attrs<LlAttrs>()
+      .Attrs<LlAttrs>()                                    \
+      .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombine, LlCombineImpl, JAX_EP_BIND_LL_COMBINE);
 
 #define JAX_EP_BIND_LL_COMBINE_SEND                    \
@@ -435,7 +441,8 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombine, LlCombineImpl, JAX_EP_BIND_LL_COMBI
       .Arg<ffi::AnyBuffer>()        /* topk_idx */     \
       .Arg<ffi::AnyBuffer>()        /* topk_weights */ \
       .Ret<ffi::Buffer<ffi::S32>>() /* ticket [1] */   \
-      .Attrs<LlAttrs>()
+      .Attrs<LlAttrs>()                                \
+      .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineSend, LlCombineSendImpl, JAX_EP_BIND_LL_COMBINE_SEND);
 
 #define JAX_EP_BIND_LL_COMBINE_RECV             \
@@ -444,5 +451,6 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineSend, LlCombineSendImpl, JAX_EP_BIND_
       .Arg<ffi::AnyBuffer>() /* topk_idx */     \
       .Arg<ffi::AnyBuffer>() /* topk_weights */ \
       .Ret<ffi::AnyBuffer>() /* out */          \
-      .Attrs<LlAttrs>()
+      .Attrs<LlAttrs>()                         \
+      .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineRecv, LlCombineRecvImpl, JAX_EP_BIND_LL_COMBINE_RECV);

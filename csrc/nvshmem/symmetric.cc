@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "nvshmem/glue.h"
+#include "runtime/device.h"
 
 namespace jax_ep {
 namespace sym {
@@ -23,6 +24,7 @@ uint8_t* g_arena = nullptr;
 size_t g_arena_bytes = 0;
 size_t g_used = 0;
 int g_pe = -1, g_npes = 0;
+int g_device = 0;  // this process's CUDA device (current at attach)
 // Some PE is not reachable by loads and stores (another node; or JAX_EP_FORCE_REMOTE_PEERS=1,
 // which treats every other PE so, to exercise the NVSHMEM path on one node). The same on every
 // PE of a job whose nodes are alike, so every PE makes the same allocations (see reserve).
@@ -104,6 +106,7 @@ void attach(size_t bytes) {
           "(XLA_PYTHON_CLIENT_MEM_FRACTION)";
     throw std::runtime_error(os.str());
   }
+  check(cudaGetDevice(&g_device), "cudaGetDevice");
   check(cudaMemset(p, 0, arena), "cudaMemset(symmetric arena)");
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   api.barrier_all();  // nobody writes into a peer's arena before that peer has zeroed it
@@ -183,6 +186,15 @@ std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& tab
     sb.images = std::max(sb.images, images);
     sb.local = take(sb.bytes * (1 + sb.images), "a slot's data buffer");
   }
+  // A new lease of the slot (runtime/lease.h): this process's copy starts zeroed, so no row tag
+  // of the previous holder's layout is read as one of the new layout's. The slot's epochs go on
+  // increasing, so whatever a peer still writes for the previous holder carries an older epoch.
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaError_t ze = cudaSetDevice(g_device);
+  if (ze == cudaSuccess) ze = zero_device_memory(sb.local, sb.bytes * (1 + sb.images));
+  cudaSetDevice(prev);
+  check(ze, "zeroing a slot's data buffer");
   std::vector<unsigned long long> out;
   for (const std::vector<int>& members : table) {
     bool mine = false;

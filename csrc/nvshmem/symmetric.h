@@ -1,6 +1,7 @@
 // Per-process mode (one JAX process per GPU): workspaces and data buffers live in one NVSHMEM
 // symmetric allocation (the arena) that every PE makes at attach time. Sub-allocations are
-// bump-allocated in the order the lowering asks for them; every process lowers the same programs
+// bump-allocated in the order the processes ask for them (workspaces as groups appear, slot
+// buffers as call sites lease slots, runtime/lease.h); every process compiles the same programs
 // in the same order (SPMD), so an offset names the same buffer on every PE. Peers reachable by
 // loads and stores (NVLink / P2P) are addressed through nvshmem_ptr; the kernels then use the
 // same code as in the one-process mode. The group table names PEs (process indices), not CUDA
@@ -40,8 +41,9 @@ void init_groups(const std::vector<std::vector<int>>& table);
 // *remote = true: rank r is not reachable by loads and stores (nvshmem/remote.h); null
 // otherwise: unknown group, err names the reason.
 Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote, std::string* err);
-// Symmetric buffer of call-site slot `slot`, at least `bytes`: the same offset on every PE (a
-// larger request allocates a new one; the old one stays, as executables may still name it).
+// Symmetric buffer of call-site slot `slot`, at least `bytes`, for a new lease of the slot
+// (runtime/lease.cc): the same offset on every PE (a larger request allocates a new one; the old
+// one stays, the arena never frees), this process's copy zeroed.
 // Returns, aligned with the flattened table, the addresses this process uses for each member
 // of its own group, and 0 for the members of other groups. A member without load/store access
 // gets instead this process's scratch image for it (the push ops' send area for that member,

@@ -10,20 +10,11 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
-#include <tuple>
 
 namespace jax_ep {
 namespace {
 std::mutex g_mu;
 std::map<std::vector<int>, std::map<int, Workspace*>> g_groups;
-struct SlotBuffer {
-  std::vector<unsigned long long> ptrs;  // per device of the group, group order
-  size_t bytes = 0;
-};
-// Keyed by (group, slot, layout): a buffer only ever holds rows of one layout (see
-// reserve_slot_buffer).
-std::map<std::tuple<std::vector<int>, int, std::string>, SlotBuffer> g_slot_buffers;
-std::map<int, size_t> g_buffer_bytes;  // per device, including superseded buffers
 
 void check(cudaError_t e, const char* what, int dev) {
   if (e != cudaSuccess) {
@@ -133,46 +124,6 @@ std::vector<unsigned long long> read_traces(const std::vector<int>& group, int d
   cudaSetDevice(prev);
   check(err, "read_traces (cudaSetDevice / cudaMemcpy)", device);
   return out;
-}
-
-std::vector<unsigned long long> reserve_slot_buffer(const std::vector<int>& group, int slot,
-                                                    size_t bytes, const std::string& layout) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  SlotBuffer& sb = g_slot_buffers[{group, slot, layout}];
-  if (sb.bytes >= bytes && sb.ptrs.size() == group.size()) return sb.ptrs;
-  // Superseded buffers are kept: a compiled executable (or CUDA graph) may still name them.
-  int prev = 0;
-  cudaGetDevice(&prev);
-  std::vector<unsigned long long> ptrs;
-  for (int id : group) {
-    const int d = id_device(id);
-    void* p = nullptr;
-    cudaError_t e = cudaSetDevice(d);
-    if (e == cudaSuccess) e = cudaMalloc(&p, bytes);
-    if (e == cudaSuccess) e = zero_device_memory(p, bytes);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      cudaSetDevice(prev);
-      std::ostringstream os;
-      os << "jax_ep: allocating the low-latency receive buffer of " << bytes << " bytes (slot "
-         << slot << ") on device " << d << " failed: " << cudaGetErrorString(e)
-         << ". It is sized from max_tokens_per_rank, the hidden size and top-k; leave that "
-            "much GPU memory outside JAX's pool (XLA_PYTHON_CLIENT_MEM_FRACTION).";
-      throw std::runtime_error(os.str());
-    }
-    ptrs.push_back(reinterpret_cast<unsigned long long>(p));
-    g_buffer_bytes[d] += bytes;
-  }
-  cudaSetDevice(prev);
-  sb.ptrs = ptrs;
-  sb.bytes = bytes;
-  return ptrs;
-}
-
-size_t slot_buffer_bytes(int device) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_buffer_bytes.find(device);
-  return it == g_buffer_bytes.end() ? 0 : it->second;
 }
 
 }  // namespace jax_ep

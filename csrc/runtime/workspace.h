@@ -2,7 +2,8 @@
 // read and write (peer access). It holds, per call-site slot, the addresses each op publishes
 // for its peers and the epoch flags that order the ranks. High-throughput data never goes
 // through it (peers read each other's XLA buffers: pull design). The low-latency ops push their
-// data into per-slot receive buffers (reserve_slot_buffer), sized from the static shapes.
+// data into receive buffers of their call site, sized from the static shapes. Slots and buffers
+// are leased to call sites while their executables live (runtime/lease.h).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -11,8 +12,8 @@
 namespace jax_ep {
 
 constexpr int kMaxRanks = 8;            // EP group size limit for the one-process (peer) transport
-constexpr int kNumSlots = 128;          // call-site slots; each op names one (attribute "slot")
-constexpr int kFirstPushSlot = 64;      // slots [0, 64): pull ops (HT); [64, 128): push ops (LL)
+constexpr int kNumSlots = 1024;         // call-site slots, leased to call sites (runtime/lease.h)
+constexpr int kFirstPushSlot = 256;     // slots [0, 256): pull ops (HT); [256, 1024): push (LL)
 constexpr int kMaxPtrs = 8;             // addresses one op can publish
 constexpr int kMaxLocalExperts = 1024;  // experts per rank of the low-latency ops
 constexpr int kMaxLayoutRanks = 64;     // layout kernel: a token's ranks are one 64-bit mask
@@ -71,20 +72,5 @@ int runtime_num_groups();
 // workspace on `device`, slot-major. Throws std::runtime_error when the group is unknown or a
 // CUDA call fails. Synchronous copies: call it after the ops have finished.
 std::vector<unsigned long long> read_traces(const std::vector<int>& group, int device);
-
-// Receive buffer of one push slot on every device of the group (in group order), at least
-// `bytes` each: allocated on first use, reallocated larger when a call site needs more (old
-// buffers stay allocated until exit, so executables compiled earlier keep valid addresses).
-// Returns the device addresses (UVA). Throws std::runtime_error naming the size on failure.
-//
-// `layout` names the row layout the call site writes (kind and shapes). Call sites of other
-// layouts that share the slot get buffers of their own: the row waits compare epoch tags, and a
-// buffer last written in another layout holds payload bytes where this layout reads its tags,
-// which can look like a newer epoch (rows read before they arrive). Within one layout every
-// stale tag is an older epoch of the slot.
-std::vector<unsigned long long> reserve_slot_buffer(const std::vector<int>& group, int slot,
-                                                    size_t bytes, const std::string& layout);
-// Total bytes of receive buffers allocated on one device (all groups and slots).
-size_t slot_buffer_bytes(int device);
 
 }  // namespace jax_ep
