@@ -230,10 +230,10 @@ def ll_suite(mesh, R, a, rows):
     hargs = jax.jit(jax.shard_map(disp, mesh=mesh, in_specs=spec, out_specs=spec,
                                   check_vma=False))(x, idx)
 
-    def handle(s, sl, c, rr):
-        return jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32), rr)
+    def handle(s, sl, c, rr, i):
+        return jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32), rr, i)
     t = timed_scan(mesh, lambda y, s, sl, c, rr, i, w: jax_ep.low_latency_combine(
-        y, i, w, handle(s, sl, c, rr), backend="cuda"), hargs + (idx, w), it, reps)
+        y, i, w, handle(s, sl, c, rr, i), backend="cuda"), hargs + (idx, w), it, reps)
     record("combine_bf16", "jax_ep", t, 2 * H)
     if a.ll_fused_only:
         return

@@ -167,7 +167,7 @@ def suite_ll(R, mesh, group, shard, rng, H, K, E, L, runs):
     y = jax.jit(lambda: jnp.ones((R * L, R * M, H), jnp.bfloat16), out_shardings=shard)()
     run_op("LL combine bf16 T=M=128 H=7168", mesh, group,
            lambda y, s, sl, c, rr, i, w: jax_ep.low_latency_combine(
-               y, i, w, jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32), rr),
+               y, i, w, jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32), rr, i),
                backend="cuda"),
            (y, *h, idxl, wl), runs)
 

@@ -30,6 +30,8 @@ class LowLatencyHandle(NamedTuple):
     src_rows: jax.Array     # [R*M, K] int32: for slot k of token t of rank s (row s*M + t), the
     #                         flat row l*R*M + j of recv_x holding it when slot k names local
     #                         expert l, else -1 (the combine pre-reduces with it)
+    topk_idx: Any = None    # [T, K] int32: this rank's dispatched expert ids; the combine reads
+    #                         the rows they name, and a slot whose topk_idx differs weighs 0
 
 
 class LowLatencyResult(NamedTuple):
@@ -115,17 +117,24 @@ def _dispatch_core(x, idx, cfg):
     return _dispatch_result(outs[:6], outs[6], use_fp8)
 
 
-def _combine_core(y, idx, w, handle_arrays, cfg):
+def _matching_weights(w, idx, didx):
+    """w where topk_idx names the dispatch's expert (didx), else 0: the rows the combine reads
+    are the dispatch's, and a slot the caller changed contributes nothing (docs/API.md)."""
+    return jnp.where(idx == didx, w, jnp.zeros_like(w))
+
+
+def _combine_core(y, idx, w, didx, handle_arrays, cfg):
     num_experts, M, axis_name, backend = cfg
     src, slot, cnt, rows = handle_arrays
     if backend == "reference":
-        return ref.ll_combine(y, idx, w, src, num_experts=num_experts, axis_name=axis_name)
+        return ref.ll_combine(y, didx, _matching_weights(w, idx, didx), src,
+                              num_experts=num_experts, axis_name=axis_name)
     R, _ = ref.axis_info(axis_name)
     T, K = idx.shape
     H = y.shape[-1]
     attrs = _combine_attrs(num_experts, R, M, K, H)
     (out,) = _ffi.call("jax_ep_ll_combine",
-                       [y, src, slot, cnt, rows, idx, w.astype(jnp.float32)],
+                       [y, src, slot, cnt, rows, idx, w.astype(jnp.float32), didx],
                        [((T, H), jnp.bfloat16)], axis_name=axis_name, **attrs)
     return out
 
@@ -149,7 +158,7 @@ def _dispatch_bwd(cfg, res, g):
     clean, _ = ref.sanitize(idx, cfg.num_experts)
     unit = ref.first_occurrence(clean).astype(jnp.float32)
     # the differentiable combine (not its core): the backward can itself be differentiated
-    dx = _combine_diff(g_rx.astype(jnp.bfloat16), unit, idx, *handle_arrays,
+    dx = _combine_diff(g_rx.astype(jnp.bfloat16), unit, idx, idx, *handle_arrays,
                        _CombineConfig(cfg.num_experts, cfg.max_tokens, cfg.axis_name,
                                       cfg.backend))
     return dx, None
@@ -169,22 +178,22 @@ def _dispatch_fp8_jvp(cfg, primals, tangents):
                     "no useful gradient); use use_fp8=False to differentiate in x")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _combine_diff(y, w, idx, src, slot, cnt, rows, cfg):
-    return _combine_core(y, idx, w, (src, slot, cnt, rows), cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _combine_diff(y, w, idx, didx, src, slot, cnt, rows, cfg):
+    return _combine_core(y, idx, w, didx, (src, slot, cnt, rows), cfg)
 
 
-def _combine_fwd(y, w, idx, src, slot, cnt, rows, cfg):
-    out = remat.named(_combine_diff(y, w, idx, src, slot, cnt, rows, cfg), remat.COMBINE)
-    return out, (y, w, idx, src)
+def _combine_fwd(y, w, idx, didx, src, slot, cnt, rows, cfg):
+    out = remat.named(_combine_diff(y, w, idx, didx, src, slot, cnt, rows, cfg), remat.COMBINE)
+    return out, (y, w, idx, didx, src)
 
 
 def _combine_bwd(cfg, res, g):
     """Pure-JAX collectives on the handle (both backends): decode rarely needs this path."""
-    y, w, idx, recv_src = res
-    dy, dw = ref.ll_combine_vjp(y, w, idx, recv_src, g, num_experts=cfg.num_experts,
-                                axis_name=cfg.axis_name)
-    return dy, dw, None, None, None, None, None
+    y, w, idx, didx, recv_src = res
+    dy, dw = ref.ll_combine_vjp(y, _matching_weights(w, idx, didx), didx, recv_src, g,
+                                num_experts=cfg.num_experts, axis_name=cfg.axis_name)
+    return dy, _matching_weights(dw, idx, didx), None, None, None, None, None, None
 
 
 _combine_diff.defvjp(_combine_fwd, _combine_bwd)
@@ -240,8 +249,32 @@ def _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend):
                          f"({RM}, {K}) for topk_idx of {K} slots (the dispatch's handle?)")
     if topk_idx.shape[0] > M:
         raise ValueError(f"topk_idx: T={topk_idx.shape[0]} is more than max_tokens_per_rank={M}")
+    if handle.topk_idx is None:
+        raise TypeError("handle: its topk_idx is None; pass the handle low_latency_dispatch "
+                        "returned (the combine reads the rows its topk_idx names)")
+    if tuple(handle.topk_idx.shape) != tuple(topk_idx.shape):
+        raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, but the dispatch's was "
+                         f"{tuple(handle.topk_idx.shape)} (the handle's topk_idx)")
     cfg = _CombineConfig(L * R, M, axis_name, be)
     return cfg, _checks.int32_ids(topk_idx, L * R)
+
+
+def _check_same_ids(idx, didx, num_experts, axis_name, check, what):
+    """check=True: raise when topk_idx names another expert than the dispatch in some slot."""
+    if not runtime.check_enabled(check):
+        return
+
+    def valid(v):
+        return (v >= 0) & (v < num_experts)
+
+    n = jnp.sum(((idx != didx) & (valid(idx) | valid(didx))).astype(jnp.int32))
+
+    def raise_if(n, total):
+        if int(total):
+            raise RuntimeError(f"jax_ep.{what}(check=True): {int(n)} slots of topk_idx on this "
+                               f"rank ({int(total)} over all shards) name another expert than "
+                               "the dispatch did; they contributed nothing")
+    jax.debug.callback(raise_if, n, _checks.sum_over_shards(n, axis_name))
 
 
 def _check_invalid(handle, axis_name, check, what):
@@ -288,6 +321,7 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
                              round_scale, backend)
     fn = _dispatch_fp8 if use_fp8 else _dispatch_diff
     rx, cnt, handle = fn(x, idx, cfg)
+    handle = handle._replace(topk_idx=idx)
     _check_invalid(handle, axis_name, check, "low_latency_dispatch")
     return LowLatencyResult(rx, cnt, handle)
 
@@ -313,7 +347,9 @@ def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, 
     # float32 weights, and y and w varying along the call's axes: a replicated (constant) w
     # then gets its cotangent summed over the shards (see high_throughput.dispatch).
     y, w = _ffi.varying([y, topk_weights.astype(jnp.float32), idx], axis_name)[:2]
-    return _combine_diff(y, w, idx, handle.recv_src, handle.recv_slot, handle.recv_count,
+    didx = handle.topk_idx
+    _check_same_ids(idx, didx, cfg.num_experts, axis_name, check, "low_latency_combine")
+    return _combine_diff(y, w, idx, didx, handle.recv_src, handle.recv_slot, handle.recv_count,
                          handle.src_rows, cfg)
 
 
@@ -372,7 +408,7 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
                          axis_name=axis_name, site=site, **attrs)[0]
 
     stats = _no_grad(send, "low_latency_dispatch_send")(x, idx)
-    return LowLatencyPending((stats,), ("dispatch", cfg, tuple(x.shape), idx.shape[1], site,
+    return LowLatencyPending((stats, idx), ("dispatch", cfg, tuple(x.shape), idx.shape[1], site,
                                         check))
 
 
@@ -385,12 +421,14 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyResult:
     num_experts, M, use_fp8, round_scale, axis_name, backend = cfg
     if backend == "reference":
         rx, cnt, handle = _dispatch_core(*pending.arrays, cfg)
+        idx = pending.arrays[1]
     else:
-        (stats,) = pending.arrays
+        stats, idx = pending.arrays
         recv_types, attrs = _dispatch_cuda_args(cfg, K, x_shape[1])
         outs = _ffi.call("jax_ep_ll_dispatch_recv", [stats], recv_types, axis_name=axis_name,
                          site=site, **attrs)
         rx, cnt, handle = _dispatch_result(outs, stats, use_fp8)
+    handle = handle._replace(topk_idx=idx)
     _check_invalid(handle, axis_name, check, "low_latency_dispatch_recv")
     return LowLatencyResult(rx, cnt, handle)
 
@@ -407,22 +445,24 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     """
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
     w = topk_weights.astype(jnp.float32)
+    didx = handle.topk_idx
     if cfg.backend == "reference":
         arrays = _no_grad(lambda *a: a, "low_latency_combine_send")(
-            y, idx, w, handle.recv_src, handle.recv_slot, handle.recv_count, handle.src_rows)
+            y, idx, w, didx, handle.recv_src, handle.recv_slot, handle.recv_count,
+            handle.src_rows)
         return LowLatencyPending(arrays, ("combine", cfg, tuple(y.shape), None))
     R, _ = ref.axis_info(axis_name)
     K, H = idx.shape[1], y.shape[-1]
     attrs = _combine_attrs(cfg.num_experts, R, cfg.max_tokens, K, H)
     site = runtime.new_site()  # the halves share one call-site lease (slot and buffers)
 
-    def send(yy, src, sl, cnt, rows, ii, ww):
-        return _ffi.call("jax_ep_ll_combine_send", [yy, src, sl, cnt, rows, ii, ww],
+    def send(yy, src, sl, cnt, rows, ii, ww, dd):
+        return _ffi.call("jax_ep_ll_combine_send", [yy, src, sl, cnt, rows, ii, ww, dd],
                          [((1,), jnp.int32)], axis_name=axis_name, site=site, **attrs)[0]
 
     ticket = _no_grad(send, "low_latency_combine_send")(
-        y, handle.recv_src, handle.recv_slot, handle.recv_count, handle.src_rows, idx, w)
-    return LowLatencyPending((ticket, idx, w), ("combine", cfg, tuple(y.shape), site))
+        y, handle.recv_src, handle.recv_slot, handle.recv_count, handle.src_rows, idx, w, didx)
+    return LowLatencyPending((ticket, idx, w, didx), ("combine", cfg, tuple(y.shape), site))
 
 
 def low_latency_combine_recv(pending: LowLatencyPending):
@@ -433,13 +473,13 @@ def low_latency_combine_recv(pending: LowLatencyPending):
     _, cfg, y_shape, site = pending.meta
     num_experts, M, axis_name, backend = cfg
     if backend == "reference":
-        y, idx, w, src, sl, cnt, rows = pending.arrays
-        return _combine_core(y, idx, w, (src, sl, cnt, rows), cfg)
-    ticket, idx, w = pending.arrays
+        y, idx, w, didx, src, sl, cnt, rows = pending.arrays
+        return _combine_core(y, idx, w, didx, (src, sl, cnt, rows), cfg)
+    ticket, idx, w, didx = pending.arrays
     R, _ = ref.axis_info(axis_name)
     T, K = idx.shape
     H = y_shape[-1]
     attrs = _combine_attrs(num_experts, R, M, K, H)
-    (out,) = _ffi.call("jax_ep_ll_combine_recv", [ticket, idx, w], [((T, H), jnp.bfloat16)],
+    (out,) = _ffi.call("jax_ep_ll_combine_recv", [ticket, idx, w, didx], [((T, H), jnp.bfloat16)],
                        axis_name=axis_name, site=site, **attrs)
     return out

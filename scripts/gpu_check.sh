@@ -4,8 +4,8 @@
 #                        [bench-quick] [bench-gemm] [bench-moe] [bench-modes] [probe]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
 #   moe: the MoE layer (moe_ffn) GPU suite; leases: the call-site lease suite
-#   (tests/test_gpu_leases.py); lease-mutations: that suite built with each planted lease bug
-#   (csrc/runtime/lease.cc, 5 and 6), each test in a process of its own (table: leases.log);
+#   (tests/test_gpu_leases.py); planted: builds with planted bugs 5 to 7 (csrc/transport/peer.cuh
+#   lists them), each against the tests that must catch it (PLANTED="M:TEST ..."; planted.log);
 #   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
 #   bug of csrc/transport/peer.cuh (MUTATIONS="1 2 3 4", MUTATION_K: the tests to run,
@@ -68,30 +68,38 @@ if has leases; then
      "$OLDPWD/tests/test_gpu_leases.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/lease_tests.log" \
      | tail -15) || rc=1
 fi
-if has lease-mutations; then
-  step "lease mutation check: each planted bug (csrc/runtime/lease.cc) must fail tests"
-  : > "$OUT/leases.log"
-  for m in ${LEASE_MUTATIONS:-5 6}; do
-    dst=/tmp/jax_ep_mutation$m; rm -rf "$dst"
-    if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install -v --no-build-isolation --no-deps \
-        --target "$dst" -C build-dir=/tmp/jax_ep_mutation_build$m \
-        -C cmake.define.JAX_EP_MUTATION=$m -C cmake.define.JAX_EP_WITH_GEMM=OFF \
-        . > "$OUT/build_mutation$m.log" 2>&1; then
-      echo "  mutation $m: BUILD FAILED" | tee -a "$OUT/leases.log"; rc=1; continue
-    fi
-    if ! (cd /tmp && PYTHONPATH="$dst" $PY -c "import sys; from jax_ep import _C
+if has planted; then
+  step "planted-bug check: each planted bug (lease.cc 5 and 6, combine.cu 7) must fail its tests"
+  # MUTATION:TEST pairs, each test in a process of its own (table: planted.log)
+  L=tests/test_gpu_leases.py
+  pairs="${PLANTED:-5:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
+    5:$L::test_dropped_programs_give_their_slots_and_memory_back
+    6:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
+    6:$L::test_dropped_programs_give_their_slots_and_memory_back
+    7:tests/test_gpu.py::test_ll_combine_never_reads_past_a_tampered_handle}"
+  : > "$OUT/planted.log"
+  built=" "
+  for pair in $pairs; do
+    m=${pair%%:*}; t=${pair#*:}
+    dst=/tmp/jax_ep_mutation$m
+    if [[ "$built" != *" $m "* ]]; then
+      built="$built$m "; rm -rf "$dst"
+      if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install -v --no-build-isolation --no-deps \
+          --target "$dst" -C build-dir=/tmp/jax_ep_mutation_build$m \
+          -C cmake.define.JAX_EP_MUTATION=$m -C cmake.define.JAX_EP_WITH_GEMM=OFF \
+          . > "$OUT/build_mutation$m.log" 2>&1; then
+        echo "  mutation $m: BUILD FAILED" | tee -a "$OUT/planted.log"; rc=1; continue
+      fi
+      if ! (cd /tmp && PYTHONPATH="$dst" $PY -c "import sys; from jax_ep import _C
 sys.exit(_C.planted_bug() != $m)"); then
-      echo "  mutation $m: the tests would not import the planted build"; rc=1; continue
+        echo "  mutation $m: the tests would not import the planted build"; rc=1; continue
+      fi
     fi
-    for t in test_130_low_latency_call_sites_and_two_high_throughput_in_one_program \
-             test_dropped_programs_give_their_slots_and_memory_back; do
-      (cd /tmp && PYTHONPATH="$dst" JAX_EP_TIMEOUT_S=5 timeout ${MUTATION_TIMEOUT:-200} $PY -m pytest \
-         -q -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu_leases.py::$t" \
-         > "$OUT/lease_mutation${m}_$t.log" 2>&1)
-      r=$?
-      if [ $r -eq 0 ]; then v="missed (passed)"; else v="caught (exit $r)"; fi
-      echo "  mutation $m, $t: $v" | tee -a "$OUT/leases.log"
-    done
+    (cd /tmp && PYTHONPATH="$dst" JAX_EP_TIMEOUT_S=5 timeout ${MUTATION_TIMEOUT:-200} $PY -m pytest \
+       -q -p no:cacheprovider -m gpu "$OLDPWD/$t" > "$OUT/planted_${m}_${t##*::}.log" 2>&1)
+    r=$?
+    if [ $r -eq 0 ]; then v="missed (passed)"; else v="caught (exit $r)"; fi
+    echo "  mutation $m, ${t##*::}: $v" | tee -a "$OUT/planted.log"
   done
 fi
 if has moe; then

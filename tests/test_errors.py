@@ -189,6 +189,10 @@ LL_COMBINE_BAD = [
     ((GOOD_Y, None, None, tuple), {}, TypeError, r"^handle\b.*LowLatencyHandle"),
     ((GOOD_Y, None, None, lambda h: h._replace(src_rows=h.src_rows[:, :1])), {}, ValueError,
      r"^handle\b.*src_rows.*\(32, 1\).*\(32, 2\)"),
+    ((GOOD_Y, None, None, lambda h: h._replace(topk_idx=None)), {}, TypeError,
+     r"^handle\b.*topk_idx is None"),
+    ((GOOD_Y, S((3, 2), i32), S((3, 2), f32)), {}, ValueError,
+     r"^topk_idx\b.*\(3, 2\).*dispatch's was \(4, 2\)"),
     ((GOOD_Y,), {"axis_name": "zz"}, ValueError, r"axis_name='zz'"),
     ((GOOD_Y,), {"backend": "?"}, ValueError, r"backend='\?'"),
 ]

@@ -758,3 +758,70 @@ def test_virtual_ranks_that_cannot_be_resident():
         R))(x, idx)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("R", [1, 4])
+@pytest.mark.parametrize("split", [False, True])
+def test_ll_combine_with_a_changed_topk_idx(R, split):
+    """A combine given a topk_idx that differs from the dispatch's (an extra valid slot where the
+    dispatch had -1, another expert, a dropped slot) reads the rows the dispatch sent and weighs
+    the changed slots 0, like the reference, instead of waiting for rows never sent."""
+    T, K, H, M, E = 40, 4, 512, 48, 4 * R
+    rng = np.random.default_rng(31)
+    x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
+    idx = np.asarray(_routing("masked", rng, R, T, K, E))
+    changed = idx.copy()
+    for t in range(R * T):
+        k = t % K
+        changed[t, k] = -1 if (idx[t, k] >= 0 and t % 3 == 0) else (idx[t, k] + 1 + t) % E
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+
+    def body(x, i, i2, w):
+        outs = []
+        for be in ("cuda", "reference"):
+            r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
+                                            use_fp8=False, backend=be)
+            outs.append(_ll_combine(r.recv_x, i2, w, r.handle, split and be == "cuda",
+                                    backend=be))
+        return outs
+
+    _poison()
+    cu, rf = jax.device_get(_ranks(body, R)(x, jnp.asarray(idx), jnp.asarray(changed), w))
+    np.testing.assert_allclose(np.asarray(cu, np.float32), np.asarray(rf, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+_TAMPERED_HANDLE = """
+import jax, jax.numpy as jnp, numpy as np, jax_ep
+R, T, K, H, M, E = 2, 16, 4, 256, 16, 8
+rng = np.random.default_rng(3)
+x = jnp.asarray(rng.standard_normal((R, T, H)), jnp.bfloat16)
+idx = jnp.asarray(np.stack([np.stack([rng.permutation(E)[:K] for _ in range(T)])
+                            for _ in range(R)]).astype(np.int32))
+w = jnp.ones((R, T, K), jnp.float32)
+
+def body(x, i, w):
+    r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=False,
+                                    backend="cuda")
+    h = r.handle._replace(src_rows=jnp.full_like(r.handle.src_rows, 2**30))
+    return jax_ep.low_latency_combine(r.recv_x, i, w, h, backend="cuda")
+
+jax.block_until_ready(jax_ep.testing.run_ranks(body, R)(x, idx, w))
+"""
+
+
+def test_ll_combine_never_reads_past_a_tampered_handle():
+    """A handle whose src_rows name rows far past y: the combine send skips them (its peers then
+    wait for those rows until the timeout, in a process of its own), and never reads outside y,
+    which would end in an illegal memory access instead."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_EP_TIMEOUT_S="3", JAX_EP_VIRTUAL_RANKS="1")
+    p = subprocess.run([sys.executable, "-c", _TAMPERED_HANDLE], env=env, capture_output=True,
+                       text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-2000:]
+    assert "illegal memory access" not in out, out[-3000:]
+    assert "timed out" in out, out[-3000:]

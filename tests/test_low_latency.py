@@ -246,3 +246,54 @@ def test_int64_topk_idx(mesh2):
         res, out = to_np(fn(stack(xs), stack(idxs), stack(ws), stack(ys)))
     check_ll(mesh2, xs, idxs, ws, ys, res, out, M, False)
     np.testing.assert_array_equal(res.handle.num_invalid, [2, 2])
+
+
+def _changed_ids(idx, E, rng):
+    """idx with, per token, one slot changed: an unused slot given an expert (an extra slot), a
+    used one given another expert, or a used one set to -1."""
+    out = idx.copy()
+    for t in range(idx.shape[0]):
+        k = int(rng.integers(idx.shape[1]))
+        out[t, k] = -1 if (idx[t, k] >= 0 and t % 3 == 0) else (idx[t, k] + 1 + t) % E
+    return out
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_combine_with_changed_topk_idx(mesh4, split):
+    """The combine reads the rows the dispatch sent (the handle's topk_idx); a slot whose
+    topk_idx names another expert contributes nothing, on both backends; check=True raises."""
+    T, K, H, M = 6, 3, 32, 8
+    rng = np.random.default_rng(21)
+    xs, idxs, ws, _ = make_inputs(rng, mesh4, T, K, H, M, "masked")
+    changed = [_changed_ids(i, E, rng) for i in idxs]
+
+    def per_shard(x, i, i2, w):
+        r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
+                                        use_fp8=False, backend=BACKEND)
+        if split:
+            got = jax_ep.low_latency_combine_recv(jax_ep.low_latency_combine_send(
+                r.recv_x, i2, w, r.handle, backend=BACKEND))
+        else:
+            got = jax_ep.low_latency_combine(r.recv_x, i2, w, r.handle, backend=BACKEND)
+        want = jax_ep.low_latency_combine(r.recv_x, i, jnp.where(i2 == i, w, 0.0), r.handle,
+                                          backend=BACKEND)
+        return got, want
+
+    got, want = smap(mesh4, per_shard)(stack(xs), stack(idxs), stack(changed), stack(ws))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert any((c != i).any() for c, i in zip(changed, idxs))
+
+    def checked(x, i, i2, w):
+        r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M,
+                                        use_fp8=False, backend=BACKEND)
+        return jax_ep.low_latency_combine(r.recv_x, i2, w, r.handle, backend=BACKEND,
+                                          check=True)
+
+    with pytest.raises(Exception, match="name another expert than the dispatch did"):
+        jax.block_until_ready(
+            smap(mesh4, checked)(stack(xs), stack(idxs), stack(changed), stack(ws)))
+    same = smap(mesh4, checked)(stack(xs), stack(idxs), stack(idxs), stack(ws))
+    np.testing.assert_array_equal(np.asarray(same, np.float32),
+                                  np.asarray(smap(mesh4, per_shard)(
+                                      stack(xs), stack(idxs), stack(idxs), stack(ws))[0],
+                                      np.float32))

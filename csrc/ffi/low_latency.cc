@@ -269,7 +269,8 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
                         const ffi::AnyBuffer* src, const ffi::AnyBuffer* slot,
                         const ffi::AnyBuffer* count, const ffi::AnyBuffer* rows, int32_t* ticket,
                         const int32_t* ticket_in, const ffi::AnyBuffer* idx,
-                        const ffi::AnyBuffer* w, ffi::Result<ffi::AnyBuffer>* out) {
+                        const ffi::AnyBuffer* w, const ffi::AnyBuffer* didx,
+                        ffi::Result<ffi::AnyBuffer>* out) {
   auto bad = [op](const std::string& m) { return jax_ep::op_error(op, m); };
   const int64_t R = a.group_size, M = a.max_tokens, E = a.num_experts, L = E / R;
   const int64_t H = a.hidden, K = a.num_topk;
@@ -293,6 +294,9 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
     if (idx->element_type() != ffi::DataType::S32) return bad("topk_idx must be int32");
     if (w->element_type() != ffi::DataType::F32 || !dims_are(w->dimensions(), {T, K}))
       return bad("topk_weights must be float32 [T, K], got " + dims_str(w->dimensions()));
+    if (didx->element_type() != ffi::DataType::S32 || !dims_are(didx->dimensions(), {T, K}))
+      return bad("the handle's topk_idx must be int32 [T, K] like topk_idx, got " +
+                 dims_str(didx->dimensions()));
     if ((mode & push::kModeRecv) && !dims_are((*out)->dimensions(), {T, H}))
       return bad("out must be [T, H], got " + dims_str((*out)->dimensions()));
   }
@@ -321,6 +325,7 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
   if (mode == push::kModeRecv) p.ticket_in = ticket_in;
   p.topk_idx = static_cast<const int32_t*>(idx->untyped_data());
   p.topk_weights = static_cast<const float*>(w->untyped_data());
+  p.dispatch_idx = static_cast<const int32_t*>(didx->untyped_data());
   if (mode & push::kModeRecv) p.out = (*out)->untyped_data();
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
@@ -339,30 +344,31 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
 
 ffi::Error LlCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, ffi::AnyBuffer src,
                          ffi::AnyBuffer slot, ffi::AnyBuffer count, ffi::AnyBuffer rows,
-                         ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                         LlAttrs a, jax_ep::SiteState* st) {
+                         ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::AnyBuffer didx,
+                         ffi::Result<ffi::AnyBuffer> out, LlAttrs a, jax_ep::SiteState* st) {
   return LlCombineAny("jax_ep_ll_combine", push::kModeBoth, stream, device, a, st, &y, &src, &slot,
-                      &count, &rows, nullptr, nullptr, &idx, &w, &out);
+                      &count, &rows, nullptr, nullptr, &idx, &w, &didx, &out);
 }
 
 ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                              ffi::AnyBuffer src, ffi::AnyBuffer slot, ffi::AnyBuffer count,
                              ffi::AnyBuffer rows, ffi::AnyBuffer idx, ffi::AnyBuffer w,
-                             ffi::Result<ffi::Buffer<ffi::S32>> ticket, LlAttrs a,
-                             jax_ep::SiteState* st) {
+                             ffi::AnyBuffer didx, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
+                             LlAttrs a, jax_ep::SiteState* st) {
   return LlCombineAny("jax_ep_ll_combine_send", push::kModeSend, stream, device, a, st, &y, &src,
-                      &slot, &count, &rows, ticket->typed_data(), nullptr, &idx, &w, nullptr);
+                      &slot, &count, &rows, ticket->typed_data(), nullptr, &idx, &w, &didx,
+                      nullptr);
 }
 
 ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer ticket,
-                             ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                             LlAttrs a, jax_ep::SiteState* st) {
+                             ffi::AnyBuffer idx, ffi::AnyBuffer w, ffi::AnyBuffer didx,
+                             ffi::Result<ffi::AnyBuffer> out, LlAttrs a, jax_ep::SiteState* st) {
   if (ticket.element_count() != 1 || ticket.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jax_ep_ll_combine_recv: ticket must be int32 [1]");
   // The send's ticket: orders this op after the send, and carries the send's epoch.
   return LlCombineAny("jax_ep_ll_combine_recv", push::kModeRecv, stream, device, a, st, nullptr,
                       nullptr, nullptr, nullptr, nullptr, nullptr,
-                      static_cast<const int32_t*>(ticket.untyped_data()), &idx, &w, &out);
+                      static_cast<const int32_t*>(ticket.untyped_data()), &idx, &w, &didx, &out);
 }
 
 }  // namespace
@@ -417,40 +423,43 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchSend, LlDispatchSendImpl, JAX_EP_BIN
       .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchRecv, LlDispatchRecvImpl, JAX_EP_BIND_LL_DISPATCH_RECV);
 
-#define JAX_EP_BIND_LL_COMBINE                             \
-  JAX_EP_LL_BIND                                           \
-      .Arg<ffi::AnyBuffer>() /* y [L, R*M, H] bf16 */      \
-      .Arg<ffi::AnyBuffer>() /* recv_src [L, R*M] */       \
-      .Arg<ffi::AnyBuffer>() /* recv_slot [L, R*M] */      \
-      .Arg<ffi::AnyBuffer>() /* recv_count [L] */          \
-      .Arg<ffi::AnyBuffer>() /* src_rows [R*M, K] */       \
-      .Arg<ffi::AnyBuffer>() /* topk_idx [T, K] */         \
-      .Arg<ffi::AnyBuffer>() /* topk_weights [T, K] f32 */ \
-      .Ret<ffi::AnyBuffer>() /* out [T, H] bf16 */         \
-      .Attrs<LlAttrs>()                                    \
+#define JAX_EP_BIND_LL_COMBINE                                  \
+  JAX_EP_LL_BIND                                                \
+      .Arg<ffi::AnyBuffer>() /* y [L, R*M, H] bf16 */           \
+      .Arg<ffi::AnyBuffer>() /* recv_src [L, R*M] */            \
+      .Arg<ffi::AnyBuffer>() /* recv_slot [L, R*M] */           \
+      .Arg<ffi::AnyBuffer>() /* recv_count [L] */               \
+      .Arg<ffi::AnyBuffer>() /* src_rows [R*M, K] */            \
+      .Arg<ffi::AnyBuffer>() /* topk_idx [T, K] */              \
+      .Arg<ffi::AnyBuffer>() /* topk_weights [T, K] f32 */      \
+      .Arg<ffi::AnyBuffer>() /* the handle's topk_idx [T, K] */ \
+      .Ret<ffi::AnyBuffer>() /* out [T, H] bf16 */              \
+      .Attrs<LlAttrs>()                                         \
       .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombine, LlCombineImpl, JAX_EP_BIND_LL_COMBINE);
 
-#define JAX_EP_BIND_LL_COMBINE_SEND                    \
-  JAX_EP_LL_BIND                                       \
-      .Arg<ffi::AnyBuffer>()        /* y */            \
-      .Arg<ffi::AnyBuffer>()        /* recv_src */     \
-      .Arg<ffi::AnyBuffer>()        /* recv_slot */    \
-      .Arg<ffi::AnyBuffer>()        /* recv_count */   \
-      .Arg<ffi::AnyBuffer>()        /* src_rows */     \
-      .Arg<ffi::AnyBuffer>()        /* topk_idx */     \
-      .Arg<ffi::AnyBuffer>()        /* topk_weights */ \
-      .Ret<ffi::Buffer<ffi::S32>>() /* ticket [1] */   \
-      .Attrs<LlAttrs>()                                \
+#define JAX_EP_BIND_LL_COMBINE_SEND                             \
+  JAX_EP_LL_BIND                                                \
+      .Arg<ffi::AnyBuffer>()        /* y */                     \
+      .Arg<ffi::AnyBuffer>()        /* recv_src */              \
+      .Arg<ffi::AnyBuffer>()        /* recv_slot */             \
+      .Arg<ffi::AnyBuffer>()        /* recv_count */            \
+      .Arg<ffi::AnyBuffer>()        /* src_rows */              \
+      .Arg<ffi::AnyBuffer>()        /* topk_idx */              \
+      .Arg<ffi::AnyBuffer>()        /* topk_weights */          \
+      .Arg<ffi::AnyBuffer>()        /* the handle's topk_idx */ \
+      .Ret<ffi::Buffer<ffi::S32>>() /* ticket [1] */            \
+      .Attrs<LlAttrs>()                                         \
       .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineSend, LlCombineSendImpl, JAX_EP_BIND_LL_COMBINE_SEND);
 
-#define JAX_EP_BIND_LL_COMBINE_RECV             \
-  JAX_EP_LL_BIND                                \
-      .Arg<ffi::AnyBuffer>() /* ticket [1] */   \
-      .Arg<ffi::AnyBuffer>() /* topk_idx */     \
-      .Arg<ffi::AnyBuffer>() /* topk_weights */ \
-      .Ret<ffi::AnyBuffer>() /* out */          \
-      .Attrs<LlAttrs>()                         \
+#define JAX_EP_BIND_LL_COMBINE_RECV                      \
+  JAX_EP_LL_BIND                                         \
+      .Arg<ffi::AnyBuffer>() /* ticket [1] */            \
+      .Arg<ffi::AnyBuffer>() /* topk_idx */              \
+      .Arg<ffi::AnyBuffer>() /* topk_weights */          \
+      .Arg<ffi::AnyBuffer>() /* the handle's topk_idx */ \
+      .Ret<ffi::AnyBuffer>() /* out */                   \
+      .Attrs<LlAttrs>()                                  \
       .Ctx<ffi::State<jax_ep::SiteState>>()
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineRecv, LlCombineRecvImpl, JAX_EP_BIND_LL_COMBINE_RECV);

@@ -92,9 +92,13 @@ struct CombineParams {
   const int32_t* recv_count;  // [L]
   const int32_t* src_rows;    // [R*M, K] (DispatchParams::src_rows)
   int32_t* ticket;            // [1] or null: the send op's result (its epoch), for the receive
-  // both sides: the send writes the weights to the expert ranks, the receive reduces with them
-  const int32_t* topk_idx;    // [T, K]
-  const float* topk_weights;  // [T, K]
+  // both sides: the send writes the weights to the expert ranks, the receive reduces with them.
+  // The rows read are the dispatch's (dispatch_idx, the handle's ids); a slot whose topk_idx
+  // differs from it weighs 0 (combine_weight), so a changed topk_idx never waits for a row
+  // that was not sent.
+  const int32_t* topk_idx;      // [T, K]
+  const float* topk_weights;    // [T, K]
+  const int32_t* dispatch_idx;  // [T, K]
   // receive side (source rank)
   const int32_t* ticket_in;  // receive-only kernel: the send's ticket; else null
   void* out;                 // [T, H] bf16

@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   for (int pass = 0; pass < 2; ++pass) {  // rows, then tags
     for (int l = 0; l < L; ++l) {
-      const int n = recv_count[l];
+      const int n = min(max(recv_count[l], 0), static_cast<int>(RM));  // a handle's count
       for (int j = warp; j < n; j += kThreads / 32) {
         const int src = recv_src[(int64_t)l * RM + j];
         const int k = recv_slot[(int64_t)l * RM + j];

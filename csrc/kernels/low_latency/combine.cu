@@ -27,8 +27,8 @@ namespace {
 //     next 8 in row (t, b), 1 byte per column). At R = 4 with top-8 of 128 experts this sends
 //     39% fewer remote bytes than one bf16 row per expert; the partial's relative rounding
 //     (2^-16) is 1/256 of the output's bf16 rounding.
-// The source decides the same from its topk_idx; it adds w * row for the rows and the partials
-// as they are, in k order (the partial at slot a).
+// The source decides the same from the dispatch's ids (dispatch_idx); it adds w * row for the
+// rows and the partials as they are, in k order (the partial at slot a).
 
 // One lane: wait until *tag is not older than e32; trap after the timeout (what / t / k say
 // which wait: the first thread to time out reports). The poll loop is out of line: the callers
@@ -42,7 +42,7 @@ __device__ __noinline__ void wait_tag_slow(const CombineParams& p, const int* ta
       printf(
           "jax_ep: rank %d timed out after %lld s in phase 'll_combine: %s' (token %d, slot "
           "%d, epoch %u, tag %d). A peer did not send it: check that every rank runs the "
-          "same program and that combine gets the dispatch's topk_idx and handle "
+          "same program and that combine gets the dispatch's handle "
           "(JAX_EP_TIMEOUT_S sets the limit).\n",
           p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), what, t, k, e32,
           ld_acquire_sys_s32(tag));
@@ -55,18 +55,19 @@ __device__ __forceinline__ void wait_tag(const CombineParams& p, const int* tag,
   if (tag_older(ld_acquire_sys_s32(tag), e32)) wait_tag_slow(p, tag, e32, what, t, k);
 }
 
+// Weight of slot i = t * K + k: the caller's, where its topk_idx names the dispatch's expert,
+// else 0 (a slot the caller changed contributes nothing; docs/API.md).
+__device__ __forceinline__ float combine_weight(const CombineParams& p, int64_t i) {
+  return __ldg(p.topk_idx + i) == __ldg(p.dispatch_idx + i) ? __ldg(p.topk_weights + i) : 0.f;
+}
+
 // Send side, source role (one warp per expert rank q, at the start): our weights into q's buffer,
 // then their flag (the warp barrier orders every lane's stores before lane 0's release store).
 __device__ __forceinline__ void combine_send_weights(const CombineParams& p, int q, int par,
                                                      unsigned long long es, int lane) {
   float* dst = combine_weights(p.buf[q], p, par, p.ps.rank);
   const int n = p.T * p.K;
-  if ((n & 3) == 0 &&
-      ((reinterpret_cast<uintptr_t>(p.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0)
-    for (int i = lane; i < n / 4; i += 32)
-      reinterpret_cast<uint4*>(dst)[i] = __ldg(reinterpret_cast<const uint4*>(p.topk_weights) + i);
-  else
-    for (int i = lane; i < n; i += 32) dst[i] = __ldg(p.topk_weights + i);
+  for (int i = lane; i < n; i += 32) dst[i] = combine_weight(p, i);
   __syncwarp();
   if (lane == 0)
     st_release_sys_s32(combine_wflag(p.buf[q], p, par, p.ps.rank), static_cast<int>(es));
@@ -137,9 +138,12 @@ __device__ __noinline__ void combine_send_item(const CombineParams& p, int s, in
   const uint8_t* y = static_cast<const uint8_t*>(p.y);
   const int64_t rb = 2LL * p.H;  // stride of y's rows
   uint8_t* dbuf = p.buf[s];
+  // A row of y outside [0, L * R * M) (a handle not made by this dispatch) counts as no row.
+  const int nrows = p.L * p.ps.num_ranks * p.M;
   for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32 (partials need K <= 32)
     const int k = kb + lane;
-    const int rr = k < p.K ? __ldg(rows + k) : -1;
+    int rr = k < p.K ? __ldg(rows + k) : -1;
+    if (rr >= nrows && JAX_EP_MUTATION != 7) rr = -1;  // 7: the planted bug of this bound
     const unsigned has = __ballot_sync(kFull, rr >= 0);
     if (has == 0) continue;
     const unsigned rest = has & (has - 1);
@@ -226,9 +230,9 @@ struct SlotInfo {
 
 // Whole warp (K <= 32): lane k's SlotInfo for token t; see "Combine" above for the partials.
 __device__ __forceinline__ SlotInfo slot_regs(const CombineParams& p, int t, int lane) {
-  const int v = lane < p.K ? __ldg(p.topk_idx + (int64_t)t * p.K + lane) : -1;
+  const int v = lane < p.K ? __ldg(p.dispatch_idx + (int64_t)t * p.K + lane) : -1;
   const bool valid = v >= 0 && v < p.E;
-  const float w = valid ? __ldg(p.topk_weights + (int64_t)t * p.K + lane) : 0.f;
+  const float w = valid ? combine_weight(p, (int64_t)t * p.K + lane) : 0.f;
   const unsigned same_e = __match_any_sync(kFull, valid ? v : -1);
   const int q = valid ? v / p.L : -1;
   const unsigned same_q = __match_any_sync(kFull, q);
@@ -244,7 +248,7 @@ __device__ __forceinline__ SlotInfo slot_regs(const CombineParams& p, int t, int
 __device__ __forceinline__ SlotInfo slot_info(const CombineParams& p, int t, int k,
                                               const SlotInfo& g) {
   if (p.K <= 32) return SlotInfo{__shfl_sync(kFull, g.code, k), __shfl_sync(kFull, g.w, k)};
-  const int32_t* ids = p.topk_idx + (int64_t)t * p.K;
+  const int32_t* ids = p.dispatch_idx + (int64_t)t * p.K;
   const int v = __ldg(ids + k);
   const bool valid = v >= 0 && v < p.E;
   int kf = k;
@@ -255,7 +259,7 @@ __device__ __forceinline__ SlotInfo slot_info(const CombineParams& p, int t, int
         break;
       }
   return SlotInfo::make(valid, false, kf, -1,
-                        valid ? __ldg(p.topk_weights + (int64_t)t * p.K + k) : 0.f);
+                        valid ? combine_weight(p, (int64_t)t * p.K + k) : 0.f);
 }
 
 // Whole warp: wait until every part of the rows token t reads (the lead rows, the partials'
