@@ -6,7 +6,8 @@ run anywhere. Every public function's docstring gives its arguments and results;
 contract is the project's docs/API.md.
 """
 from jax_ep.high_throughput import (DispatchHandle, DispatchResult, ExpertDispatchHandle,
-                                    ExpertDispatchResult, combine, dispatch)
+                                    ExpertDispatchResult, combine, dispatch,
+                                    recommended_capacity)
 from jax_ep.low_latency import (LowLatencyHandle, LowLatencyPending, LowLatencyResult,
                                 low_latency_combine, low_latency_combine_recv,
                                 low_latency_combine_send, low_latency_dispatch,
@@ -22,7 +23,7 @@ from jax_ep.grouped_gemm import (Fp8Weights, dequantize_fp8_weights, grouped_mat
 
 __all__ = [
     "dispatch", "combine", "DispatchResult", "DispatchHandle", "ExpertDispatchResult",
-    "ExpertDispatchHandle",
+    "ExpertDispatchHandle", "recommended_capacity",
     "low_latency_dispatch", "low_latency_combine", "LowLatencyResult", "LowLatencyHandle",
     "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send",
     "low_latency_combine_recv", "LowLatencyPending",

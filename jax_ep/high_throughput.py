@@ -7,6 +7,7 @@ combine is D^T, so each is the other's VJP.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -329,6 +330,38 @@ def _check_counts(check, handle, axis_name):
     total = _checks.sum_over_shards(jnp.stack([handle.num_invalid, handle.num_dropped]),
                                     axis_name)
     jax.debug.callback(raise_if, handle.num_invalid, handle.num_dropped, total)
+
+
+def recommended_capacity(tokens_per_rank, *, num_experts, num_topk, num_ranks,
+                         capacity_factor=1.25, multiple=8) -> int:
+    """A `capacity` for `dispatch` from the expected load.
+
+    The rows a rank receives on average when each of the `num_ranks * tokens_per_rank` tokens
+    picks `num_topk` distinct experts uniformly (a token reaches a rank when one of its experts
+    is there: probability 1 - C(E - L, K) / C(E, K) with L = E / R experts per rank), times
+    `capacity_factor`, rounded up to a multiple of `multiple`, and at most the worst case
+    `R * T` (which never drops). Skewed routers need a larger factor: `handle.num_dropped`
+    counts what did not fit, and drops are shared fairly across the sources (docs/API.md).
+    """
+    T = _checks.static_int("tokens_per_rank", tokens_per_rank, 0)
+    R = _checks.static_int("num_ranks", num_ranks, 1)
+    E = _checks.static_int("num_experts", num_experts, 1)
+    K = _checks.static_int("num_topk", num_topk, 1)
+    A = _checks.static_int("multiple", multiple, 1)
+    if E % R:
+        raise ValueError(f"num_experts={E} must be divisible by num_ranks={R}")
+    if K > E:
+        raise ValueError(f"num_topk={K} is more than num_experts={E}")
+    f = capacity_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+        raise ValueError(f"capacity_factor must be a finite number above 0, got {f!r}")
+    L = E // R
+    miss = 1.0
+    for i in range(K):  # probability that none of the K distinct experts is on a given rank
+        miss *= max(E - L - i, 0) / (E - i)
+    rows = math.ceil(R * T * (1.0 - miss) * f)
+    rows = -(-rows // A) * A
+    return int(max(1, min(rows, R * T)))
 
 
 def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", capacity=None,

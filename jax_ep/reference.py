@@ -64,6 +64,39 @@ def a2a(x, axis_name):
 # High-throughput mode
 # ----------------------------------------------------------------------------------------------
 
+def fair_quotas(cnt, capacity):
+    """Rows each source keeps on each receiver: cnt [R(s), R(q)] tokens from s to q ->
+    [R(s), R(q)] int32.
+
+    All of them when they fit in `capacity`. Otherwise the capacity is shared fairly: every
+    source keeps min(cnt, level), with the level the largest that fits, and the rows left over go
+    one each to the sources with more tokens, in the order q + 1, q + 2, ... (mod R) from the
+    receiver q. So a source loses rows only when it sends more than an equal share, and never
+    all of them while others keep theirs.
+    """
+    R = cnt.shape[0]
+    cnt = cnt.astype(jnp.int32)
+    C = jnp.int32(capacity)
+    hi = jnp.max(cnt, axis=0)
+    lo = jnp.zeros_like(hi)
+
+    def step(_, lh):  # largest level per receiver with sum_s min(cnt, level) <= C
+        lo, hi = lh
+        mid = lo + (hi - lo + 1) // 2
+        fits = jnp.sum(jnp.minimum(cnt, mid[None, :]), axis=0) <= C
+        return jnp.where(fits, mid, lo), jnp.where(fits, hi, mid - 1)
+
+    level, _ = lax.fori_loop(0, 32, step, (lo, hi))
+    base = jnp.minimum(cnt, level[None, :])
+    left = C - jnp.sum(base, axis=0)                                           # [R(q)]
+    s = jnp.arange(R)[:, None]
+    q = jnp.arange(R)[None, :]
+    turn = (s - q - 1) % R                                                     # [R(s), R(q)]
+    over = cnt > level[None, :]
+    earlier = jnp.sum(over[None, :, :] & (turn[None, :, :] < turn[:, None, :]), axis=1)
+    return (base + (over & (earlier < left[None, :]))).astype(jnp.int32)
+
+
 def ht_layout(topk_idx, *, num_experts, capacity, axis_name):
     """Layout of a high-throughput dispatch.
 
@@ -80,20 +113,24 @@ def ht_layout(topk_idx, *, num_experts, capacity, axis_name):
     in_rank = jnp.any(dest[:, :, None] == jnp.arange(R)[None, None, :], axis=1)  # [T, R]
     counts = jnp.sum(in_rank, axis=0).astype(jnp.int32)                        # [R] to each q
     cnt = lax.all_gather(counts, axis_name)                                    # [R(s), R(q)]
-    # Rows on rank q: sources in rank order, tokens in index order.
-    offset = jnp.sum(jnp.where(jnp.arange(R)[:, None] < r, cnt, 0), axis=0)    # [R(q)] for me
+    quota = fair_quotas(cnt, C)                                                # [R(s), R(q)]
+    # Rows on rank q: sources in rank order (each its first quota[s, q] tokens), tokens in index
+    # order.
+    offset = jnp.sum(jnp.where(jnp.arange(R)[:, None] < r, quota, 0), axis=0)  # [R(q)] for me
     local = jnp.cumsum(in_rank, axis=0).astype(jnp.int32) - 1                  # [T, R]
     rows = offset[None, :] + local
-    send_rows = jnp.where(in_rank & (rows < C), rows, -1)
+    send_rows = jnp.where(in_rank & (local < quota[r][None, :]), rows, -1)
     # Receiver side: which tokens of which source come here, in order.
     recv_mask = a2a(in_rank.T[:, :, None], axis_name)[:, :, 0]                # [R(s), T]
-    flat = recv_mask.reshape(-1)
-    pos = jnp.cumsum(flat).astype(jnp.int32) - 1
+    pos_s = jnp.cumsum(recv_mask, axis=1).astype(jnp.int32) - 1               # [R(s), T]
+    mine = quota[:, r]                                                         # [R(s)]
+    base = (jnp.cumsum(mine) - mine).astype(jnp.int32)
+    keep = (recv_mask & (pos_s < mine[:, None])).reshape(-1)
+    pos = (base[:, None] + pos_s).reshape(-1)
     total = jnp.sum(cnt[:, r])
-    keep = flat & (pos < C)
     src_ids = jnp.arange(R * T, dtype=jnp.int32)
     recv_src = jnp.full((C,), -1, jnp.int32).at[jnp.where(keep, pos, C)].set(src_ids, mode="drop")
-    recv_count = jnp.minimum(total, C).astype(jnp.int32)
+    recv_count = jnp.sum(mine).astype(jnp.int32)
     return dict(idx=idx, send_rows=send_rows, recv_src=recv_src, recv_mask=recv_mask,
                 recv_count=recv_count, num_dropped=(total - recv_count).astype(jnp.int32),
                 num_invalid=num_invalid)

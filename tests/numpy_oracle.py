@@ -65,7 +65,15 @@ def ht_dispatch(xs, idxs, ws, num_experts, capacity=None):
         # (s, t) in source-rank order, then token order
         srcs = [(s, t) for s in range(R) for t in range(T)
                 if any(e >= 0 and e // L == r for e in cleans[s][t])]
-        kept = srcs[:C]
+        # Short of capacity: deal the C rows one per source per round, starting after r.
+        n = [sum(1 for s2, _ in srcs if s2 == s) for s in range(R)]
+        quota, left = [0] * R, min(C, len(srcs))
+        while left > 0:
+            for s in [(r + 1 + i) % R for i in range(R)]:
+                if left > 0 and quota[s] < n[s]:
+                    quota[s] += 1
+                    left -= 1
+        kept = [st for s in range(R) for st in [p for p in srcs if p[0] == s][:quota[s]]]
         recv = []
         for p, a in enumerate(payloads[0]):
             buf = np.zeros((C,) + a.shape[1:], a.dtype)

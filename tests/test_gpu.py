@@ -176,6 +176,25 @@ def test_ht_fp8_and_capacity(R):
     _assert_ht_equal(cu, rf, 2e-2)
 
 
+@pytest.mark.parametrize("R", [4, 8])
+def test_ht_capacity_drops_are_fair(R):
+    """Sources sending very different numbers of tokens to a short rank 0: the kernel keeps the
+    reference's fair shares (rows, send_rows, counts bit-exact), chunk boundaries included."""
+    rng = np.random.default_rng(40 + R)
+    T, H, K, E = 300, 512, 2, 2 * R
+    idx = np.full((R, T, K), -1, np.int32)
+    for s in range(R):  # source s: its first n_s tokens to expert 0 (rank 0), others elsewhere
+        n = [T, 7, 180, 33, 0, 95, 260, 1][s]
+        idx[s, :n, 0] = 0
+        idx[s, :, 1] = rng.integers(2, E, T)
+    idx = jnp.asarray(idx.reshape(R * T, K))
+    x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+    cu, rf = _ht_run(R, x, idx, w, E, capacity=2 * T // 3)
+    assert int(np.asarray(cu[8]).reshape(R)[0]) > 0   # rank 0 drops
+    _assert_ht_equal(cu, rf, 2e-2)
+
+
 def test_ht_dp_ep_mesh_and_permuted_devices():
     g = _gpus()
     if len(g) < 4:

@@ -200,6 +200,35 @@ def test_capacity(mesh4, capacity):
         assert res.recv_x.shape[1] == capacity  # nothing past capacity: the buffer is C rows
 
 
+@pytest.mark.parametrize("sent,capacity,kept", [
+    ([8, 8, 8, 8], 12, [3, 3, 3, 3]),     # equal shares
+    ([8, 1, 8, 2], 12, [4, 1, 5, 2]),     # small senders keep all; one row left, to source 2
+    ([8, 1, 8, 2], 3, [0, 1, 1, 1]),      # the leftover rows go first to sources 1, 2, 3
+    ([8, 0, 3, 2], 40, [8, 0, 3, 2]),     # enough room: nothing dropped
+])
+def test_capacity_drops_are_fair_across_sources(mesh4, sent, capacity, kept):
+    """Short of capacity, rank 0 keeps min(sent, level) rows of each source (the largest level
+    that fits) and gives the rows left over one each to the larger senders, from source 1 on:
+    no source loses all its tokens while another keeps more than an equal share."""
+    rng = np.random.default_rng(3)
+    n, T, K = 4, 8, 2
+    xs = make_x(rng, n, T, 16, "float32")
+    idxs = []
+    for s in range(n):  # source s: its first sent[s] tokens to expert 0 (rank 0), the rest none
+        i = np.full((T, K), -1, np.int32)
+        i[:sent[s], 0] = 0
+        idxs.append(i)
+    ws = [rng.random((T, K)).astype(np.float32) for _ in range(n)]
+    res, out, ys = check_case(mesh4, xs, idxs, ws, capacity=capacity)
+    src = np.asarray(res.handle.recv_src[0])
+    got = [int(np.sum((src >= 0) & (src // T == s))) for s in range(n)]
+    assert got == kept
+    assert res.handle.num_dropped[0] == sum(sent) - sum(kept)
+    # each source keeps its first tokens, in order
+    for s in range(n):
+        assert sorted(src[(src >= 0) & (src // T == s)] % T) == list(range(kept[s]))
+
+
 def test_padding_and_order(mesh4):
     """Rows >= recv_count: zero / -1; valid rows sorted by (source rank, source token)."""
     rng = np.random.default_rng(5)
@@ -397,3 +426,34 @@ def test_int64_topk_idx(mesh2):
         res, out, ys = run_ht(mesh2, xs, idxs, ws)
     check_against_oracle(mesh2, xs, idxs, ws, res, out, ys)
     np.testing.assert_array_equal(res.handle.num_invalid, [3, 3])
+
+
+def test_recommended_capacity():
+    """Expected rows per rank under uniform top-k routing, times the factor, rounded up, capped
+    at the worst case; checked against a simulation of that routing."""
+    R, T, E, K = 8, 512, 64, 8
+    c = jax_ep.recommended_capacity(T, num_experts=E, num_topk=K, num_ranks=R)
+    L = E // R
+    miss = np.prod([(E - L - i) / (E - i) for i in range(K)])
+    assert c == int(-(-int(np.ceil(R * T * (1 - miss) * 1.25)) // 8) * 8)
+    assert c % 8 == 0 and c < R * T
+    rng = np.random.default_rng(0)
+    loads = []
+    for _ in range(20):  # rows received per rank under uniform routing
+        ids = np.stack([rng.permutation(E)[:K] for _ in range(R * T)])
+        loads.append(max(int(np.sum(np.any(ids // L == q, axis=1))) for q in range(R)))
+    exact = jax_ep.recommended_capacity(T, num_experts=E, num_topk=K, num_ranks=R,
+                                        capacity_factor=1.0, multiple=1)
+    assert max(loads) <= c  # 1.25x the mean holds every rank's load in every trial
+    assert abs(np.mean(loads) - exact) < 0.05 * exact
+    # every token reaches every rank: the worst case, never more
+    assert jax_ep.recommended_capacity(T, num_experts=8, num_topk=8, num_ranks=R) == R * T
+    assert jax_ep.recommended_capacity(0, num_experts=E, num_topk=K, num_ranks=R) == 1
+    for kw, exc, match in [({"num_experts": 60}, ValueError, "divisible"),
+                           ({"num_topk": 65}, ValueError, "num_topk=65"),
+                           ({"capacity_factor": 0}, ValueError, "capacity_factor"),
+                           ({"capacity_factor": float("inf")}, ValueError, "capacity_factor"),
+                           ({"num_ranks": 2.0}, TypeError, "num_ranks")]:
+        args = {**dict(num_experts=E, num_topk=K, num_ranks=R), **kw}
+        with pytest.raises(exc, match=match):
+            jax_ep.recommended_capacity(T, **args)

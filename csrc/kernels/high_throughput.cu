@@ -123,6 +123,44 @@ __device__ __forceinline__ void stage_words(int32_t* __restrict__ da, const int3
   }
 }
 
+// Rows each source keeps on receiver q (jax_ep/reference.py fair_quotas, the spec): all when
+// sum(n) <= C; else min(n[s], level) with the largest level that fits, and the rows left over
+// one each to the sources above the level, in the order q + 1, q + 2, ... (mod R).
+__device__ void fair_quotas(const int* n, int R, int C, int q, int* k) {
+  long long tot = 0;
+  int hi = 0;
+  for (int i = 0; i < R; ++i) {
+    tot += n[i];
+    hi = max(hi, n[i]);
+  }
+  int lo = 0;
+  if (tot <= C) {
+    lo = hi;
+  } else {
+    while (lo < hi) {
+      const int mid = lo + (hi - lo + 1) / 2;
+      long long sum = 0;
+      for (int i = 0; i < R; ++i) sum += min(n[i], mid);
+      if (sum <= C)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+  }
+  long long left = C;
+  for (int i = 0; i < R; ++i) {
+    k[i] = min(n[i], lo);
+    left -= k[i];
+  }
+  for (int i = 0; i < R && left > 0; ++i) {
+    const int src = (q + 1 + i) % R;
+    if (n[src] > lo) {
+      ++k[src];
+      --left;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(DispatchArgs a) {
   const PeerSlots& ps = a.ps;
   const int R = ps.num_ranks, me = ps.rank;
@@ -146,7 +184,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
 
   __shared__ int s_cnt[kMaxRanks];
   __shared__ int s_off[kMaxRanks];
-  __shared__ int s_tot_me;
+  __shared__ int s_n[kMaxRanks][kMaxRanks];      // [source][receiver]: tokens, all chunks
+  __shared__ int s_quota[kMaxRanks][kMaxRanks];  // [source][receiver]: rows kept (fair_quotas)
   __shared__ int s_invalid;
   __shared__ int s_inv_tot;
   __shared__ int s_wtot[kMaxRanks][32];
@@ -158,7 +197,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
 
   const bool tpe_smem = L <= kMaxLocalExperts;
   if (tid < kMaxRanks) s_cnt[tid] = s_off[tid] = 0;
-  if (tid == 0) s_invalid = s_inv_tot = s_tot_me = 0;
+  if (tid < kMaxRanks * kMaxRanks) s_n[tid / kMaxRanks][tid % kMaxRanks] = 0;
+  if (tid == 0) s_invalid = s_inv_tot = 0;
   if (tpe_smem)
     for (int l = tid; l < L; l += blockDim.x) s_tpe[l] = 0;
   // Zeroed before the grid barrier; every block adds to it after.
@@ -233,20 +273,22 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
   grid_barrier(ps, 1, a.timeout_ns, "ht_dispatch: layout grid barrier");
   trace_mark(ps, trace::kLayoutGridBarrier);
 
-  // Phase 2: offsets of this block (sum over earlier blocks), the total for this rank, then rows
-  // by a block scan of the masks (ballot + popc per rank), sub-chunk by sub-chunk.
+  // Phase 2: the tokens of every (source, receiver), the rows each source keeps on each receiver
+  // (fair_quotas: short of capacity, every source keeps a fair share), this block's offsets
+  // (the kept rows of earlier sources, then of this source's earlier chunks), then rows by a
+  // block scan of the masks (ballot + popc per rank), sub-chunk by sub-chunk.
   {
     int before[kMaxRanks];
 #pragma unroll
     for (int q = 0; q < kMaxRanks; ++q) before[q] = 0;
-    int tot = 0, itot = 0;
+    int itot = 0;
     for (int b2 = tid; b2 < nblk; b2 += blockDim.x) {
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q) {
         if (q < R) {
           const int v = __ldcg(cnt + static_cast<int64_t>(b2) * R + q);
-          if (b2 < b) before[q] += v;
-          if (q == me) tot += v;
+          if (b2 < b && b2 >= s * nch) before[q] += v;
+          if (v != 0) atomicAdd(&s_n[b2 / nch][q], v);
         }
       }
     }
@@ -257,20 +299,36 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
       const int v = warp_sum(before[q]);
       if (lane == 0 && v != 0) atomicAdd(&s_off[q], v);
     }
-    tot = warp_sum(tot);
-    if (lane == 0 && tot != 0) atomicAdd(&s_tot_me, tot);
     itot = warp_sum(itot);
     if (lane == 0 && itot != 0) atomicAdd(&s_inv_tot, itot);
     __syncthreads();
   }
-  int off[kMaxRanks], running[kMaxRanks];
+  if (tid < R) {  // one thread per receiver
+    int n[kMaxRanks], k[kMaxRanks];
+    for (int i = 0; i < R; ++i) n[i] = s_n[i][tid];
+    fair_quotas(n, R, C, tid, k);
+    for (int i = 0; i < R; ++i) s_quota[i][tid] = k[i];
+  }
+  __syncthreads();
+  // Rows of this block on receiver q: from off[q]; this source's rows end at lim[q].
+  int off[kMaxRanks], running[kMaxRanks], lim[kMaxRanks];
+  int total_me = 0, recv_count = 0;
 #pragma unroll
   for (int q = 0; q < kMaxRanks; ++q) {
-    off[q] = s_off[q];
+    int base = 0;
+    for (int i = 0; i < s && q < R; ++i) base += s_quota[i][q];
+    off[q] = base + s_off[q];
+    lim[q] = q < R ? base + s_quota[s][q] : 0;
     running[q] = 0;
   }
-  const int total_me = s_tot_me;
-  const int recv_count = min(total_me, C);
+  for (int i = 0; i < R; ++i) {
+    total_me += s_n[i][me];
+    recv_count += s_quota[i][me];
+  }
+  int lim_me = 0;  // (no dynamic index into lim: it stays in registers)
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q)
+    if (q == me) lim_me = lim[q];
   const unsigned lanes_below = (1u << lane) - 1u;
   int32_t* tpe_counter = tpe_smem ? s_tpe : a.recv_tokens_per_expert;
 
@@ -314,7 +372,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q)
         if (q == me && ((m >> q) & 1u)) j = row[q];
-      if (j >= 0 && j < C) {
+      if (j >= 0 && j < lim_me) {
         // Row j of this rank receives token t of source s.
         a.recv_src[j] = s * T + t;
         const int32_t* irow = use_smem ? s_idx + tid * K : idx_s + static_cast<int64_t>(t) * K;
@@ -341,7 +399,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
         int32_t* sr = a.send_rows + static_cast<int64_t>(t) * R;
 #pragma unroll
         for (int q = 0; q < kMaxRanks; ++q)
-          if (q < R) sr[q] = (((m >> q) & 1u) && row[q] < C) ? row[q] : -1;
+          if (q < R) sr[q] = (((m >> q) & 1u) && row[q] < lim[q]) ? row[q] : -1;
       }
     }
     __syncthreads();  // s_wtot / s_wpre / s_ctot and the staging are rewritten next sub-chunk
