@@ -1,6 +1,12 @@
 """Trace-time argument checks shared by the ops: clear errors naming argument, got, expected."""
 from __future__ import annotations
 
+import atexit
+import collections
+import functools
+import logging
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +160,105 @@ def int32_ids(topk_idx, num_experts):
         return topk_idx
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
     return jnp.where(bad, -2, topk_idx).astype(jnp.int32)
+
+
+class CheckError(RuntimeError):
+    """What `check=True` (or JAX_EP_CHECK=1) raises when an op saw invalid expert ids, dropped
+    rows or a mismatched topk_idx: `op` names the op, `counts` this rank's counts and `totals`
+    the counts over all shards (dicts by name, e.g. num_invalid, num_dropped).
+
+    Raised inside a compiled program, it reaches the caller as the `jax.errors.JaxRuntimeError`
+    that JAX makes of any exception there (its message holds this one's); wrap the step in
+    `jax_ep.checked` to get the CheckError itself."""
+
+    def __init__(self, op, counts, totals, message):
+        super().__init__(message)
+        self.op, self.counts, self.totals = op, dict(counts), dict(totals)
+
+
+_raised = collections.deque(maxlen=64)  # recent CheckErrors, for jax_ep.checked
+_raised_lock = threading.Lock()
+
+
+class _NotOurs(logging.Filter):
+    """JAX logs every failed callback with its traceback, once per shard; a CheckError is
+    reported once, by the exception the caller gets."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, CheckError)
+
+
+for _name in ("jax._src.callback", "jax._src.debugging"):
+    logging.getLogger(_name).addFilter(_NotOurs())
+
+
+def checked_result(out, op, counts, axis_name, message):
+    """`out` (a pytree) made to depend on a host check of `counts` ({name: [] int array}): when
+    any of them is non-zero on some shard, every shard raises CheckError at the same point.
+
+    A pure callback whose result gates every leaf of `out`, so that the check runs whenever
+    any result is used and leaves no failed effect token behind (an effectful callback's
+    error is raised again when JAX waits for its tokens at exit). message(counts, totals)
+    gives the text from this rank's counts and the totals over all shards (lists by name)."""
+    names = tuple(counts)
+    vals = jnp.stack([jnp.asarray(counts[n]).astype(jnp.int32).reshape(()) for n in names])
+    totals = sum_over_shards(vals, axis_name)
+
+    def host(v, t):
+        v, t = [int(a) for a in np.asarray(v)], [int(a) for a in np.asarray(t)]
+        if any(t):
+            err = CheckError(op, dict(zip(names, v)), dict(zip(names, t)), message(v, t))
+            with _raised_lock:
+                _raised.append(err)
+            raise err
+        return np.zeros((), np.int32)
+
+    ok = jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.int32), vals, totals)
+    return jax.tree.map(lambda a: jnp.where(ok == 0, a, jnp.zeros_like(a)), out)
+
+
+def find_check_error(text):
+    """The most recent CheckError whose message is in `text` (a JaxRuntimeError's), or None."""
+    with _raised_lock:
+        for err in reversed(_raised):
+            if str(err) in text:
+                return err
+    return None
+
+
+def _forget_failed_checks():
+    """Drop JAX's runtime tokens of programs that a CheckError stopped: JAX waits for every
+    host-callback program's token again when effects are flushed and at exit, and would report
+    the same failure there once more (as "Exception ignored in atexit callback")."""
+    try:
+        from jax._src import dispatch  # private: the tokens JAX waits for at exit
+        tokens = dispatch.runtime_tokens.output_runtime_tokens
+    except (ImportError, AttributeError):
+        return
+    for device, token in list(tokens.items()):
+        try:
+            token.block_until_ready()
+        except jax.errors.JaxRuntimeError as e:
+            if find_check_error(str(e)) is not None:
+                tokens.pop(device, None)
+
+
+atexit.register(_forget_failed_checks)  # runs before JAX's own exit handlers (registered first)
+
+
+def checked(fn):
+    """`fn` (e.g. a jitted training step), raising `jax_ep.CheckError` itself when a check of a
+    jax_ep op inside it fails, instead of the `jax.errors.JaxRuntimeError` that JAX reports.
+    Waits for fn's results (so that a failure surfaces in this call)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return jax.block_until_ready(fn(*args, **kwargs))
+        except jax.errors.JaxRuntimeError as e:
+            err = find_check_error(str(e))
+            if err is None:
+                raise
+            _forget_failed_checks()
+            raise err from e
+    return wrapper

@@ -314,22 +314,22 @@ def _to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weigh
 # Public ops
 # ---------------------------------------------------------------------------------------------
 
-def _check_counts(check, handle, axis_name):
+def _check_counts(check, res, axis_name):
+    """res, gated by check=True's host check of its invalid ids and dropped rows."""
     if not runtime.check_enabled(check):
-        return
+        return res
+    handle = res.handle
     what = ("tokens or (token, expert) rows" if isinstance(handle, ExpertDispatchHandle)
             else "tokens")
 
-    def raise_if(num_invalid, num_dropped, total):
-        if int(total[0]) or int(total[1]):
-            raise RuntimeError(
-                f"jax_ep.dispatch(check=True): {int(num_invalid)} expert ids outside [-1, E) "
-                f"and {int(num_dropped)} {what} dropped for lack of capacity on this rank "
-                f"({int(total[0])} and {int(total[1])} over all shards)")
+    def message(v, t):
+        return (f"jax_ep.dispatch(check=True): {v[0]} expert ids outside [-1, E) and {v[1]} "
+                f"{what} dropped for lack of capacity on this rank ({t[0]} and {t[1]} over all "
+                "shards)")
 
-    total = _checks.sum_over_shards(jnp.stack([handle.num_invalid, handle.num_dropped]),
-                                    axis_name)
-    jax.debug.callback(raise_if, handle.num_invalid, handle.num_dropped, total)
+    return _checks.checked_result(res, "dispatch", {"num_invalid": handle.num_invalid,
+                                                    "num_dropped": handle.num_dropped},
+                                  axis_name, message)
 
 
 def recommended_capacity(tokens_per_rank, *, num_experts, num_topk, num_ranks,
@@ -474,11 +474,9 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
     if layout == "expert":
         res = _to_expert_major(recv_x, ridx, rw, handle, L, capacity, A,
                                topk_weights is not None)
-        _check_counts(check, res.handle, axis_name)
-        return res
-    _check_counts(check, handle, axis_name)
-    return DispatchResult(recv_x, ridx, None if topk_weights is None else rw,
-                          handle.recv_count, per_expert, handle)
+        return _check_counts(check, res, axis_name)
+    return _check_counts(check, DispatchResult(recv_x, ridx, None if topk_weights is None else rw,
+                                               handle.recv_count, per_expert, handle), axis_name)
 
 
 def combine(y, handle, *, axis_name="ep", backend="auto", check=None):

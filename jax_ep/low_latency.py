@@ -259,32 +259,32 @@ def _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend):
     return cfg, _checks.int32_ids(topk_idx, L * R)
 
 
-def _check_same_ids(idx, didx, num_experts, axis_name, check, what):
-    """check=True: raise when topk_idx names another expert than the dispatch in some slot."""
+def _check_same_ids(out, idx, didx, num_experts, axis_name, check, what):
+    """out, gated by check=True's host check that topk_idx names the dispatch's experts."""
     if not runtime.check_enabled(check):
-        return
+        return out
 
     def valid(v):
         return (v >= 0) & (v < num_experts)
 
     n = jnp.sum(((idx != didx) & (valid(idx) | valid(didx))).astype(jnp.int32))
 
-    def raise_if(n, total):
-        if int(total):
-            raise RuntimeError(f"jax_ep.{what}(check=True): {int(n)} slots of topk_idx on this "
-                               f"rank ({int(total)} over all shards) name another expert than "
-                               "the dispatch did; they contributed nothing")
-    jax.debug.callback(raise_if, n, _checks.sum_over_shards(n, axis_name))
+    def message(v, t):
+        return (f"jax_ep.{what}(check=True): {v[0]} slots of topk_idx on this rank ({t[0]} over "
+                "all shards) name another expert than the dispatch did; they contributed nothing")
+    return _checks.checked_result(out, what, {"changed_slots": n}, axis_name, message)
 
 
-def _check_invalid(handle, axis_name, check, what):
-    if runtime.check_enabled(check):
-        def raise_if(n, total):
-            if int(total):
-                raise RuntimeError(f"jax_ep.{what}(check=True): {int(n)} expert ids outside "
-                                   f"[-1, E) on this rank ({int(total)} over all shards)")
-        jax.debug.callback(raise_if, handle.num_invalid,
-                           _checks.sum_over_shards(handle.num_invalid, axis_name))
+def _check_invalid(res, axis_name, check, what):
+    """res, gated by check=True's host check of its invalid expert ids."""
+    if not runtime.check_enabled(check):
+        return res
+
+    def message(v, t):
+        return (f"jax_ep.{what}(check=True): {v[0]} expert ids outside [-1, E) on this rank "
+                f"({t[0]} over all shards)")
+    return _checks.checked_result(res, what, {"num_invalid": res.handle.num_invalid}, axis_name,
+                                  message)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,8 +322,8 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
     fn = _dispatch_fp8 if use_fp8 else _dispatch_diff
     rx, cnt, handle = fn(x, idx, cfg)
     handle = handle._replace(topk_idx=idx)
-    _check_invalid(handle, axis_name, check, "low_latency_dispatch")
-    return LowLatencyResult(rx, cnt, handle)
+    return _check_invalid(LowLatencyResult(rx, cnt, handle), axis_name, check,
+                          "low_latency_dispatch")
 
 
 def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, axis_name="ep",
@@ -348,9 +348,10 @@ def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, 
     # then gets its cotangent summed over the shards (see high_throughput.dispatch).
     y, w = _ffi.varying([y, topk_weights.astype(jnp.float32), idx], axis_name)[:2]
     didx = handle.topk_idx
-    _check_same_ids(idx, didx, cfg.num_experts, axis_name, check, "low_latency_combine")
-    return _combine_diff(y, w, idx, didx, handle.recv_src, handle.recv_slot, handle.recv_count,
-                         handle.src_rows, cfg)
+    out = _combine_diff(y, w, idx, didx, handle.recv_src, handle.recv_slot, handle.recv_count,
+                        handle.src_rows, cfg)
+    return _check_same_ids(out, idx, didx, cfg.num_experts, axis_name, check,
+                           "low_latency_combine")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -429,8 +430,8 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyResult:
                          site=site, **attrs)
         rx, cnt, handle = _dispatch_result(outs, stats, use_fp8)
     handle = handle._replace(topk_idx=idx)
-    _check_invalid(handle, axis_name, check, "low_latency_dispatch_recv")
-    return LowLatencyResult(rx, cnt, handle)
+    return _check_invalid(LowLatencyResult(rx, cnt, handle), axis_name, check,
+                          "low_latency_dispatch_recv")
 
 
 def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,

@@ -348,3 +348,57 @@ def test_kernel_limits_come_from_the_extension():
         assert lim == dict(max_ranks=ext.max_ranks, max_local_experts=ext.max_local_experts,
                            max_layout_ranks=ext.max_layout_ranks,
                            max_num_blocks=ext.max_num_blocks)
+
+
+def test_check_error_is_one_typed_exception(mesh2):
+    """jax_ep.checked turns a failed check into one jax_ep.CheckError carrying the op and its
+    counts (this rank's and over all shards)."""
+    rng = np.random.default_rng(0)
+    idxs = routing(rng, 2, 5, 2, E, "masked")
+    idxs[1][2, 1] = E + 3
+    fn = jax_ep.checked(ht_fn(mesh2, E, None, True, True))
+    with pytest.raises(jax_ep.CheckError, match=r"expert ids outside") as ei:
+        fn(*ht_inputs(idxs))
+    assert ei.value.op == "dispatch"
+    assert ei.value.totals == {"num_invalid": 1, "num_dropped": 0}
+    assert ei.value.counts["num_invalid"] in (0, 1)
+    assert isinstance(ei.value.__cause__, jax.errors.JaxRuntimeError)
+    # a clean step through the same wrapper returns its results
+    out = fn(*ht_inputs(routing(rng, 2, 5, 2, E, "masked")))
+    assert out is not None
+
+
+_CHECK_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import warnings
+warnings.filterwarnings("ignore")
+import jax, jax.numpy as jnp, numpy as np, jax_ep
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+f = jax.jit(jax.shard_map(lambda x, i: jax_ep.dispatch(x, i, num_experts=8, check=True).recv_x,
+                          mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+try:
+    jax.block_until_ready(f(jnp.ones((16, 8)), jnp.full((16, 2), 99, jnp.int32)))
+except jax.errors.JaxRuntimeError as e:
+    print("CAUGHT", "jax_ep.dispatch(check=True): " in str(e))
+"""
+
+
+def test_check_failure_is_reported_once():
+    """A failed check on 4 shards: one exception, whose message holds the check's, and no
+    traceback logged per shard nor again at interpreter exit."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(jax_ep.__file__)))] +
+        os.environ.get("PYTHONPATH", "").split(os.pathsep)), JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", _CHECK_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "CAUGHT True" in p.stdout, out[-3000:]
+    assert "Exception ignored" not in out, out[-3000:]
+    assert out.count("Traceback") <= 1, out[-3000:]   # the one inside the caught message
