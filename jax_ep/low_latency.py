@@ -359,7 +359,8 @@ class LowLatencyPending:
     """The in-flight half of a split low-latency op: pass it to the matching `*_recv`.
 
     A pytree (its arrays are leaves; the call site, shapes and settings are static), so it can
-    cross `jit`, `scan` and `remat` boundaries between the send and the receive.
+    cross `jit`, `scan` and `remat` boundaries between the send and the receive; across `scan`
+    iterations when the sends name one `pair`.
     """
 
     def __init__(self, arrays, meta):
@@ -384,25 +385,41 @@ def _no_grad(fn, what):
     return wrapped
 
 
+def _split_site(kind, pair):
+    """The call-site id of a split send: its own, or the one every send naming `pair` shares."""
+    if pair is None:
+        return runtime.new_site()
+    if not isinstance(pair, str) or not pair:
+        raise TypeError(f"pair must be a non-empty str naming the sends that share a call site, "
+                        f"got {pair!r}")
+    return runtime.site_for_pair(kind, pair)
+
+
 def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name="ep",
-                              use_fp8=True, round_scale=False, backend="auto",
-                              check=None) -> LowLatencyPending:
+                              use_fp8=True, round_scale=False, backend="auto", check=None,
+                              pair=None) -> LowLatencyPending:
     """First half of `low_latency_dispatch`: quantise and write the rows to the peers.
 
     Returns at once (the kernel does not wait for any peer). `low_latency_dispatch_recv` of the
     result waits for the peers' rows and returns the same `LowLatencyResult` as
-    `low_latency_dispatch`. Forward only. At most one pending send per call site: receive it
-    before the same code sends again.
+    `low_latency_dispatch`. Forward only. At most two pending sends per call site: receive
+    the first before the same code sends a third time.
+
+    pair: a name shared by the sends whose pendings must have one structure, e.g. the send
+    before a `lax.scan` and the one in its body when the pending is carried across iterations
+    (they then share one call site). Without it every send is a call site of its own.
     """
     _checks.flag("check", check, allow_none=True)
     cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
                              round_scale, backend)
+    # The halves share one call-site lease (slot and buffers). Its id is in the pending's
+    # structure on both backends, so a pending crosses a scan iteration only with `pair`.
+    site = _split_site("dispatch", pair)
     if cfg.backend == "reference":  # the reference runs the whole op in the receive half
-        meta = ("dispatch", cfg, tuple(x.shape), idx.shape[1], None, check)
+        meta = ("dispatch", cfg, tuple(x.shape), idx.shape[1], site, check)
         return LowLatencyPending(_no_grad(lambda a, b: (a, b), "low_latency_dispatch_send")(
             x, idx), meta)
     _, attrs = _dispatch_cuda_args(cfg, idx.shape[1], x.shape[1])
-    site = runtime.new_site()  # the halves share one call-site lease (slot and buffers)
 
     def send(a, b):
         return _ffi.call("jax_ep_ll_dispatch_send", [a, b], [((2,), jnp.int32)],
@@ -435,27 +452,28 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyResult:
 
 
 def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
-                             axis_name="ep", backend="auto") -> LowLatencyPending:
+                             axis_name="ep", backend="auto", pair=None) -> LowLatencyPending:
     """First half of `low_latency_combine`: write the expert outputs back to their sources.
 
     Returns once every peer has started its own combine send (this rank pre-reduces the rows of
     a token that name several of its experts with the token's weights, which each source writes
     to the expert ranks as its send starts), without waiting for any receive;
     `low_latency_combine_recv` of the result waits for the rows from every expert rank and
-    returns the same [T, H] output as `low_latency_combine`. Forward only.
+    returns the same [T, H] output as `low_latency_combine`. Forward only. pair: as for
+    `low_latency_dispatch_send`.
     """
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
     w = topk_weights.astype(jnp.float32)
     didx = handle.topk_idx
+    site = _split_site("combine", pair)  # as in low_latency_dispatch_send
     if cfg.backend == "reference":
         arrays = _no_grad(lambda *a: a, "low_latency_combine_send")(
             y, idx, w, didx, handle.recv_src, handle.recv_slot, handle.recv_count,
             handle.src_rows)
-        return LowLatencyPending(arrays, ("combine", cfg, tuple(y.shape), None))
+        return LowLatencyPending(arrays, ("combine", cfg, tuple(y.shape), site))
     R, _ = ref.axis_info(axis_name)
     K, H = idx.shape[1], y.shape[-1]
     attrs = _combine_attrs(cfg.num_experts, R, cfg.max_tokens, K, H)
-    site = runtime.new_site()  # the halves share one call-site lease (slot and buffers)
 
     def send(yy, src, sl, cnt, rows, ii, ww, dd):
         return _ffi.call("jax_ep_ll_combine_send", [yy, src, sl, cnt, rows, ii, ww, dd],

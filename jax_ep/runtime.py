@@ -145,6 +145,20 @@ def new_site() -> int:
         return next(_site_counter)
 
 
+_pair_sites: dict = {}
+
+
+def site_for_pair(kind: str, pair: str) -> int:
+    """The call-site id of the split sends named `pair` (of one kind): every send naming it
+    shares one lease, so their pendings have one structure (a pending may then be carried
+    across `lax.scan` iterations: the send before the loop and the one in its body)."""
+    with _lock:
+        key = (kind, pair)
+        if key not in _pair_sites:
+            _pair_sites[key] = next(_site_counter)
+        return _pair_sites[key]
+
+
 def limits() -> dict:
     """The sizes the CUDA kernels serve, as the extension defines them: `max_ranks` (ranks of
     an EP group), `max_local_experts` (experts per rank of the low-latency ops) and

@@ -844,3 +844,64 @@ def test_ll_combine_never_reads_past_a_tampered_handle():
     assert p.returncode != 0, out[-2000:]
     assert "illegal memory access" not in out, out[-3000:]
     assert "timed out" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_ll_pending_carried_across_scan(R, kind):
+    """A split send's pending carried across 50 lax.scan iterations (the send before the loop
+    and the one in its body share one pair): each iteration receives the previous one's rows,
+    against the fused reference."""
+    steps, T, M, H, K, E = 50, 16, 16, 256, 4, 4 * R
+    rng = np.random.default_rng(8)
+    xs = jnp.asarray(rng.standard_normal((steps + 1, R * T, H)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([_routing("masked", rng, R, T, K, E) for _ in range(steps + 1)]))
+    w = jnp.asarray(rng.random((steps + 1, R * T, K)), jnp.float32)
+    kw = dict(num_experts=E, max_tokens_per_rank=M, use_fp8=False)
+
+    def result(r, i, ww, be):
+        if kind == "dispatch":
+            return r.recv_count, r.handle.recv_src
+        return jax_ep.low_latency_combine(r.recv_x, i, ww, r.handle, backend=be)
+
+    def cuda(xs, idx, w):
+        def send(x, i, ww):
+            if kind == "dispatch":
+                return jax_ep.low_latency_dispatch_send(x, i, backend="cuda", pair="carried",
+                                                        **kw)
+            r = jax_ep.low_latency_dispatch(x, i, backend="cuda", **kw)
+            return jax_ep.low_latency_combine_send(r.recv_x, i, ww, r.handle, backend="cuda",
+                                                   pair="carried")
+
+        def recv(p):
+            if kind == "dispatch":
+                r = jax_ep.low_latency_dispatch_recv(p)
+                return r.recv_count, r.handle.recv_src
+            return jax_ep.low_latency_combine_recv(p)
+
+        def step(p, inp):
+            out = recv(p)
+            return send(*inp), out
+        p, outs = jax.lax.scan(step, send(xs[0], idx[0], w[0]), (xs[1:], idx[1:], w[1:]))
+        return outs, jax.tree.map(lambda a: a[None], recv(p))  # a steps axis of 1
+
+    def ref(xs, idx, w):
+        def step(c, inp):
+            x, i, ww = inp
+            return c, result(jax_ep.low_latency_dispatch(x, i, backend="reference", **kw), i, ww,
+                             "reference")
+        return jax.lax.scan(step, 0, (xs, idx, w))[1]
+
+    _poison()
+    got, last = jax.device_get(_ranks(cuda, R, ep_dim=1)(xs, idx, w))
+    want = jax.device_get(_ranks(ref, R, ep_dim=1)(xs, idx, w))
+    if kind == "dispatch":
+        np.testing.assert_array_equal(got[0], want[0][:steps])
+        np.testing.assert_array_equal(last[0][0], want[0][steps])
+        # recv_src: the same rows in any order per expert
+        np.testing.assert_array_equal(np.sort(got[1], axis=-1), np.sort(want[1][:steps], axis=-1))
+    else:
+        np.testing.assert_allclose(np.asarray(got, np.float32),
+                                   np.asarray(want[:steps], np.float32), rtol=2e-2, atol=5e-2)
+        np.testing.assert_allclose(np.asarray(last[0], np.float32),
+                                   np.asarray(want[steps], np.float32), rtol=2e-2, atol=5e-2)

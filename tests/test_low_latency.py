@@ -297,3 +297,60 @@ def test_combine_with_changed_topk_idx(mesh4, split):
                                   np.asarray(smap(mesh4, per_shard)(
                                       stack(xs), stack(idxs), stack(idxs), stack(ws))[0],
                                       np.float32))
+
+
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_pending_carried_across_scan_iterations(mesh2, kind):
+    """A pending send carried across lax.scan iterations (the send before the loop and the one
+    in its body name one pair): each iteration receives the previous one's send. Without a pair
+    the two sends are distinct call sites and JAX rejects the carry, on every backend."""
+    T, K, H, M, steps = 3, 2, 128, 4, 5
+    rng = np.random.default_rng(23)
+    xs = jnp.asarray(np.stack([np.stack(make_inputs(rng, mesh2, T, K, H, M, "masked")[0])
+                               for _ in range(steps + 1)]), jnp.bfloat16)     # [S+1, n, T, H]
+    idx = jnp.asarray(np.stack([np.stack(routing(rng, 2, T, K, E, "masked"))
+                                for _ in range(steps + 1)]))
+    w = jnp.asarray(rng.random((steps + 1, 2, T, K)), jnp.float32)
+    kw = dict(num_experts=E, max_tokens_per_rank=M, use_fp8=False, backend=BACKEND)
+
+    def send(x, i, ww, pair):
+        if kind == "dispatch":
+            return jax_ep.low_latency_dispatch_send(x, i, pair=pair, **kw)
+        r = jax_ep.low_latency_dispatch(x, i, **kw)
+        return jax_ep.low_latency_combine_send(r.recv_x, i, ww, r.handle, backend=BACKEND,
+                                               pair=pair)
+
+    def recv(p):
+        if kind == "dispatch":
+            r = jax_ep.low_latency_dispatch_recv(p)
+            return r.recv_x.astype(jnp.float32).sum((0, 1))[:4]
+        return jax_ep.low_latency_combine_recv(p).astype(jnp.float32)[:, :4]
+
+    def fused(x, i, ww):
+        r = jax_ep.low_latency_dispatch(x, i, **kw)
+        if kind == "dispatch":
+            return r.recv_x.astype(jnp.float32).sum((0, 1))[:4]
+        return jax_ep.low_latency_combine(r.recv_x, i, ww, r.handle,
+                                          backend=BACKEND).astype(jnp.float32)[:, :4]
+
+    def carried(pair):
+        def body(xs, idx, w):
+            p0 = send(xs[0], idx[0], w[0], pair)
+
+            def step(p, inp):
+                x, i, ww = inp
+                out = recv(p)
+                return send(x, i, ww, pair), out
+            p, outs = jax.lax.scan(step, p0, (xs[1:], idx[1:], w[1:]))
+            return outs, recv(p)
+        return body
+
+    per = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731  [S, n, ...] -> [n, S, ...] per shard
+    got, last = smap(mesh2, carried("layer0"))(per(xs), per(idx), per(w))
+    want = smap(mesh2, lambda xs, idx, w: jax.vmap(fused)(xs, idx, w))(per(xs), per(idx), per(w))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[:, :steps])
+    np.testing.assert_array_equal(np.asarray(last), np.asarray(want)[:, steps])
+    with pytest.raises(TypeError, match="carry"):
+        smap(mesh2, carried(None))(per(xs), per(idx), per(w))
+    with pytest.raises(TypeError, match="pair must be a non-empty str"):
+        smap(mesh2, carried(3))(per(xs), per(idx), per(w))

@@ -164,7 +164,8 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
         if (!same_request(live->request, r))
           throw std::runtime_error(
               "jax_ep: two call sites share a site id but differ in group table, kind or "
-              "buffer size (a lowering bug: the halves of a split op must agree)");
+              "buffer size (the halves of a split op, and split sends sharing a pair name, must "
+              "agree)");
         return live;
       }
     slot = take_slot(r.push);
