@@ -23,8 +23,9 @@ class Setting(NamedTuple):
 
 
 SETTINGS = {s.name: s for s in (
-    Setting("JAX_EP_TIMEOUT_S", "30",
-            "seconds an in-kernel wait for a peer lasts before the kernel gives up (traps)",
+    Setting("JAX_EP_TIMEOUT_S", "600",
+            "seconds an in-kernel wait for a peer (and the per-process set-up's wait for the "
+            "other processes) lasts before giving up; generous, as a slow peer is normal",
             "lowering (attribute)", False),
     Setting("JAX_EP_NUM_SMS", "32",
             "CTAs of the bandwidth kernels (jax_ep.set_num_blocks overrides it)", "trace",

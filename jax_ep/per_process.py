@@ -85,6 +85,33 @@ def _share_unique_id(nvshmem_core, rank: int, timeout_s: float):
     return uid
 
 
+def _arrive(what: str, timeout_s: float) -> None:
+    """Wait until every process reaches `what` (a barrier of jax.distributed's coordination
+    service), at most timeout_s. NVSHMEM's collective set-up has no timeout of its own: a process
+    that never gets there (it died, or runs no jax_ep op) would hold the others in it forever.
+    Raises RuntimeError naming the processes that did not arrive."""
+    import jax
+
+    client = _kv_client()
+    rank, n = jax.process_index(), jax.process_count()
+    prefix = f"jax_ep/arrived/{what}/"
+    client.key_value_set(prefix + str(rank), "1")
+    try:
+        client.wait_at_barrier(f"jax_ep/{what}", int(timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - the coordination service's timeout error
+        try:
+            arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(prefix)}
+        except Exception:  # noqa: BLE001 - the store itself may be gone
+            arrived = {rank}
+        missing = sorted(set(range(n)) - arrived)
+        raise RuntimeError(
+            f"jax_ep: process {rank} waited {timeout_s:.0f} s for the others to set up jax_ep "
+            f"({what}); process(es) {missing or 'unknown'} did not arrive. Every process must "
+            "set up jax_ep at the same point (jax_ep.initialize(), or its first jax_ep op); one "
+            "that died, or is still busy (a long checkpoint, a slow compile), holds the others "
+            "here. JAX_EP_TIMEOUT_S sets the limit.") from e
+
+
 def _debug(msg: str) -> None:
     """JAX_EP_DEBUG=1: where the set-up is (a failing transport aborts without saying)."""
     if config.flag("JAX_EP_DEBUG"):
@@ -129,6 +156,8 @@ def initialize(ext, timeout_s: float) -> dict:
         # GPUs out of service, and the peer transport does not need it.
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         nvshmem_core = _import_nvshmem()
+        # Everyone here before any collective step (NVSHMEM init, the arena, the self-test).
+        _arrive("setup", timeout_s)
         if not _nvshmem_already_initialized():
             rank, n = jax.process_index(), jax.process_count()
             uid = _share_unique_id(nvshmem_core, rank, timeout_s)

@@ -80,7 +80,7 @@ def current_cuda_device() -> int:
 
 
 def timeout_ns() -> int:
-    """Wait limit of every in-kernel wait (JAX_EP_TIMEOUT_S, default 30 s).
+    """Wait limit of every in-kernel wait (JAX_EP_TIMEOUT_S, default 600 s).
 
     Raises ValueError naming the variable for a value that is not a finite number of seconds
     above 0 (a zero, negative, inf or NaN limit would make every wait fail, or none)."""

@@ -26,6 +26,8 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
+# A test that deadlocks fails after a minute, not after the 10-minute default
+export JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-60}
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 stages=${*:-build kernel test gemm moe mp example bench}

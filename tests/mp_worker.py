@@ -16,6 +16,8 @@ access): the same checks then run the NVSHMEM put / get kernels of nvshmem/remot
 
 --kill-rank r: rank r exits before the first op; the others must fail within JAX_EP_TIMEOUT_S
 with the kernel's timeout message, not hang (tests/test_multiprocess.py checks it).
+--absent-rank r: rank r never sets up jax_ep (it idles, then exits); the others must raise
+within JAX_EP_TIMEOUT_S an error naming process r, instead of waiting in NVSHMEM's set-up.
 """
 from __future__ import annotations
 
@@ -133,6 +135,20 @@ def main():
     devs = jax.devices()
     assert len(devs) == R and len(jax.local_devices()) == 1, "one GPU per process expected"
     mesh = Mesh(np.array(devs), ("ep",))
+    if "--absent-rank" in sys.argv:
+        absent = int(sys.argv[sys.argv.index("--absent-rank") + 1])
+        if RANK == absent:
+            print(f"rank {RANK}: never setting up jax_ep (--absent-rank)", flush=True)
+            time.sleep(float(os.environ["JAX_EP_TIMEOUT_S"]) + 20)
+            os._exit(0)
+        t0 = time.time()
+        try:
+            jax_ep.initialize()
+        except RuntimeError as e:
+            print(f"rank {RANK}: set-up raised after {time.time() - t0:.1f} s: {e}", flush=True)
+            os._exit(5)
+        print(f"rank {RANK}: set-up finished without the absent rank (unexpected)", flush=True)
+        os._exit(4)
     jax_ep.initialize()
     info = jax_ep.runtime_info()
     print(f"rank {RANK}: {info['process_mode']}; self-test {info.get('nvshmem_self_test')}; "

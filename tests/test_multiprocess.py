@@ -72,3 +72,15 @@ def test_killed_process_fails_peers_within_timeout():
     assert "timed out" in out, out[-6000:]          # the kernel's message, naming the phase
     assert "unexpected" not in out, out[-6000:]
     assert dt < 240, f"took {dt:.0f} s"
+
+
+def test_absent_process_is_named_within_timeout():
+    """A process that never sets up jax_ep: the others raise within JAX_EP_TIMEOUT_S an error
+    naming it (the set-up waits at a bounded barrier before NVSHMEM's collective set-up)."""
+    p, dt = _launch(2, "--absent-rank", "1", timeout_s="10", wall=300)
+    out = p.stdout + p.stderr
+    assert "rank 0: set-up raised after" in out, out[-6000:]
+    assert "process(es) [1] did not arrive" in out, out[-6000:]
+    assert "JAX_EP_TIMEOUT_S" in out, out[-6000:]
+    assert "without the absent rank" not in out, out[-6000:]
+    assert dt < 200, f"took {dt:.0f} s"
