@@ -339,8 +339,8 @@ def recommended_capacity(tokens_per_rank, *, num_experts, num_topk, num_ranks,
     The rows a rank receives on average when each of the `num_ranks * tokens_per_rank` tokens
     picks `num_topk` distinct experts uniformly (a token reaches a rank when one of its experts
     is there: probability 1 - C(E - L, K) / C(E, K) with L = E / R experts per rank), times
-    `capacity_factor`, rounded up to a multiple of `multiple`, and at most the worst case
-    `R * T` (which never drops). Skewed routers need a larger factor: `handle.num_dropped`
+    `capacity_factor`, rounded up to a multiple of `multiple`, at most the worst case `R * T`
+    (which never drops) and at least 1. Skewed routers need a larger factor: `handle.num_dropped`
     counts what did not fit, and drops are shared fairly across the sources (docs/API.md).
     """
     T = _checks.static_int("tokens_per_rank", tokens_per_rank, 0)

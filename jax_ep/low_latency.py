@@ -385,14 +385,15 @@ def _no_grad(fn, what):
     return wrapped
 
 
-def _split_site(kind, pair):
-    """The call-site id of a split send: its own, or the one every send naming `pair` shares."""
+def _split_site(kind, pair, layout):
+    """The call-site id of a split send: its own, or the one every send naming `pair` with the
+    same static layout (config and shapes) shares."""
     if pair is None:
         return runtime.new_site()
     if not isinstance(pair, str) or not pair:
         raise TypeError(f"pair must be a non-empty str naming the sends that share a call site, "
                         f"got {pair!r}")
-    return runtime.site_for_pair(kind, pair)
+    return runtime.site_for_pair(kind, (pair, layout))
 
 
 def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name="ep",
@@ -414,7 +415,7 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
                              round_scale, backend)
     # The halves share one call-site lease (slot and buffers). Its id is in the pending's
     # structure on both backends, so a pending crosses a scan iteration only with `pair`.
-    site = _split_site("dispatch", pair)
+    site = _split_site("dispatch", pair, (cfg, tuple(x.shape), idx.shape[1]))
     if cfg.backend == "reference":  # the reference runs the whole op in the receive half
         meta = ("dispatch", cfg, tuple(x.shape), idx.shape[1], site, check)
         return LowLatencyPending(_no_grad(lambda a, b: (a, b), "low_latency_dispatch_send")(
@@ -465,7 +466,7 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
     w = topk_weights.astype(jnp.float32)
     didx = handle.topk_idx
-    site = _split_site("combine", pair)  # as in low_latency_dispatch_send
+    site = _split_site("combine", pair, (cfg, tuple(y.shape), tuple(idx.shape)))  # as above
     if cfg.backend == "reference":
         arrays = _no_grad(lambda *a: a, "low_latency_combine_send")(
             y, idx, w, didx, handle.recv_src, handle.recv_slot, handle.recv_count,

@@ -148,10 +148,11 @@ def new_site() -> int:
 _pair_sites: dict = {}
 
 
-def site_for_pair(kind: str, pair: str) -> int:
-    """The call-site id of the split sends named `pair` (of one kind): every send naming it
-    shares one lease, so their pendings have one structure (a pending may then be carried
-    across `lax.scan` iterations: the send before the loop and the one in its body)."""
+def site_for_pair(kind: str, pair) -> int:
+    """The call-site id of the split sends keyed `pair` (of one kind; the user's name with the
+    op's static layout): every send with that key shares one lease, so their pendings have one
+    structure (a pending may then be carried across `lax.scan` iterations: the send before the
+    loop and the one in its body)."""
     with _lock:
         key = (kind, pair)
         if key not in _pair_sites:

@@ -402,3 +402,24 @@ def test_check_failure_is_reported_once():
     assert "CAUGHT True" in p.stdout, out[-3000:]
     assert "Exception ignored" not in out, out[-3000:]
     assert out.count("Traceback") <= 1, out[-3000:]   # the one inside the caught message
+
+
+def test_check_under_vmap():
+    """check=True under jax.vmap over the EP axis (the one-GPU multi-rank mode's form) and over
+    a batch axis: clean input runs, invalid ids raise."""
+    R, T, K = 2, 5, 2
+    rng = np.random.default_rng(4)
+    idx = np.stack(routing(rng, R, T, K, E, "masked"))
+
+    def one(x, i):
+        return jax_ep.dispatch(x, i, num_experts=E, check=True, backend=BACKEND).recv_count
+
+    f = jax.jit(jax.vmap(one, axis_name="ep"))
+    x = jnp.ones((R, T, 16))
+    jax.block_until_ready(f(x, jnp.asarray(idx)))
+    bad = idx.copy()
+    bad[1, 0, 0] = E + 1
+    with pytest.raises(jax_ep.CheckError, match=r"expert ids outside.*\(1 and 0 over"):
+        jax_ep.checked(f)(x, jnp.asarray(bad))
+    g = jax.jit(jax.vmap(jax.vmap(one, axis_name="ep")))  # a batch axis outside
+    jax.block_until_ready(g(x[None], jnp.asarray(idx)[None]))

@@ -354,3 +354,21 @@ def test_pending_carried_across_scan_iterations(mesh2, kind):
         smap(mesh2, carried(None))(per(xs), per(idx), per(w))
     with pytest.raises(TypeError, match="pair must be a non-empty str"):
         smap(mesh2, carried(3))(per(xs), per(idx), per(w))
+
+
+def test_pair_names_share_a_call_site_only_for_one_layout(mesh2):
+    """Sends naming one pair share a call site when their shapes and settings agree; a send of
+    other shapes under the same name stays a call site of its own."""
+    x = jnp.ones((2, 3, 128), jnp.bfloat16)
+    idx = jnp.zeros((2, 3, 2), jnp.int32)
+    sites = {}
+
+    def body(x, i):
+        for name, M in [("a", 4), ("b", 4), ("c", 8)]:
+            p = jax_ep.low_latency_dispatch_send(x, i, num_experts=E, max_tokens_per_rank=M,
+                                                 backend=BACKEND, pair="layer")
+            sites[name] = p.meta[4]
+        return x
+
+    jax.eval_shape(smap(mesh2, body), x, idx)
+    assert sites["a"] == sites["b"] != sites["c"]

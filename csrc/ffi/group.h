@@ -22,8 +22,9 @@ struct GroupInfo {
 xla::ffi::Error resolve_group(int device, xla::ffi::Span<const int64_t> groups, int64_t group_size,
                               int64_t slot, GroupInfo* out);
 
-// An address table that names one buffer per entry of the group table (`bufs` of the LL ops,
-// `stage` of the HT ops in per-process mode): the R addresses of out->group's row, bit 0 cleared.
+// An address table that names one buffer per entry of the group table (a call-site lease's
+// buffers: the LL receive buffers, the HT staging buffers of per-process mode,
+// runtime/lease.h): the R addresses of out->group's row, bit 0 cleared.
 // Bit 0 set marks a remote peer (nvshmem/symmetric.h), whose address is this rank's image of its
 // buffer; it must agree with gi.peers. `what` names the buffer in the errors.
 xla::ffi::Error decode_peer_row(const char* op, const char* what,

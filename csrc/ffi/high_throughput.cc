@@ -52,11 +52,20 @@ ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks,
 // end barrier, after every peer finished reading. An entry with bit 0 set names a remote peer
 // (symmetric.h): its stage[] is this rank's mirror of that peer's staging buffer, which
 // run_pulled fills (nvshmem/remote.h). *staged: the staged bytes (the same on every rank).
-ffi::Error stage_operands(const char* op, cudaStream_t stream, ffi::Span<const int64_t> stage,
+ffi::Error stage_operands(const char* op, cudaStream_t stream, const jax_ep::Lease& lease,
                           ffi::Span<const int64_t> groups, jax_ep::GroupInfo* gi,
                           std::initializer_list<std::pair<const void*, size_t>> operands,
                           size_t* staged) {
+  const ffi::Span<const int64_t> stage(lease.bufs);
   if (stage.size() == 0) return ffi::Error::Success();
+  size_t need = 0;
+  for (const auto& operand : operands)
+    need += jax_ep::ht::stage_aligned(static_cast<int64_t>(operand.second));
+  if (need > lease.request.bytes)
+    return ffi::Error::Internal(std::string(op) + ": the operands need " + std::to_string(need) +
+                                " staging bytes, the call site's buffer holds " +
+                                std::to_string(lease.request.bytes) +
+                                " (a lowering bug: stage_bytes is sized from the same shapes)");
   uint8_t* bufs[jax_ep::kMaxRanks];
   if (ffi::Error err = jax_ep::decode_peer_row(op, "staging buffer", stage, groups, *gi, bufs);
       err.failure())
@@ -174,8 +183,7 @@ ffi::Error HtDispatchImpl(
                                 std::to_string(plan.scratch_words) + " scratch words");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, ffi::Span<const int64_t>(st->lease->bufs),
-                                        groups, &gi,
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, groups, &gi,
                                         {{x.untyped_data(), x.size_bytes()},
                                          {x_scales.untyped_data(), x_scales.size_bytes()},
                                          {topk_idx.untyped_data(), topk_idx.size_bytes()},
@@ -236,9 +244,8 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, ffi::Span<const int64_t>(st->lease->bufs),
-                                        groups, &gi, {{x.untyped_data(), x.size_bytes()}},
-                                        &staged));
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, groups, &gi,
+                                        {{x.untyped_data(), x.size_bytes()}}, &staged));
   GatherArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;
@@ -304,9 +311,8 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, ffi::Span<const int64_t>(st->lease->bufs),
-                                        groups, &gi, {{y.untyped_data(), y.size_bytes()}},
-                                        &staged));
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, groups, &gi,
+                                        {{y.untyped_data(), y.size_bytes()}}, &staged));
   CombineArgs a{};
   a.ps = gi.peers;
   a.timeout_ns = timeout_ns;

@@ -11,7 +11,6 @@
 #include <stdexcept>
 
 #include "nvshmem/glue.h"
-#include "runtime/device.h"
 
 namespace jax_ep {
 namespace sym {
@@ -24,7 +23,6 @@ uint8_t* g_arena = nullptr;
 size_t g_arena_bytes = 0;
 size_t g_used = 0;
 int g_pe = -1, g_npes = 0;
-int g_device = 0;  // this process's CUDA device (current at attach)
 // Some PE is not reachable by loads and stores (another node; or JAX_EP_FORCE_REMOTE_PEERS=1,
 // which treats every other PE so, to exercise the NVSHMEM path on one node). The same on every
 // PE of a job whose nodes are alike, so every PE makes the same allocations (see reserve).
@@ -34,12 +32,6 @@ struct SymGroup {
   std::vector<Workspace*> peer;  // this process's address of each rank's workspace (or null)
 };
 std::map<std::vector<int>, SymGroup> g_sym_groups;
-struct SymSlotBuffer {
-  uint8_t* local = nullptr;
-  size_t bytes = 0;  // per image
-  int images = 0;    // scratch images after the buffer (one per rank of the group, remote mode)
-};
-SymSlotBuffer g_sym_slot_bufs[kNumSlots];
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -106,7 +98,6 @@ void attach(size_t bytes) {
           "(XLA_PYTHON_CLIENT_MEM_FRACTION)";
     throw std::runtime_error(os.str());
   }
-  check(cudaGetDevice(&g_device), "cudaGetDevice");
   check(cudaMemset(p, 0, arena), "cudaMemset(symmetric arena)");
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   api.barrier_all();  // nobody writes into a peer's arena before that peer has zeroed it
@@ -177,24 +168,18 @@ std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& tab
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_api == nullptr) throw std::runtime_error("jax_ep: per-process mode is not attached");
   if (slot < 0 || slot >= kNumSlots) throw std::runtime_error("jax_ep: slot out of range");
-  SymSlotBuffer& sb = g_sym_slot_bufs[slot];
   // With remote peers, the buffer is followed by one scratch image per rank: the send area of
   // the push ops (rows for remote rank q), the mirror of remote q's staging buffer (pull ops).
+  // Every lease gets memory no lease had before: the arena was zeroed at attach, so it reads
+  // zero, and a faster peer may already have written rows into it (its own lease of this call
+  // site came first), which zeroing it here would erase. Never reused: the arena only grows.
+  struct {
+    uint8_t* local;
+    size_t bytes;
+  } sb;
   const int images = g_any_remote && !table.empty() ? static_cast<int>(table[0].size()) : 0;
-  if (sb.bytes < bytes || sb.images < images) {
-    sb.bytes = std::max(sb.bytes, (bytes + kAlign - 1) / kAlign * kAlign);
-    sb.images = std::max(sb.images, images);
-    sb.local = take(sb.bytes * (1 + sb.images), "a slot's data buffer");
-  }
-  // A new lease of the slot (runtime/lease.h): this process's copy starts zeroed, so no row tag
-  // of the previous holder's layout is read as one of the new layout's. The slot's epochs go on
-  // increasing, so whatever a peer still writes for the previous holder carries an older epoch.
-  int prev = 0;
-  cudaGetDevice(&prev);
-  cudaError_t ze = cudaSetDevice(g_device);
-  if (ze == cudaSuccess) ze = zero_device_memory(sb.local, sb.bytes * (1 + sb.images));
-  cudaSetDevice(prev);
-  check(ze, "zeroing a slot's data buffer");
+  sb.bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+  sb.local = take(sb.bytes * (1 + images), "a call site's data buffer");
   std::vector<unsigned long long> out;
   for (const std::vector<int>& members : table) {
     bool mine = false;

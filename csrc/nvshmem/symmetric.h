@@ -41,9 +41,9 @@ void init_groups(const std::vector<std::vector<int>>& table);
 // *remote = true: rank r is not reachable by loads and stores (nvshmem/remote.h); null
 // otherwise: unknown group, err names the reason.
 Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote, std::string* err);
-// Symmetric buffer of call-site slot `slot`, at least `bytes`, for a new lease of the slot
-// (runtime/lease.cc): the same offset on every PE (a larger request allocates a new one; the old
-// one stays, the arena never frees), this process's copy zeroed.
+// Symmetric buffer of at least `bytes` for a new lease of slot `slot` (runtime/lease.cc): fresh
+// arena memory (zero since attach; never reused, as a faster peer may already have written into
+// it), at the same offset on every PE when every process leases in the same order.
 // Returns, aligned with the flattened table, the addresses this process uses for each member
 // of its own group, and 0 for the members of other groups. A member without load/store access
 // gets instead this process's scratch image for it (the push ops' send area for that member,

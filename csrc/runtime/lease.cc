@@ -26,11 +26,19 @@
 namespace jax_ep {
 namespace {
 
-std::mutex g_mu;  // the registry, the slot pool and the byte counts
-std::map<uint64_t, std::weak_ptr<Lease>> g_leases;
-bool g_slot_used[kNumSlots] = {};
-std::map<int, int64_t> g_bytes;  // live one-process buffer bytes per CUDA device
-int64_t g_created = 0;
+// The registry, the slot pool and the byte counts, under `mu`. Never destroyed: an executable
+// that jaxlib destroys during static destruction at exit still releases its lease here.
+struct Registry {
+  std::mutex mu;
+  std::map<uint64_t, std::weak_ptr<Lease>> leases;
+  bool slot_used[kNumSlots] = {};
+  std::map<int, int64_t> bytes;  // live one-process buffer bytes per CUDA device
+  int64_t created = 0;
+};
+Registry& reg() {
+  static Registry* r = new Registry();
+  return *r;
+}
 
 // Frees buffers off the caller's thread: XLA destroys an executable's state from whichever
 // thread drops the executable, possibly one holding the Python GIL, and cudaFree waits for the
@@ -71,8 +79,8 @@ class Reaper {
       if (cudaSetDevice(it.device) == cudaSuccess) cudaFree(it.p);
       cudaGetLastError();  // at exit the runtime may be gone: nothing to report to
       {
-        std::lock_guard<std::mutex> lock(g_mu);
-        g_bytes[it.device] -= static_cast<int64_t>(it.bytes);
+        std::lock_guard<std::mutex> lock(reg().mu);
+        reg().bytes[it.device] -= static_cast<int64_t>(it.bytes);
       }
       std::lock_guard<std::mutex> lock(mu_);
       --busy_;
@@ -90,15 +98,27 @@ Reaper& reaper() {
   return *r;
 }
 
-int take_slot(bool push) {  // caller holds g_mu; -1 when none is free
+int take_slot(bool push) {  // caller holds reg().mu; -1 when none is free
   const int lo = push ? kFirstPushSlot : 0, hi = push ? kNumSlots : kFirstPushSlot;
   if (JAX_EP_MUTATION == 6 && push) return kFirstPushSlot;
   for (int s = lo; s < hi; ++s)
-    if (!g_slot_used[s]) {
-      g_slot_used[s] = true;
+    if (!reg().slot_used[s]) {
+      reg().slot_used[s] = true;
       return s;
     }
   return -1;
+}
+
+// Frees what a lease that never got published holds (its slot, its one-process buffers).
+void give_back(const LeaseRequest& r, int slot, const std::vector<int64_t>& bufs) {
+  {
+    std::lock_guard<std::mutex> lock(reg().mu);
+    reg().slot_used[slot] = false;
+  }
+  if (sym::active()) return;
+  for (size_t i = 0; i < bufs.size(); ++i)
+    reaper().free_later(id_device(static_cast<int>(r.groups[i])),
+                        reinterpret_cast<void*>(static_cast<uintptr_t>(bufs[i])), 0);
 }
 
 // One-process mode: a zeroed buffer per table entry (a CUDA ordinal, or a virtual rank's id).
@@ -142,33 +162,47 @@ bool same_request(const LeaseRequest& a, const LeaseRequest& b) {
 }  // namespace
 
 Lease::~Lease() {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_leases.find(request.site);
-  if (it != g_leases.end() && it->second.expired()) g_leases.erase(it);
+  std::lock_guard<std::mutex> lock(reg().mu);
+  auto it = reg().leases.find(request.site);
+  if (it != reg().leases.end() && it->second.expired()) reg().leases.erase(it);
   if (JAX_EP_MUTATION == 5) return;
-  if (slot >= 0) g_slot_used[slot] = false;
-  // Per-process buffers are slot-owned symmetric memory (nvshmem/symmetric.h): nothing to free.
+  if (slot >= 0) reg().slot_used[slot] = false;
+  // Per-process buffers are arena memory, never reused (nvshmem/symmetric.h): nothing to free.
   if (sym::active() || request.bytes == 0) return;
   for (size_t i = 0; i < bufs.size(); ++i)
     reaper().free_later(id_device(static_cast<int>(request.groups[i])),
                         reinterpret_cast<void*>(static_cast<uintptr_t>(bufs[i])), request.bytes);
 }
 
+// The live lease of r.site, or null. Caller holds reg().mu. *mismatch: it names another table,
+// kind or size (the error is raised by the caller after unlocking: dropping the last reference
+// of a lease locks the registry).
+std::shared_ptr<Lease> live_lease(const LeaseRequest& r, bool* mismatch) {
+  auto it = reg().leases.find(r.site);
+  if (it == reg().leases.end()) return nullptr;
+  std::shared_ptr<Lease> live = it->second.lock();
+  *mismatch = live != nullptr && !same_request(live->request, r);
+  return live;
+}
+
+void throw_mismatch() {
+  throw std::runtime_error(
+      "jax_ep: two call sites share a site id but differ in group table, kind or buffer size "
+      "(the halves of a split op, and split sends sharing a pair name, must agree)");
+}
+
 std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
   int slot = -1;
   {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = g_leases.find(r.site);
-    if (it != g_leases.end())
-      if (std::shared_ptr<Lease> live = it->second.lock()) {
-        if (!same_request(live->request, r))
-          throw std::runtime_error(
-              "jax_ep: two call sites share a site id but differ in group table, kind or "
-              "buffer size (the halves of a split op, and split sends sharing a pair name, must "
-              "agree)");
-        return live;
-      }
-    slot = take_slot(r.push);
+    std::shared_ptr<Lease> live;
+    bool mismatch = false;
+    {
+      std::lock_guard<std::mutex> lock(reg().mu);
+      live = live_lease(r, &mismatch);
+      if (live == nullptr) slot = take_slot(r.push);
+    }
+    if (mismatch) throw_mismatch();
+    if (live != nullptr) return live;
     if (slot < 0) {
       std::ostringstream os;
       os << "jax_ep: no free " << (r.push ? "low-latency" : "high-throughput")
@@ -179,6 +213,7 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
       throw std::runtime_error(os.str());
     }
   }
+  // Buffers outside the lock (allocation and zeroing take a while).
   std::vector<int64_t> bufs;
   try {
     if (r.bytes > 0 && sym::active()) {
@@ -192,37 +227,53 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
       bufs = allocate_buffers(r, slot);
     }
   } catch (...) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_slot_used[slot] = false;
+    std::lock_guard<std::mutex> lock(reg().mu);
+    reg().slot_used[slot] = false;
     throw;
   }
   auto lease = std::make_shared<Lease>();
   lease->request = r;
   lease->slot = slot;
   lease->bufs = std::move(bufs);
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (r.bytes > 0 && !sym::active())
-    for (int64_t id : r.groups) g_bytes[id_device(static_cast<int>(id))] += r.bytes;
-  ++g_created;
-  g_leases[r.site] = lease;
-  return lease;
+  std::shared_ptr<Lease> live;
+  bool mismatch = false;
+  {
+    std::lock_guard<std::mutex> lock(reg().mu);
+    // Another thread may have made the lease of this site meanwhile (one lowering compiled
+    // twice at once): then that one is the site's, and ours goes back.
+    live = live_lease(r, &mismatch);
+    if (live == nullptr) {
+      if (r.bytes > 0 && !sym::active())
+        for (int64_t id : r.groups) reg().bytes[id_device(static_cast<int>(id))] += r.bytes;
+      ++reg().created;
+      reg().leases[r.site] = lease;
+      return lease;
+    }
+  }
+  lease->slot = -1;  // not published: give_back returns the slot and buffers, not ~Lease
+  give_back(r, slot, lease->bufs);
+  lease->bufs.clear();
+  lease->request.bytes = 0;
+  lease.reset();
+  if (mismatch) throw_mismatch();
+  return live;
 }
 
 LeaseStats lease_stats() {
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<std::mutex> lock(reg().mu);
   LeaseStats s;
-  for (auto& kv : g_leases) s.live += kv.second.expired() ? 0 : 1;
+  for (auto& kv : reg().leases) s.live += kv.second.expired() ? 0 : 1;
   for (int i = 0; i < kNumSlots; ++i)
-    if (!g_slot_used[i]) ++(i < kFirstPushSlot ? s.free_pull : s.free_push);
-  for (auto& kv : g_bytes) s.buffer_bytes += kv.second;
-  s.created = g_created;
+    if (!reg().slot_used[i]) ++(i < kFirstPushSlot ? s.free_pull : s.free_push);
+  for (auto& kv : reg().bytes) s.buffer_bytes += kv.second;
+  s.created = reg().created;
   return s;
 }
 
 int64_t lease_buffer_bytes(int device) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_bytes.find(device);
-  return it == g_bytes.end() ? 0 : it->second;
+  std::lock_guard<std::mutex> lock(reg().mu);
+  auto it = reg().bytes.find(device);
+  return it == reg().bytes.end() ? 0 : it->second;
 }
 
 void flush_buffer_frees() { reaper().flush(); }

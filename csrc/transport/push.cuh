@@ -1,8 +1,8 @@
 // Push protocol of the low-latency ops (DeepEP low-latency style, over peer memory).
 //
-// Each push slot owns a receive buffer on every rank (reserve_slot_buffer), split in two halves
-// by the parity p = e & 1 of the call's epoch e. A call has a send phase and a receive phase,
-// run by one kernel (fused op) or by two (the send / receive split):
+// Each push call site's lease holds a receive buffer on every rank (runtime/lease.h), split in two
+// halves by the parity p = e & 1 of the call's epoch e. A call has a send phase and a receive
+// phase, run by one kernel (fused op) or by two (the send / receive split):
 //   send    wait until every receiver q has freed our half p from call e - 2 (freed[q] >= e - 2,
 //           written by q into OUR slot: normally long true), write rows into q's buffer, each
 //           followed by its tags (the epoch e, release stores: kernels/low_latency/). The LL
