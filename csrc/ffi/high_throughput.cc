@@ -334,6 +334,8 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
 // lowering adds to each (jax_ep/_ffi.py), in the handlers' parameter order.
 #define JAX_EP_HT_BIND \
   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
+// What every HT handler binds last: its staging size and the call site's state (its lease).
+#define JAX_EP_HT_STAGE_AND_STATE .Attr<int64_t>("stage_bytes").Ctx<ffi::State<jax_ep::SiteState>>()
 #define JAX_EP_HT_GROUP_ATTRS               \
   .Attr<ffi::Span<const int64_t>>("groups") \
       .Attr<int64_t>("group_size")          \
@@ -356,9 +358,7 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
       .Ret<ffi::Buffer<ffi::S32>>() /* recv_tokens_per_expert [L] */ \
       .Ret<ffi::Buffer<ffi::S32>>() /* stats [4] */                  \
       .Ret<ffi::Buffer<ffi::S32>>() /* scratch [ht_scratch_words] */ \
-      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("num_experts")             \
-      .Attr<int64_t>("stage_bytes")                                  \
-      .Ctx<ffi::State<jax_ep::SiteState>>()
+      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("num_experts") JAX_EP_HT_STAGE_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DISPATCH);
 
 #define JAX_EP_BIND_HT_GATHER                            \
@@ -367,8 +367,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DIS
       .Arg<ffi::Buffer<ffi::S32>>() /* recv_src [C] */   \
       .Arg<ffi::Buffer<ffi::S32>>() /* stats [4] */      \
       .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */ \
-      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("stage_bytes") \
-      .Ctx<ffi::State<jax_ep::SiteState>>()
+      JAX_EP_HT_GROUP_ATTRS JAX_EP_HT_STAGE_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER);
 
 #define JAX_EP_BIND_HT_COMBINE                                      \
@@ -376,6 +375,5 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER)
       .Arg<ffi::AnyBuffer>()        /* y [C, H] f32 / bf16 / f16 */ \
       .Arg<ffi::Buffer<ffi::S32>>() /* send_rows [T, R] */          \
       .Ret<ffi::AnyBuffer>()        /* out [T, H], dtype of y */    \
-      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("stage_bytes")            \
-      .Ctx<ffi::State<jax_ep::SiteState>>()
+      JAX_EP_HT_GROUP_ATTRS JAX_EP_HT_STAGE_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE);

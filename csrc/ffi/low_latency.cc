@@ -385,6 +385,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 
 #define JAX_EP_LL_BIND \
   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
+// What every LL handler binds last: the attributes and the call site's state (its lease).
+#define JAX_EP_LL_ATTRS_AND_STATE .Attrs<LlAttrs>().Ctx<ffi::State<jax_ep::SiteState>>()
 
 #define JAX_EP_BIND_LL_DISPATCH                                   \
   JAX_EP_LL_BIND                                                  \
@@ -397,8 +399,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
       .Ret<ffi::AnyBuffer>()        /* recv_slot [L, R*M] */      \
       .Ret<ffi::AnyBuffer>()        /* src_rows [R*M, K] */       \
       .Ret<ffi::Buffer<ffi::S32>>() /* stats [2] */               \
-      .Attrs<LlAttrs>()                                           \
-      .Ctx<ffi::State<jax_ep::SiteState>>()
+      JAX_EP_LL_ATTRS_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatch, LlDispatchImpl, JAX_EP_BIND_LL_DISPATCH);
 
 #define JAX_EP_BIND_LL_DISPATCH_SEND                             \
@@ -406,8 +407,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatch, LlDispatchImpl, JAX_EP_BIND_LL_DIS
       .Arg<ffi::AnyBuffer>()        /* x */                      \
       .Arg<ffi::AnyBuffer>()        /* topk_idx */               \
       .Ret<ffi::Buffer<ffi::S32>>() /* stats [2] (the ticket) */ \
-      .Attrs<LlAttrs>()                                          \
-      .Ctx<ffi::State<jax_ep::SiteState>>()
+      JAX_EP_LL_ATTRS_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchSend, LlDispatchSendImpl, JAX_EP_BIND_LL_DISPATCH_SEND);
 
 #define JAX_EP_BIND_LL_DISPATCH_RECV           \
@@ -419,8 +419,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchSend, LlDispatchSendImpl, JAX_EP_BIN
       .Ret<ffi::AnyBuffer>() /* recv_src */    \
       .Ret<ffi::AnyBuffer>() /* recv_slot */   \
       .Ret<ffi::AnyBuffer>() /* src_rows */    \
-      .Attrs<LlAttrs>()                        \
-      .Ctx<ffi::State<jax_ep::SiteState>>()
+      JAX_EP_LL_ATTRS_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchRecv, LlDispatchRecvImpl, JAX_EP_BIND_LL_DISPATCH_RECV);
 
 #define JAX_EP_BIND_LL_COMBINE                                  \
@@ -434,8 +433,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlDispatchRecv, LlDispatchRecvImpl, JAX_EP_BIN
       .Arg<ffi::AnyBuffer>() /* topk_weights [T, K] f32 */      \
       .Arg<ffi::AnyBuffer>() /* the handle's topk_idx [T, K] */ \
       .Ret<ffi::AnyBuffer>() /* out [T, H] bf16 */              \
-      .Attrs<LlAttrs>()                                         \
-      .Ctx<ffi::State<jax_ep::SiteState>>()
+      JAX_EP_LL_ATTRS_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombine, LlCombineImpl, JAX_EP_BIND_LL_COMBINE);
 
 #define JAX_EP_BIND_LL_COMBINE_SEND                             \
@@ -449,8 +447,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombine, LlCombineImpl, JAX_EP_BIND_LL_COMBI
       .Arg<ffi::AnyBuffer>()        /* topk_weights */          \
       .Arg<ffi::AnyBuffer>()        /* the handle's topk_idx */ \
       .Ret<ffi::Buffer<ffi::S32>>() /* ticket [1] */            \
-      .Attrs<LlAttrs>()                                         \
-      .Ctx<ffi::State<jax_ep::SiteState>>()
+      JAX_EP_LL_ATTRS_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineSend, LlCombineSendImpl, JAX_EP_BIND_LL_COMBINE_SEND);
 
 #define JAX_EP_BIND_LL_COMBINE_RECV                      \
@@ -460,6 +457,5 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineSend, LlCombineSendImpl, JAX_EP_BIND_
       .Arg<ffi::AnyBuffer>() /* topk_weights */          \
       .Arg<ffi::AnyBuffer>() /* the handle's topk_idx */ \
       .Ret<ffi::AnyBuffer>() /* out */                   \
-      .Attrs<LlAttrs>()                                  \
-      .Ctx<ffi::State<jax_ep::SiteState>>()
+      JAX_EP_LL_ATTRS_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpLlCombineRecv, LlCombineRecvImpl, JAX_EP_BIND_LL_COMBINE_RECV);

@@ -441,11 +441,7 @@ int combine_grid_size(int device) {
 cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream) {
   const int vw = vec_bytes(
       {(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.y), reinterpret_cast<uintptr_t>(p.out)});
-  launch_gated(vw == 16  ? combine_kernel<uint4>
-               : vw == 8 ? combine_kernel<uint2>
-               : vw == 4 ? combine_kernel<unsigned int>
-                         : combine_kernel<unsigned short>,
-               "low-latency combine", grid, p, stream);
+  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(combine_kernel, vw), "low-latency combine", grid, p, stream);
   return cudaGetLastError();
 }
 

@@ -148,6 +148,14 @@ void launch_gated(void (*kernel)(Params), const char* name, int grid, const Para
     kernel<<<grid, kThreads, 0, stream>>>(p);
 }
 
+// `kernel` instantiated for the vector of vw bytes (vec_bytes): uint4, uint2, unsigned int or
+// unsigned short.
+#define JAX_EP_LL_BY_VEC_WIDTH(kernel, vw) \
+  ((vw) == 16  ? kernel<uint4>             \
+   : (vw) == 8 ? kernel<uint2>             \
+   : (vw) == 4 ? kernel<unsigned int>      \
+               : kernel<unsigned short>)
+
 // Widest vector (bytes) dividing every value.
 int vec_bytes(std::initializer_list<uintptr_t> vals) {
   int vw = 16;

@@ -648,11 +648,8 @@ cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stre
   const int vw = p.use_fp8 ? 16
                            : vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.x),
                                         reinterpret_cast<uintptr_t>(p.recv_x)});
-  launch_gated(vw == 16  ? dispatch_kernel<uint4>
-               : vw == 8 ? dispatch_kernel<uint2>
-               : vw == 4 ? dispatch_kernel<unsigned int>
-                         : dispatch_kernel<unsigned short>,
-               "low-latency dispatch", grid, p, stream);
+  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(dispatch_kernel, vw), "low-latency dispatch", grid, p,
+               stream);
   return cudaGetLastError();
 }
 
