@@ -109,7 +109,7 @@ int take_slot(bool push) {  // caller holds reg().mu; -1 when none is free
   return -1;
 }
 
-// Frees what a lease that never got published holds (its slot, its one-process buffers).
+// Returns the slot and one-process buffers taken for a lease that was not published.
 void give_back(const LeaseRequest& r, int slot, const std::vector<int64_t>& bufs) {
   {
     std::lock_guard<std::mutex> lock(reg().mu);
@@ -231,18 +231,18 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
     reg().slot_used[slot] = false;
     throw;
   }
-  auto lease = std::make_shared<Lease>();
-  lease->request = r;
-  lease->slot = slot;
-  lease->bufs = std::move(bufs);
   std::shared_ptr<Lease> live;
   bool mismatch = false;
   {
     std::lock_guard<std::mutex> lock(reg().mu);
     // Another thread may have made the lease of this site meanwhile (one lowering compiled
-    // twice at once): then that one is the site's, and ours goes back.
+    // twice at once): then that one is the site's, and our slot and buffers go back.
     live = live_lease(r, &mismatch);
     if (live == nullptr) {
+      auto lease = std::make_shared<Lease>();
+      lease->request = r;
+      lease->slot = slot;
+      lease->bufs = std::move(bufs);
       if (r.bytes > 0 && !sym::active())
         for (int64_t id : r.groups) reg().bytes[id_device(static_cast<int>(id))] += r.bytes;
       ++reg().created;
@@ -250,11 +250,7 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
       return lease;
     }
   }
-  lease->slot = -1;  // not published: give_back returns the slot and buffers, not ~Lease
-  give_back(r, slot, lease->bufs);
-  lease->bufs.clear();
-  lease->request.bytes = 0;
-  lease.reset();
+  give_back(r, slot, bufs);
   if (mismatch) throw_mismatch();
   return live;
 }
