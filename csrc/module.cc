@@ -19,6 +19,7 @@
 #include "kernels/ht_sizes.h"
 #include "kernels/ll_sizes.h"
 #include "runtime/device.h"
+#include "runtime/fault.h"
 #include "runtime/lease.h"
 #include "nvshmem/symmetric.h"
 #include "runtime/virtual_ranks.h"
@@ -166,6 +167,29 @@ NB_MODULE(_C, m) {
         return static_cast<int64_t>(total - free_b);
       },
       nb::arg("device"), "Bytes of device memory in use on a CUDA device (cudaMemGetInfo).");
+  m.def(
+      "fault_records",
+      []() {
+        nb::list out;
+        for (const jax_ep::FaultRecord& r : jax_ep::fault::records()) {
+          nb::dict d;
+          d["rank"] = r.rank;
+          d["peer"] = r.peer;
+          d["num_ranks"] = r.num_ranks;
+          d["epoch"] = r.epoch;
+          d["seen"] = r.seen;
+          d["timeout_ns"] = r.timeout_ns;
+          d["phase"] = std::string(r.phase);
+          out.append(d);
+        }
+        return out;
+      },
+      "Why waits of this process gave up (runtime/fault.h): one record per device whose wait "
+      "timed out.");
+  m.def("fault_message", &jax_ep::fault::message,
+        "The error every communication op returns once a wait gave up; empty before.");
+  m.def("set_absent_virtual_ranks", &jax_ep::set_absent_ranks, nb::arg("mask"),
+        "Testing: virtual ranks (bit r) that do not run, as if their process had stopped.");
   // Per-process mode (nvshmem/symmetric.h).
   m.def("nvshmem_built", &jax_ep::sym::built);
   m.def("sym_active", &jax_ep::sym::active);

@@ -14,6 +14,7 @@ from jax_ep.low_latency import (LowLatencyHandle, LowLatencyPending, LowLatencyR
                                 low_latency_dispatch_recv, low_latency_dispatch_send)
 from jax_ep.reference import dequantize_fp8, quantize_fp8
 from jax_ep._checks import CheckError, checked
+from jax_ep._faults import PeerTimeoutError, raise_if_timed_out
 from jax_ep.runtime import initialize, runtime_info, set_num_blocks
 from jax_ep.layout import get_dispatch_layout
 from jax_ep import routing, testing
@@ -25,6 +26,7 @@ from jax_ep.grouped_gemm import (Fp8Weights, dequantize_fp8_weights, grouped_mat
 __all__ = [
     "dispatch", "combine", "DispatchResult", "DispatchHandle", "ExpertDispatchResult",
     "ExpertDispatchHandle", "recommended_capacity", "CheckError", "checked",
+    "PeerTimeoutError", "raise_if_timed_out",
     "low_latency_dispatch", "low_latency_combine", "LowLatencyResult", "LowLatencyHandle",
     "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send",
     "low_latency_combine_recv", "LowLatencyPending",

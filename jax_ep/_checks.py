@@ -252,16 +252,25 @@ atexit.register(_forget_failed_checks)  # runs before JAX's own exit handlers (r
 
 def checked(fn):
     """`fn` (e.g. a jitted training step), raising `jax_ep.CheckError` itself when a check of a
-    jax_ep op inside it fails, instead of the `jax.errors.JaxRuntimeError` that JAX reports.
-    Waits for fn's results (so that a failure surfaces in this call)."""
+    jax_ep op inside it fails, and `jax_ep.PeerTimeoutError` when a wait of a jax_ep op gave up
+    (in this call or before), instead of the `jax.errors.JaxRuntimeError` that JAX reports or
+    results that are not defined. Waits for fn's results (so that a failure surfaces in this
+    call)."""
+    from jax_ep._faults import raise_if_timed_out, timeout_error
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return jax.block_until_ready(fn(*args, **kwargs))
+            out = jax.block_until_ready(fn(*args, **kwargs))
         except Exception as e:  # JaxRuntimeError; under vmap JAX may report it as ValueError
             err = find_check_error(str(e))
             if err is None:
-                raise
-            _forget_failed_checks()
+                err = timeout_error()
+                if err is None:
+                    raise
+            else:
+                _forget_failed_checks()
             raise err from e
+        raise_if_timed_out()
+        return out
     return wrapper

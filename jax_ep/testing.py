@@ -12,6 +12,7 @@ What it proves and what it cannot: docs/testing.md.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_ep import config, runtime
 
-__all__ = ["virtual_ranks", "run_ranks", "use_virtual_ranks"]
+__all__ = ["virtual_ranks", "run_ranks", "use_virtual_ranks", "absent_ranks"]
 
 
 def virtual_ranks(fn, num_ranks: int, *, axis_name: str = "ep"):
@@ -88,3 +89,27 @@ def run_ranks(fn, num_ranks: int, *, axis_name: str = "ep"):
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name),
                                  check_vma=False))
+
+
+@contextlib.contextmanager
+def absent_ranks(ranks):
+    """Within the block, the given virtual ranks do not run jax_ep's communication ops, as if
+    their process had stopped before them: the other ranks' waits give up after
+    JAX_EP_TIMEOUT_S (see `jax_ep.PeerTimeoutError`). Read when an op runs, so run the program
+    inside the block. CUDA backend, one-GPU multi-rank mode only (the reference never waits).
+    Once a wait gave up, every communication op of the process fails: run this in a process of
+    its own."""
+    ext = runtime.extension()
+    if ext is None:
+        raise RuntimeError("absent_ranks needs the CUDA extension (the reference never waits)")
+    top = runtime.max_ranks()
+    mask = 0
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < top:
+            raise ValueError(f"absent_ranks: rank {r!r} is not an int in [0, {top})")
+        mask |= 1 << int(r)
+    ext.set_absent_virtual_ranks(mask)
+    try:
+        yield
+    finally:
+        ext.set_absent_virtual_ranks(0)

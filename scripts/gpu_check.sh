@@ -4,7 +4,8 @@
 #                        [bench-quick] [bench-gemm] [bench-moe] [bench-modes] [probe]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
 #   moe: the MoE layer (moe_ffn) GPU suite; leases: the call-site lease suite
-#   (tests/test_gpu_leases.py); planted: builds with planted bugs 5 to 7 (csrc/transport/peer.cuh
+#   (tests/test_gpu_leases.py); timeouts: waits that give up cleanly (tests/test_gpu_timeouts.py);
+#   planted: builds with planted bugs 5 to 8 (csrc/transport/peer.cuh
 #   lists them), each against the tests that must catch it (PLANTED="M:TEST ..."; planted.log);
 #   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
@@ -70,15 +71,22 @@ if has leases; then
      "$OLDPWD/tests/test_gpu_leases.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/lease_tests.log" \
      | tail -15) || rc=1
 fi
+if has timeouts; then
+  step "timeout GPU suite"
+  (cd /tmp && timeout 540 $PY -m pytest -q -s -p no:cacheprovider -m gpu \
+     "$OLDPWD/tests/test_gpu_timeouts.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/timeout_tests.log" \
+     | tail -15) || rc=1
+fi
 if has planted; then
-  step "planted-bug check: each planted bug (lease.cc 5 and 6, combine.cu 7) must fail its tests"
+  step "planted-bug check: each planted bug (lease.cc 5 and 6, combine.cu 7, peer.cuh 8) must fail its tests"
   # MUTATION:TEST pairs, each test in a process of its own (table: planted.log)
   L=tests/test_gpu_leases.py
   pairs="${PLANTED:-5:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
     5:$L::test_dropped_programs_give_their_slots_and_memory_back
     6:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
     6:$L::test_dropped_programs_give_their_slots_and_memory_back
-    7:tests/test_gpu.py::test_ll_combine_never_reads_past_a_tampered_handle}"
+    7:tests/test_gpu.py::test_ll_combine_never_reads_past_a_tampered_handle
+    8:tests/test_gpu_timeouts.py::test_a_wait_that_times_out_raises_and_keeps_the_context}"
   : > "$OUT/planted.log"
   built=" "
   for pair in $pairs; do

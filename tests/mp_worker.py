@@ -14,7 +14,7 @@ a failed peer could hang).
 With JAX_EP_FORCE_REMOTE_PEERS=1 every other process is treated as a remote peer (no load/store
 access): the same checks then run the NVSHMEM put / get kernels of nvshmem/remote.h.
 
---kill-rank r: rank r exits before the first op; the others must fail within JAX_EP_TIMEOUT_S
+--kill-rank r: rank r exits before the first op; the others must raise jax_ep.PeerTimeoutError
 with the kernel's timeout message, not hang (tests/test_multiprocess.py checks it).
 --absent-rank r: rank r never sets up jax_ep (it idles, then exits); the others must raise
 within JAX_EP_TIMEOUT_S an error naming process r, instead of waiting in NVSHMEM's set-up.
@@ -169,7 +169,13 @@ def main():
                                                      max_tokens_per_rank=8).recv_count,
             mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
         t0 = time.time()
-        local(f(put(mesh, x, P("ep")), put(mesh, idx, P("ep"))))
+        try:  # the wait for the dead rank gives up: PeerTimeoutError, the context still usable
+            jax_ep.checked(lambda: local(f(put(mesh, x, P("ep")), put(mesh, idx, P("ep")))))()
+        except jax_ep.PeerTimeoutError as e:
+            print(f"rank {RANK}: PeerTimeoutError after {time.time() - t0:.1f} s (op {e.op}, "
+                  f"peer {e.peer}): {e}", flush=True)
+            jnp.arange(3).sum().block_until_ready()
+            os._exit(5)
         print(f"rank {RANK}: op finished after {time.time() - t0:.1f} s without the dead rank "
               "(unexpected)", flush=True)
         os._exit(4)

@@ -825,14 +825,14 @@ def body(x, i, w):
     h = r.handle._replace(src_rows=jnp.full_like(r.handle.src_rows, 2**30))
     return jax_ep.low_latency_combine(r.recv_x, i, w, h, backend="cuda")
 
-jax.block_until_ready(jax_ep.testing.run_ranks(body, R)(x, idx, w))
+jax_ep.checked(jax_ep.testing.run_ranks(body, R))(x, idx, w)  # raises PeerTimeoutError
 """
 
 
 def test_ll_combine_never_reads_past_a_tampered_handle():
     """A handle whose src_rows name rows far past y: the combine send skips them (its peers then
-    wait for those rows until the timeout, in a process of its own), and never reads outside y,
-    which would end in an illegal memory access instead."""
+    wait for those rows until the timeout and give up: PeerTimeoutError, in a process of its
+    own), and never reads outside y, which would end in an illegal memory access instead."""
     import os
     import subprocess
     import sys
@@ -843,7 +843,7 @@ def test_ll_combine_never_reads_past_a_tampered_handle():
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-2000:]
     assert "illegal memory access" not in out, out[-3000:]
-    assert "timed out" in out, out[-3000:]
+    assert "PeerTimeoutError" in out and "timed out" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("R", [2, 4])

@@ -70,6 +70,7 @@ def test_killed_process_fails_peers_within_timeout():
     assert p.returncode != 0, out[-6000:]
     assert "exiting before the first op" in out, out[-6000:]
     assert "timed out" in out, out[-6000:]          # the kernel's message, naming the phase
+    assert "PeerTimeoutError after" in out and "(op ll_dispatch, peer 1)" in out, out[-6000:]
     assert "unexpected" not in out, out[-6000:]
     assert dt < 240, f"took {dt:.0f} s"
 

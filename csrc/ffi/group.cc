@@ -1,6 +1,7 @@
 #include "ffi/group.h"
 
 #include "nvshmem/symmetric.h"
+#include "runtime/fault.h"
 #include "runtime/virtual_ranks.h"
 
 #include <sstream>
@@ -16,6 +17,13 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
                                        " is outside [1, " + std::to_string(kMaxRanks) + "]");
   if (slot < 0 || slot >= kNumSlots)
     return ffi::Error::InvalidArgument("jax_ep: slot out of range");
+  // A wait of this process gave up (runtime/fault.h): no communication op runs any more.
+  if (fault::aborted()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, fault::message());
+  out->peers.fault = fault::device_state(device);
+  if (out->peers.fault == nullptr)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jax_ep: no fault record on device " + std::to_string(device) +
+                          " (the lowering sets it up: was it skipped?)");
   // One process over all GPUs: the table names CUDA ordinals. Per-process mode: it names PEs.
   // One-GPU multi-rank mode: it names the virtual ranks on this device (virtual_ranks.h).
   const bool per_process = sym::active();

@@ -55,20 +55,28 @@ __device__ __forceinline__ int warp_sum(int v) {
 
 // Steps 1-2 of the protocol for one block: thread 0 publishes (every block does it: the values
 // are identical, and no block then depends on another block having been scheduled), then lanes
-// of warp 0 wait for all peers' ready flags in parallel (one lane per peer).
-__device__ __forceinline__ void publish_and_wait(const PeerSlots& ps, const void* const* ptrs,
+// of warp 0 wait for all peers' ready flags in parallel (one lane per peer). False (in every
+// thread of the block) when a wait on this device gave up, before or during this one: the block
+// must end without reading any peer's memory. A failed device publishes nothing.
+__device__ __forceinline__ bool publish_and_wait(const PeerSlots& ps, const void* const* ptrs,
                                                  int n, unsigned long long e, int64_t timeout_ns,
                                                  const char* phase) {
+  __shared__ bool ok;
+  if (threadIdx.x == 0) ok = !device_failed(ps);
+  __syncthreads();
+  if (!ok) return false;
   if (threadIdx.x < 32) {
     if (threadIdx.x == 0) publish(ps, ptrs, n, e);
     __syncwarp();
 #if JAX_EP_MUTATION == 2  // planted bug 2 (transport/peer.cuh): the previous call's addresses
     e = e > 1 ? e - 1 : e;
 #endif
-    if (static_cast<int>(threadIdx.x) < ps.num_ranks && !is_remote(ps, threadIdx.x))
-      wait_flag_geq(&ps.slot[threadIdx.x]->ready, e, timeout_ns, ps.rank, threadIdx.x, phase);
+    if (static_cast<int>(threadIdx.x) < ps.num_ranks && !is_remote(ps, threadIdx.x) &&
+        !wait_flag_geq(ps, &ps.slot[threadIdx.x]->ready, e, timeout_ns, threadIdx.x, phase))
+      ok = false;
   }
   __syncthreads();
+  return ok;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -206,7 +214,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
     for (int l = tid; l < L; l += blockDim.x) a.recv_tokens_per_expert[l] = 0;
 
   const void* ptrs[kNumDispatchPtrs] = {a.x, a.x_scales, a.topk_idx, a.topk_weights};
-  publish_and_wait(ps, ptrs, kNumDispatchPtrs, e, a.timeout_ns, "ht_dispatch: wait for peers");
+  if (!publish_and_wait(ps, ptrs, kNumDispatchPtrs, e, a.timeout_ns, "ht_dispatch: wait for peers"))
+    return;
   trace_mark(ps, trace::kLayoutPeersReady);
   if (tid == 0) {
     s_idx_ptr = peer_ptr<const int32_t>(ps, s, kPtrTopkIdx);
@@ -270,7 +279,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
   if (tid < R) cnt[static_cast<int64_t>(b) * R + tid] = s_cnt[tid];
   if (s == me && tid == 0) inv_c[c] = s_invalid;
   trace_mark(ps, trace::kLayoutCounts);
-  grid_barrier(ps, 1, a.timeout_ns, "ht_dispatch: layout grid barrier");
+  if (!grid_barrier(ps, 1, a.timeout_ns, "ht_dispatch: layout grid barrier")) return;
   trace_mark(ps, trace::kLayoutGridBarrier);
 
   // Phase 2: the tokens of every (source, receiver), the rows each source keeps on each receiver
@@ -482,8 +491,10 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
 
   if (kGather) {
     const void* ptrs[1] = {a.own_x};
-    publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, "ht_gather: wait for peers");
+    if (!publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, "ht_gather: wait for peers")) return;
     trace_mark(ps, trace::kGatherPeersReady);
+  } else if (device_failed(ps)) {  // the layout kernel's waits gave up: its outputs are not valid
+    return;
   } else if (blockIdx.x == 0 && tid == 0) {
     // Every block of the layout kernel has exited (stream order): its grid barrier is done.
     grid_barrier_reset(ps);
@@ -624,7 +635,7 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a)
   trace_mark(ps, trace::kCombineStart);
 
   const void* ptrs[1] = {a.y};
-  publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, "ht_combine: wait for peers");
+  if (!publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, "ht_combine: wait for peers")) return;
   trace_mark(ps, trace::kCombinePeersReady);
   if (tid < R) s_y[tid] = peer_ptr<const T>(ps, tid, 0);
   __syncthreads();

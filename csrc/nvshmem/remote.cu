@@ -31,15 +31,22 @@ __global__ void __launch_bounds__(kThreads)
   Slot* me = ps.slot[ps.rank];
   const unsigned long long e = ld_volatile_u64(&me->epoch) + 1;
   const int q = threadIdx.x;
+  __shared__ bool ok;  // false: a wait gave up (now or before): get nothing
+  if (q == 0) ok = !device_failed(ps);
+  __syncthreads();
+  if (!ok) return;
   if (q < ps.num_ranks && is_remote(ps, q)) {
     // Our staging copy (stream-ordered before this kernel) is complete: q may read it.
     if (blockIdx.x == 0) {
       put_flag(&me->ready_from[ps.rank], e, ps.pe[q]);
       nvshmem_quiet();
     }
-    wait_flag_geq(&me->ready_from[q], e, timeout_ns, ps.rank, q, "pull: remote peer staged");
+    if (!wait_flag_geq(ps, &me->ready_from[q], e, timeout_ns, q,
+                       "ht_remote: wait for a remote peer's staged operands"))
+      ok = false;
   }
   __syncthreads();
+  if (!ok) return;
   const uint8_t* stage = ps.stage[ps.rank];  // symmetric: the same offset on every PE
   const size_t nchunks = (bytes + kGetChunk - 1) / kGetChunk;
   size_t c = 0;  // chunk c of the k-th remote peer: (k * nchunks + chunk) over the grid
@@ -63,7 +70,8 @@ __global__ void pull_epilogue_kernel(const __grid_constant__ PeerSlots ps, int64
     // Our mirror of q is read: q may overwrite its staging buffer (its next call).
     put_flag(&me->done[ps.rank], e, ps.pe[q]);
     nvshmem_quiet();
-    wait_flag_geq(&me->done[q], e, timeout_ns, ps.rank, q, "pull: remote peer done");
+    wait_flag_geq(ps, &me->done[q], e, timeout_ns, q,
+                  "ht_remote: wait for a remote peer to finish reading");
   }
 }
 

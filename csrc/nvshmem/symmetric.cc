@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "nvshmem/glue.h"
+#include "runtime/fault.h"
 
 namespace jax_ep {
 namespace sym {
@@ -110,6 +111,9 @@ void attach(size_t bytes) {
   g_any_remote = false;
   for (int pe = 0; pe < g_npes; ++pe)
     if (pe != g_pe && (g_force_remote || api.ptr(p, pe) == nullptr)) g_any_remote = true;
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  fault::ensure(device);
   g_api = &api;
 }
 

@@ -28,16 +28,29 @@ int sm_count(int device) {
   return sms / v->num_ranks > 0 ? sms / v->num_ranks : 1;
 }
 
-cudaError_t zero_device_memory(void* p, size_t bytes) {
+namespace {
+// Run `op` on a private stream and wait for that stream alone.
+template <typename Op>
+cudaError_t on_private_stream(Op&& op) {
   cudaStream_t s = nullptr;
   cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  if (e == cudaSuccess) e = cudaMemsetAsync(p, 0, bytes, s);
+  if (e == cudaSuccess) e = op(s);
   if (e == cudaSuccess) e = cudaStreamSynchronize(s);
   if (s != nullptr) {
     const cudaError_t d = cudaStreamDestroy(s);
     if (e == cudaSuccess) e = d;
   }
   return e;
+}
+}  // namespace
+
+cudaError_t zero_device_memory(void* p, size_t bytes) {
+  return on_private_stream([&](cudaStream_t s) { return cudaMemsetAsync(p, 0, bytes, s); });
+}
+
+cudaError_t copy_to_device_memory(void* dst, const void* src, size_t bytes) {
+  return on_private_stream(
+      [&](cudaStream_t s) { return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s); });
 }
 
 }  // namespace jax_ep

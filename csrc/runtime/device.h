@@ -17,6 +17,8 @@ int device_sm_count(int device);
 // possibly while a running step waits on a host callback that needs the Python thread (which a
 // device-wide wait would hold: a deadlock).
 cudaError_t zero_device_memory(void* p, size_t bytes);
+// Copy `bytes` from host memory to device memory of the current device, the same way.
+cudaError_t copy_to_device_memory(void* dst, const void* src, size_t bytes);
 
 // The SMs one rank's kernels size their grids for: device_sm_count, or in the one-GPU
 // multi-rank mode (runtime/virtual_ranks.h) the rank's share of them, at least 1.

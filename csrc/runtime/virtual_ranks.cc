@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <mutex>
 #include <sstream>
 
@@ -10,9 +11,13 @@
 namespace jax_ep {
 namespace {
 thread_local const VirtualRank* t_virtual = nullptr;
+std::atomic<unsigned int> g_absent{0};
 }  // namespace
 
 const VirtualRank* virtual_rank() { return t_virtual; }
+
+void set_absent_ranks(unsigned int mask) { g_absent.store(mask, std::memory_order_relaxed); }
+unsigned int absent_ranks() { return g_absent.load(std::memory_order_relaxed); }
 
 VirtualRankScope::VirtualRankScope(VirtualRank* v) : prev_(t_virtual) { t_virtual = v; }
 VirtualRankScope::~VirtualRankScope() { t_virtual = prev_; }

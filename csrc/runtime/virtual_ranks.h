@@ -66,4 +66,10 @@ std::string fork_ranks(int device, int num_ranks, void* stream, RankStreams** ou
 void* rank_stream(RankStreams* rs, int rank);
 std::string join_ranks(RankStreams* rs, int num_ranks, void* stream);
 
+// Testing (jax_ep.testing.absent_ranks): the virtual ranks that do not run, bit r for rank r,
+// as if their process had stopped before the op; their peers' waits then give up
+// (runtime/fault.h). Read when an op runs; 0 (the default): every rank runs.
+void set_absent_ranks(unsigned int mask);
+unsigned int absent_ranks();
+
 }  // namespace jax_ep

@@ -1,6 +1,7 @@
 #include "runtime/workspace.h"
 
 #include "runtime/device.h"
+#include "runtime/fault.h"
 #include "runtime/virtual_ranks.h"
 
 #include <cuda_runtime.h>
@@ -38,6 +39,7 @@ void init_group(const std::vector<int>& devices) {
     check(cudaMalloc(&p, sizeof(Workspace)), "cudaMalloc(workspace)", d);
     check(zero_device_memory(p, sizeof(Workspace)), "zeroing the workspace", d);
     ws[id] = static_cast<Workspace*>(p);
+    fault::ensure(d);
   }
   std::vector<int> devs;
   for (int id : devices)

@@ -1,7 +1,8 @@
 // The peer table of one EP group in one process (PeerSlots: every rank's call-site slot and
 // buffers), the bounded waits on peer flags, and the phase tracer. The protocols built on it:
 // transport/pull.cuh (the high-throughput ops) and transport/push.cuh (the low-latency ops).
-// Every wait stops after timeout_ns and traps with a message naming the rank and the phase.
+// Every wait gives up after timeout_ns without trapping (runtime/fault.h): it records the rank,
+// the peer and the phase, and the kernels end; the host turns the record into an error.
 #pragma once
 // Planted bugs for the mutation check of the multi-rank suites (scripts/gpu_check.sh
 // mutations, CMake variable JAX_EP_MUTATION), each in code every one-process run executes:
@@ -11,7 +12,8 @@
 // kernels/high_throughput.cu); 3, the ready flag stored relaxed, with no fence after the addresses
 // it publishes (publish, transport/pull.cuh); 4, low-latency: a row tag of the half's previous use
 // passes (tag_older). 5 and 6 are call-site lease bugs (runtime/lease.cc); 7, low-latency
-// combine: a row of y named by a tampered handle is read without the bound (combine_send_item).
+// combine: a row of y named by a tampered handle is read without the bound (combine_send_item);
+// 8, a wait that timed out traps as it once did (give_up), which ends the CUDA context.
 // 0 (every real build) changes no code.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0
@@ -19,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "runtime/fault.h"
 #include "runtime/workspace.h"
 #include "transport/ordering.cuh"
 #include "transport/trace_marks.h"
@@ -41,6 +44,8 @@ struct PeerSlots {
   // rank q's NVSHMEM PE.
   unsigned int remote;
   int pe[kMaxRanks];
+  // This device's fault state (runtime/fault.h): what a wait that gives up writes.
+  DeviceFault* fault;
 };
 
 __host__ __device__ __forceinline__ bool is_remote(const PeerSlots& ps, int q) {
@@ -64,30 +69,95 @@ __device__ __forceinline__ void trace_mark(const PeerSlots& ps, int i) {
     trace_mark_last(ps, i);
 }
 
-// True for the first caller in this process (per translation unit): one timeout report when
-// many threads time out together. Never reset: a trap leaves the CUDA context unusable anyway.
-static __device__ int g_timeout_reported = 0;
-__device__ __forceinline__ bool first_timeout_report() {
-  return *reinterpret_cast<volatile int*>(&g_timeout_reported) == 0 &&
-         atomicExch(&g_timeout_reported, 1) == 0;
+// ---------------------------------------------------------------------------------------------
+// Bounded waits (docs/design.md#clean-timeouts). A wait first tests its condition; only when
+// that fails does it start a Patience and poll. Each poll that still fails asks gives_up(): true
+// after timeout_ns (the first such wait of the device records why), or once another wait of the
+// process gave up (read from host memory, first after kAbortPollNs of waiting, then every
+// kAbortPollNs). A wait that gives up marks its device failed and returns false; its caller
+// must then not use what the wait was guarding (a peer's address, a row count) as valid.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned int ld_volatile_u32(const unsigned int* p) {
+  return *reinterpret_cast<const volatile unsigned int*>(p);
 }
 
-// Spin until *flag >= target; trap after timeout_ns naming rank / peer / phase.
-__device__ __forceinline__ void wait_flag_geq(const unsigned long long* flag,
-                                              unsigned long long target, int64_t timeout_ns,
-                                              int rank, int peer, const char* phase) {
-  if (ld_acquire_sys(flag) >= target) return;
-  const uint64_t start = global_timer_ns();
-  while (ld_acquire_sys(flag) < target) {
-    if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
+// Whether a wait on this device gave up (latched): the high-throughput kernels test it first.
+__device__ __forceinline__ bool device_failed(const PeerSlots& ps) {
+  return ld_volatile_u32(&ps.fault->failed) != 0;
+}
+
+// What a wait that gives up reports: the phase ("<op>: <what>"), the peer waited for (-1: none),
+// the epoch it waited for and the value it saw last.
+struct WaitSite {
+  const char* phase;
+  int peer;
+  unsigned long long epoch, seen;
+};
+
+// The wait gives up: mark the device failed; on a timeout, the first waiter of the device
+// writes the record (state last) and prints it, and the process's aborted flag is raised.
+static __device__ __noinline__ void give_up(const PeerSlots& ps, int64_t timeout_ns, bool timed_out,
+                                            WaitSite w) {
+  DeviceFault* f = ps.fault;
+  *reinterpret_cast<volatile unsigned int*>(&f->failed) = 1u;
+  if (timed_out) {
+    if (atomicCAS(&f->claim, 0u, 1u) == 0u) {
+      volatile FaultRecord* r = f->record;
+      r->rank = ps.rank;
+      r->peer = w.peer;
+      r->num_ranks = ps.num_ranks;
+      r->epoch = w.epoch;
+      r->seen = w.seen;
+      r->timeout_ns = timeout_ns;
+      int i = 0;
+      for (; i < kFaultPhaseChars - 1 && w.phase[i] != '\0'; ++i) r->phase[i] = w.phase[i];
+      r->phase[i] = '\0';
+      __threadfence_system();
+      r->state = 1;
       printf(
-          "jax_ep: rank %d timed out after %lld s in phase '%s' waiting for rank %d "
-          "(epoch %llu, seen %llu). A peer did not arrive: check that every rank runs the "
-          "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
-          rank, (long long)(timeout_ns / 1000000000LL), phase, peer, target, ld_acquire_sys(flag));
-      __trap();
+          "jax_ep: rank %d timed out after %lld s in phase '%s' (waiting for rank %d, -1: not "
+          "known; epoch %llu, seen %llu). A peer did not arrive: check that every rank runs the "
+          "same program (JAX_EP_TIMEOUT_S sets the limit). The op's kernels end; every later "
+          "jax_ep communication op of this process raises an error.\n",
+          ps.rank, (long long)(timeout_ns / 1000000000LL), w.phase, w.peer, w.epoch, w.seen);
     }
+    __threadfence_system();
+    *reinterpret_cast<volatile unsigned int*>(f->aborted) = 1u;
   }
+  __threadfence_system();
+#if JAX_EP_MUTATION == 8  // planted bug 8: the timed-out wait traps, as it once did
+  if (timed_out) __trap();
+#endif
+}
+
+struct Patience {
+  uint64_t start, next_poll;
+  __device__ __forceinline__ Patience()
+      : start(global_timer_ns()), next_poll(start + kAbortPollNs) {}
+  // Called after each poll that failed: whether the wait must stop (then it gave up).
+  __device__ __forceinline__ bool gives_up(const PeerSlots& ps, int64_t timeout_ns, WaitSite w) {
+    const uint64_t now = global_timer_ns();
+    const bool timed_out = static_cast<int64_t>(now - start) > timeout_ns;
+    if (!timed_out) {
+      if (now < next_poll) return false;
+      next_poll = now + kAbortPollNs;
+      if (ld_volatile_u32(ps.fault->aborted) == 0u) return false;
+    }
+    give_up(ps, timeout_ns, timed_out, w);
+    return true;
+  }
+};
+
+// Wait until *flag >= target; false when the wait gave up (peer: the rank it waits for).
+__device__ __forceinline__ bool wait_flag_geq(const PeerSlots& ps, const unsigned long long* flag,
+                                              unsigned long long target, int64_t timeout_ns,
+                                              int peer, const char* phase) {
+  unsigned long long v = ld_acquire_sys(flag);
+  if (v >= target) return true;
+  Patience wait;
+  while ((v = ld_acquire_sys(flag)) < target)
+    if (wait.gives_up(ps, timeout_ns, WaitSite{phase, peer, target, v})) return false;
+  return true;
 }
 
 }  // namespace jax_ep

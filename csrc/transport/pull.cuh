@@ -40,8 +40,10 @@ __device__ __forceinline__ T* peer_ptr(const PeerSlots& ps, int s, int i) {
 // In-kernel barrier among the blocks of one grid (all blocks must be co-resident: use it only
 // with grids no larger than the number of SMs). Uses the slot's grid_counter, which returns to
 // a multiple of gridDim after each use; `generation` counts uses within the same kernel (1, 2..).
-__device__ __forceinline__ void grid_barrier(const PeerSlots& ps, unsigned int generation,
+// False (in every thread of the block) when the wait gave up: the block must end.
+__device__ __forceinline__ bool grid_barrier(const PeerSlots& ps, unsigned int generation,
                                              int64_t timeout_ns, const char* phase) {
+  __shared__ bool passed;
   __syncthreads();
   if (threadIdx.x == 0) {
     Slot* me = ps.slot[ps.rank];
@@ -49,16 +51,20 @@ __device__ __forceinline__ void grid_barrier(const PeerSlots& ps, unsigned int g
     __threadfence();
     atomicAdd(&me->grid_counter, 1u);
     const unsigned int target = nb * generation;
-    const uint64_t start = global_timer_ns();
-    while (atomicAdd(&me->grid_counter, 0u) < target) {
-      if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
-        printf("jax_ep: rank %d timed out in grid barrier of phase '%s'\n", ps.rank, phase);
-        __trap();
-      }
+    passed = true;
+    unsigned int v = atomicAdd(&me->grid_counter, 0u);
+    if (v < target) {
+      Patience wait;
+      while ((v = atomicAdd(&me->grid_counter, 0u)) < target)
+        if (wait.gives_up(ps, timeout_ns, WaitSite{phase, -1, target, v})) {
+          passed = false;
+          break;
+        }
     }
     __threadfence();
   }
   __syncthreads();
+  return passed;
 }
 // Return the grid counter to 0 once every block has passed its last grid_barrier (call from
 // one thread of the last block, e.g. inside the end barrier's last block or a later kernel).
@@ -103,7 +109,7 @@ __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long l
     __syncthreads();
     if (threadIdx.x < 32) {
       if ((int)threadIdx.x < ps.num_ranks && !is_remote(ps, threadIdx.x))
-        wait_flag_geq(&me->done[threadIdx.x], e, timeout_ns, ps.rank, threadIdx.x, phase);
+        wait_flag_geq(ps, &me->done[threadIdx.x], e, timeout_ns, threadIdx.x, phase);
       __syncwarp();
       if (threadIdx.x == 0) {
         if (trace >= 0) trace_mark_last(ps, trace + 1);

@@ -25,7 +25,8 @@
 // a block that cannot be scheduled (XLA may run another kernel, e.g. NCCL, beside ours). The warp
 // whose items complete a phase runs the phase's closing step (freed flags, stats).
 // The last block to leave the kernel resets the tickets and counters and advances the epochs.
-// Every wait traps after timeout_ns with the rank, the peer and the phase.
+// Every wait gives up after timeout_ns (transport/peer.cuh: Patience), recording the rank, the
+// peer and the phase; a send whose receiver never freed its half then sends nothing.
 #pragma once
 #include <cstdint>
 
@@ -92,39 +93,28 @@ __device__ __forceinline__ Take send_take(Slot* me, unsigned int first, int warp
                   : next_item(me, kSend, n, fin, lane);
 }
 
-// One thread per sender s: wait for s's data flag of epoch e (our own slot); returns its rows.
-__device__ __forceinline__ unsigned int wait_data(const PeerSlots& ps, int s, int p,
-                                                  unsigned long long e, int64_t timeout_ns,
-                                                  const char* phase) {
+// One thread per sender s: wait for s's data flag of epoch e (our own slot); false when the
+// wait gave up. rows (when not null): s's row count for us.
+__device__ __forceinline__ bool wait_data(const PeerSlots& ps, int s, int p, unsigned long long e,
+                                          int64_t timeout_ns, const char* phase,
+                                          unsigned int* rows = nullptr) {
   const unsigned long long* f = &ps.slot[ps.rank]->data_flag[p][s];
   unsigned long long v = ld_acquire_sys(f);
   if ((v >> 32) < e) {
-    const uint64_t start = global_timer_ns();
-    while (((v = ld_acquire_sys(f)) >> 32) < e) {
-      // Many warps wait here at once (each receive item waits for its own flags): the first
-      // to time out reports and traps; the others keep polling until the trap ends the kernel
-      // (trapping at once could end it before the report is printed).
-      if ((int64_t)(global_timer_ns() - start) > timeout_ns && first_timeout_report()) {
-        const Slot* me = ps.slot[ps.rank];
-        printf(
-            "jax_ep: rank %d timed out after %lld s in phase '%s' waiting for the data of "
-            "rank %d (epoch %llu, seen %llu; this rank's send epoch %llu; work %llx %llx, "
-            "exit %u). A peer did not arrive: check that every rank runs the "
-            "same program (JAX_EP_TIMEOUT_S sets the limit).\n",
-            ps.rank, (long long)(timeout_ns / 1000000000LL), phase, s, e, v >> 32,
-            ld_volatile_u64(&me->send_epoch), me->work[0], me->work[1], me->exit_counter);
-        __trap();
-      }
-    }
+    Patience wait;
+    while (((v = ld_acquire_sys(f)) >> 32) < e)
+      if (wait.gives_up(ps, timeout_ns, WaitSite{phase, s, e, v >> 32})) return false;
   }
-  return static_cast<unsigned int>(v & 0xffffffffu);
+  if (rows != nullptr) *rows = static_cast<unsigned int>(v & 0xffffffffu);
+  return true;
 }
 
-// One thread per receiver q: wait until q freed our half of call e - 2.
-__device__ __forceinline__ void wait_freed(const PeerSlots& ps, int q, unsigned long long e,
+// One thread per receiver q: wait until q freed our half of call e - 2; false when the wait
+// gave up (then nothing may be written into q's half).
+__device__ __forceinline__ bool wait_freed(const PeerSlots& ps, int q, unsigned long long e,
                                            int64_t timeout_ns, const char* phase) {
-  if (e <= 2) return;
-  wait_flag_geq(&ps.slot[ps.rank]->freed[q], e - 2, timeout_ns, ps.rank, q, phase);
+  if (e <= 2) return true;
+  return wait_flag_geq(ps, &ps.slot[ps.rank]->freed[q], e - 2, timeout_ns, q, phase);
 }
 
 // Thread q (< R) at the start of a send phase: our row count for q, (e << 32) | rows (the LL

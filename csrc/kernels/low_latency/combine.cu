@@ -30,29 +30,23 @@ namespace {
 // The source decides the same from the dispatch's ids (dispatch_idx); it adds w * row for the
 // rows and the partials as they are, in k order (the partial at slot a).
 
-// One lane: wait until *tag is not older than e32; trap after the timeout (what / t / k say
-// which wait: the first thread to time out reports). The poll loop is out of line: the callers
-// keep their registers on the fast path.
+// One lane: wait until *tag is not older than e32 (`what` names the wait, peer the rank that
+// writes the tag, -1 when not known here). A wait that gave up leaves the row as it is: a stale
+// row of our own buffer, in bounds. The poll loop is out of line: the callers keep their
+// registers on the fast path.
 __device__ __noinline__ void wait_tag_slow(const CombineParams& p, const int* tag, unsigned int e32,
-                                           const char* what, int t, int k) {
-  const uint64_t start = global_timer_ns();
-  while (tag_older(ld_acquire_sys_s32(tag), e32)) {
+                                           const char* what, int peer) {
+  Patience wait;
+  int v;
+  while (tag_older(v = ld_acquire_sys_s32(tag), e32)) {
     __nanosleep(kPollSleepNs);  // leave the issue slots and memory pipes to the senders
-    if ((int64_t)(global_timer_ns() - start) > p.timeout_ns && first_timeout_report()) {
-      printf(
-          "jax_ep: rank %d timed out after %lld s in phase 'll_combine: %s' (token %d, slot "
-          "%d, epoch %u, tag %d). A peer did not send it: check that every rank runs the "
-          "same program and that combine gets the dispatch's handle "
-          "(JAX_EP_TIMEOUT_S sets the limit).\n",
-          p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), what, t, k, e32,
-          ld_acquire_sys_s32(tag));
-      __trap();
-    }
+    if (wait.gives_up(p.ps, p.timeout_ns, WaitSite{what, peer, e32, static_cast<unsigned int>(v)}))
+      return;
   }
 }
 __device__ __forceinline__ void wait_tag(const CombineParams& p, const int* tag, unsigned int e32,
-                                         const char* what, int t, int k) {
-  if (tag_older(ld_acquire_sys_s32(tag), e32)) wait_tag_slow(p, tag, e32, what, t, k);
+                                         const char* what, int peer) {
+  if (tag_older(ld_acquire_sys_s32(tag), e32)) wait_tag_slow(p, tag, e32, what, peer);
 }
 
 // Weight of slot i = t * K + k: the caller's, where its topk_idx names the dispatch's expert,
@@ -193,7 +187,7 @@ __device__ __noinline__ void combine_send_item(const CombineParams& p, int s, in
     if (((*wseen >> s) & 1u) == 0) {
       if (lane == 0)
         wait_tag(p, combine_wflag(own, p, par, s), static_cast<unsigned>(es),
-                 "wait for the source's weights", t, -1);
+                 "ll_combine: wait for the source's weights", s);
       __syncwarp();  // lane 0's acquire comes before every lane's weight load
       *wseen |= 1u << s;
     }
@@ -279,7 +273,7 @@ __device__ __forceinline__ void combine_wait_rows(const CombineParams& p, int t,
     }
     if (wait)
       wait_tag(p, combine_tag(own, p, par, t, k, part), static_cast<unsigned>(er),
-               "wait for the expert outputs", t, k);
+               "ll_combine: wait for the expert outputs", -1);
   }
   __syncwarp();  // the polling lanes' acquires come before every lane's row loads
 }
@@ -374,20 +368,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int q = (ps.rank + 1 + warp) % R;
       if (!is_remote(ps, q)) combine_send_weights(p, q, par, es, lane);
     }
+    bool freed = true;
     if ((int)threadIdx.x < R)
-      push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_combine: sources free the buffer");
+      freed = push::wait_freed(ps, threadIdx.x, es, p.timeout_ns,
+                               "ll_combine: sources free the buffer");
     if (p.ticket != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
       p.ticket[0] = static_cast<int>(es);  // the split receive takes the epoch from here
     __shared__ unsigned int first_ticket;  // the block's first send tickets (one atomic)
     if (threadIdx.x == 0) first_ticket = push::take_block_tickets(me, push::kSend, kWarps);
-    __syncthreads();
+    // A source never freed its half (the wait gave up): this block sends nothing.
+    const bool held = __syncthreads_or(!freed);
     // Parts per (source, token): as many as the grid's warps take in one round (a second round
     // doubles the phase), a power of two <= kCombineParts.
     int parts = kCombineParts;
     while (parts > 1 && R * p.M * parts > static_cast<int>(gridDim.x) * kWarps) parts >>= 1;
     const int n = R * p.M * parts;
     unsigned wseen = 0;
-    for (int fin = 0;; fin = 1) {  // warp-uniform
+    for (int fin = 0; !held; fin = 1) {  // warp-uniform
       const push::Take tk = push::send_take(me, first_ticket, warp, n, fin, lane);
       if (fin == 0 && lane == 0) diag_max(ps, p.diag, trace::kDiagFirstSendTicket);
       if (tk.it >= n) {

@@ -152,26 +152,22 @@ __device__ __noinline__ void dispatch_send_item(const DispatchParams& p, int it,
 }
 
 // One lane: poll the epoch-carrying word w until it is of call er (a remote sender's, once its
-// data flag is in: NVSHMEM puts it after the rest); trap after the timeout. Out of line: the
-// callers keep their registers on the fast path.
+// data flag is in: NVSHMEM puts it after the rest). A wait that gave up reads as 0 (no rows, an
+// offset of 0): every output row index stays in bounds. Out of line: the callers keep their
+// registers on the fast path.
 __device__ __noinline__ unsigned long long wait_word_slow(const DispatchParams& p,
                                                           const unsigned long long* w, int s,
                                                           int par, unsigned long long er,
                                                           const char* what) {
-  if (is_remote(p.ps, s))
-    push::wait_data(p.ps, s, par, er, p.timeout_ns, "ll_dispatch: wait for the peers' rows");
-  const uint64_t start = global_timer_ns();
-  unsigned long long v;
+  if (is_remote(p.ps, s) &&
+      !push::wait_data(p.ps, s, par, er, p.timeout_ns, "ll_dispatch: wait for the peers' rows"))
+    return 0;
+  unsigned long long v = ld_relaxed_sys(w);
+  if (!word_older(v, er)) return v;
+  Patience wait;
   while (word_older(v = ld_relaxed_sys(w), er)) {
     __nanosleep(kPollSleepNs);
-    if ((int64_t)(global_timer_ns() - start) > p.timeout_ns && first_timeout_report()) {
-      printf(
-          "jax_ep: rank %d timed out after %lld s in phase 'll_dispatch: wait for the peers' "
-          "%s' waiting for rank %d (epoch %llu, seen %llu). A peer did not arrive: check "
-          "that every rank runs the same program (JAX_EP_TIMEOUT_S sets the limit).\n",
-          p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), what, s, er, v >> 32);
-      __trap();
-    }
+    if (wait.gives_up(p.ps, p.timeout_ns, WaitSite{what, s, er, v >> 32})) return 0;
   }
   return v;
 }
@@ -199,10 +195,10 @@ __device__ __forceinline__ int row_state(const int* hdr, unsigned long long er, 
 // tags say so; a row past s's token count (s's data flag, written when its send started, says
 // how many) never gets tags. A flag of a later call (XLA ran a split receive again after s
 // sent into this half anew) ends the wait too: the row counts as sent when its tags are not
-// older than er, as the combine lets a newer tag pass. Traps after the timeout.
+// older than er, as the combine lets a newer tag pass. Not sent when the wait gave up.
 __device__ __noinline__ bool wait_row_slow(const DispatchParams& p, const int* hdr, int s, int t,
                                            int par, unsigned long long er, int lane) {
-  const uint64_t start = global_timer_ns();
+  Patience wait;
   const unsigned long long* flag = &p.ps.slot[p.ps.rank]->data_flag[par][s];
   for (;;) {
     const int st = row_state(hdr, er, lane);
@@ -222,17 +218,12 @@ __device__ __noinline__ bool wait_row_slow(const DispatchParams& p, const int* h
       return __all_sync(kFull, !tag_older(v, static_cast<unsigned int>(er)));
     }
     __nanosleep(kPollSleepNs);
-    if (lane == 0 && (int64_t)(global_timer_ns() - start) > p.timeout_ns &&
-        first_timeout_report()) {
-      printf(
-          "jax_ep: rank %d timed out after %lld s in phase 'll_dispatch: wait for the peers' "
-          "rows' waiting for row %d of rank %d (epoch %llu, tag %d, flag epoch %llu). A peer "
-          "did not arrive: check that every rank runs the same program (JAX_EP_TIMEOUT_S "
-          "sets the limit).\n",
-          p.ps.rank, (long long)(p.timeout_ns / 1000000000LL), t, s, er, ld_acquire_sys_s32(hdr),
-          ld_acquire_sys(flag) >> 32);
-      __trap();
-    }
+    int stop = 0;
+    if (lane == 0)
+      stop = wait.gives_up(p.ps, p.timeout_ns,
+                           WaitSite{"ll_dispatch: wait for the peers' rows", s, er,
+                                    static_cast<unsigned int>(ld_acquire_sys_s32(hdr))});
+    if (__shfl_sync(kFull, stop, 0)) return false;
   }
 }
 
@@ -240,9 +231,10 @@ __device__ __noinline__ bool wait_row_slow(const DispatchParams& p, const int* h
 __device__ __forceinline__ bool wait_row(const DispatchParams& p, const int* hdr, int s, int t,
                                          int par, unsigned long long er, int lane) {
   if (is_remote(p.ps, s)) {  // its rows arrive with its NVSHMEM push, before its flag
+    int in = 0;
     if (lane == 0)
-      push::wait_data(p.ps, s, par, er, p.timeout_ns, "ll_dispatch: wait for the peers' rows");
-    __syncwarp();
+      in = push::wait_data(p.ps, s, par, er, p.timeout_ns, "ll_dispatch: wait for the peers' rows");
+    if (!__shfl_sync(kFull, in, 0)) return false;
     return row_state(hdr, er, lane) == 1;
   }
   const int st = row_state(hdr, er, lane);
@@ -289,10 +281,12 @@ __device__ __noinline__ int output_row_slow(const DispatchParams& p, const int* 
                                             int le, int par, unsigned long long er, int rot) {
   const int R = p.ps.num_ranks;
   uint8_t* own = p.buf[p.ps.rank];
-  int j = static_cast<int>(word_of(p, hdr_pos(hdr) + kl, s, par, er, "positions"));
+  int j = static_cast<int>(
+      word_of(p, hdr_pos(hdr) + kl, s, par, er, "ll_dispatch: wait for the peers' positions"));
   for (int o2 = 0; o2 < (s - rot + R) % R; ++o2) {
     const int s2 = (rot + o2) % R;
-    j += static_cast<int>(word_of(p, dispatch_counts(own, p, par, s2) + le, s2, par, er, "counts"));
+    j += static_cast<int>(word_of(p, dispatch_counts(own, p, par, s2) + le, s2, par, er,
+                                  "ll_dispatch: wait for the peers' counts"));
   }
   return j;
 }
@@ -547,22 +541,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (p.mode & push::kModeSend) {
     const int par = static_cast<int>(es & 1);
+    bool freed = true;
     if ((int)threadIdx.x < R) {
-      push::wait_freed(ps, threadIdx.x, es, p.timeout_ns, "ll_dispatch: receivers free the buffer");
+      freed = push::wait_freed(ps, threadIdx.x, es, p.timeout_ns,
+                               "ll_dispatch: receivers free the buffer");
       // Our token count to every receiver: its rows t >= T get no tags (rows are ready by
       // their tags, not by this flag, so it goes first; a remote receiver gets it after the
       // NVSHMEM puts instead).
-      if (blockIdx.x == 0) push::signal_data(ps, threadIdx.x, par, es, p.T);
+      if (freed && blockIdx.x == 0) push::signal_data(ps, threadIdx.x, par, es, p.T);
     }
     __shared__ unsigned int first_ticket;  // the block's first send tickets (one atomic)
     if (threadIdx.x == 0) first_ticket = push::take_block_tickets(me, push::kSend, kWarps);
-    __syncthreads();
+    // A receiver never freed its half (the wait gave up): this block sends nothing.
+    const bool held = __syncthreads_or(!freed);
     if (threadIdx.x == 0) diag_max(ps, p.diag, trace::kDiagPastWaitFreed);
     const int rows = p.T * R;
     const int parts = row_parts(p.E, rows);
     const int n = p.E + rows * parts;  // >= 1: the close always runs
     bool closer = false;
-    for (int fin = 0;; fin = 1) {  // warp-uniform
+    for (int fin = 0; !held; fin = 1) {  // warp-uniform
       const push::Take tk = push::send_take(me, first_ticket, warp, n, fin, lane);
       if (fin == 0 && lane == 0) diag_max(ps, p.diag, trace::kDiagFirstSendTicket);
       if (tk.it >= n) {

@@ -1,0 +1,68 @@
+// Waits that give up cleanly (docs/design.md#clean-timeouts). A kernel wait that passes the
+// timeout never traps: it records why in this process's fault record, marks its device failed
+// and returns; every other wait of the process then gives up within kAbortPollNs, and the kernels
+// end without touching memory they cannot trust. The CUDA context stays usable. From then on
+// every communication op of the process fails when it is run (resolve_group), with the message
+// of fault_message(): the op, the rank, the phase, and the setting to change. Plain C++: the
+// structs are shared with the kernels (transport/peer.cuh), the functions are host code.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/device.h"
+
+namespace jax_ep {
+
+constexpr int kFaultPhaseChars = 96;
+
+// Why the first wait that timed out on one device gave up. Host memory mapped into every
+// device; written once by that device (state last), read by the host.
+struct FaultRecord {
+  int state;                 // 0: none; 1: complete
+  int rank;                  // the waiting rank (a virtual rank in the one-GPU multi-rank mode)
+  int peer;                  // the rank it waited for (-1: its own grid)
+  int num_ranks;             // the EP group's size
+  unsigned long long epoch;  // the epoch it waited for
+  unsigned long long seen;   // the value it last saw
+  long long timeout_ns;
+  char phase[kFaultPhaseChars];  // "<op>: <phase>", NUL-terminated
+};
+
+// The process's records, one per CUDA device, and the flag every wait polls once it is older
+// than kAbortPollNs (host memory: a healthy wait never reads it).
+struct HostFaults {
+  unsigned int aborted;  // a wait of this process gave up
+  unsigned int pad;
+  FaultRecord device[kMaxDevices];
+};
+
+// Per device, in device memory: the kernels' view.
+struct DeviceFault {
+  unsigned int failed;    // a wait on this device gave up: the high-throughput kernels end at once
+  unsigned int claim;     // the first timed-out wait on this device writes the record
+  FaultRecord* record;    // this device's record (mapped host memory)
+  unsigned int* aborted;  // HostFaults::aborted (mapped host memory)
+};
+
+// How long a wait polls before it also reads the process's `aborted` flag, and how often after.
+constexpr long long kAbortPollNs = 1000000;
+
+namespace fault {
+
+// Allocate the host records (once per process) and `device`'s DeviceFault (once per device).
+// Set-up only (lowering, attach): never while a handler may be recorded into a command buffer.
+// Throws std::runtime_error naming the CUDA call that failed.
+void ensure(int device);
+// `device`'s DeviceFault, or nullptr when ensure(device) did not run.
+DeviceFault* device_state(int device);
+// Empty while no wait of this process gave up; else the error every communication op returns.
+std::string message();
+// The complete records (one per device whose wait timed out), for Python.
+std::vector<FaultRecord> records();
+// Whether a wait of this process gave up (some wait may have given up without a record: it
+// saw another's).
+bool aborted();
+
+}  // namespace fault
+}  // namespace jax_ep

@@ -1,0 +1,90 @@
+"""One run of tests/test_gpu_timeouts.py, in a process of its own (a wait that gives up ends
+every later communication op of its process): R = 2 virtual ranks on one GPU, rank 1 absent
+from the op named on the command line. Prints one JSON line: what happened."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+import jax_ep
+from jax_ep import testing
+
+R, T, H, K, E, M = 2, 8, 256, 2, 8, 8
+op = sys.argv[1]
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.standard_normal((R, T, H)), jnp.bfloat16)
+idx = jnp.asarray(np.stack([[rng.permutation(E)[:K] for _ in range(T)] for _ in range(R)]),
+                  jnp.int32)
+w = jnp.asarray(rng.random((R, T, K)), jnp.float32)
+
+
+def ll_dispatch(x, i):
+    return jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=False)
+
+
+def ll_combine(x, i, w, handle):
+    return jax_ep.low_latency_combine(x, i, w, handle)
+
+
+def ht_dispatch(x, i, w):
+    return jax_ep.dispatch(x, i, w, num_experts=E)
+
+
+def ht_combine(y, handle):
+    return jax_ep.combine(y, handle)
+
+
+run = lambda fn: jax.jit(testing.virtual_ranks(fn, R))  # noqa: E731
+if op == "ll_dispatch":
+    f, args = run(ll_dispatch), (x, idx)
+elif op == "ll_combine":
+    r = jax.block_until_ready(run(ll_dispatch)(x, idx))
+    y = r.recv_x.astype(jnp.bfloat16)
+    f, args = run(ll_combine), (y, idx, w, r.handle)
+elif op == "ht_dispatch":
+    f, args = run(ht_dispatch), (x, idx, w)
+elif op == "ht_combine":
+    r = jax.block_until_ready(run(ht_dispatch)(x, idx, w))
+    f, args = run(ht_combine), (r.recv_x, r.handle)
+else:
+    raise SystemExit(f"unknown op {op}")
+
+out = {"op": op}
+jax.block_until_ready(f(*args))  # compiled, and every rank present: no timeout
+out["healthy_error"] = None if jax_ep._faults.timeout_error() is None else "recorded"
+t0 = time.monotonic()
+try:
+    with testing.absent_ranks([1]):
+        # two calls queued back to back: the second must not wait a timeout of its own
+        first = f(*args)
+        second = f(*args)
+        jax.block_until_ready((first, second))
+    out["absent_run"] = "returned"
+except Exception as e:  # noqa: BLE001 - a trapped kernel surfaces here as a CUDA error
+    out["absent_run"] = f"{type(e).__name__}: {e}"[:400]
+out["absent_seconds"] = time.monotonic() - t0
+err = jax_ep._faults.timeout_error()
+if err is not None:
+    out["error"] = {"type": type(err).__name__, "op": err.op, "rank": err.rank,
+                    "peer": err.peer, "num_ranks": err.num_ranks, "phase": err.phase,
+                    "timeout_s": err.timeout_s, "message": str(err)}
+try:
+    jax.block_until_ready(f(*args))
+    out["next_call"] = "returned"
+except Exception as e:  # noqa: BLE001
+    out["next_call"] = f"{type(e).__name__}: {e}"[:1200]
+try:
+    out["checked"] = "returned" if jax_ep.checked(lambda: jnp.ones(3))() is not None else None
+except Exception as e:  # noqa: BLE001
+    out["checked"] = type(e).__name__
+try:  # the CUDA context is still usable
+    out["plain_jax"] = float(jax.block_until_ready(jnp.arange(10.0).sum()))
+except Exception as e:  # noqa: BLE001
+    out["plain_jax"] = f"{type(e).__name__}: {e}"[:300]
+print(json.dumps(out), flush=True)
