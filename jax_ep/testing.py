@@ -99,15 +99,15 @@ def absent_ranks(ranks):
     inside the block. CUDA backend, one-GPU multi-rank mode only (the reference never waits).
     Once a wait gave up, every communication op of the process fails: run this in a process of
     its own."""
-    ext = runtime.extension()
-    if ext is None:
-        raise RuntimeError("absent_ranks needs the CUDA extension (the reference never waits)")
-    top = runtime.max_ranks()
+    top = runtime.max_ranks() or 8
     mask = 0
     for r in ranks:
         if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < top:
             raise ValueError(f"absent_ranks: rank {r!r} is not an int in [0, {top})")
         mask |= 1 << int(r)
+    ext = runtime.extension()
+    if ext is None:
+        raise RuntimeError("absent_ranks needs the CUDA extension (the reference never waits)")
     ext.set_absent_virtual_ranks(mask)
     try:
         yield

@@ -423,3 +423,43 @@ def test_check_under_vmap():
         jax_ep.checked(f)(x, jnp.asarray(bad))
     g = jax.jit(jax.vmap(jax.vmap(one, axis_name="ep")))  # a batch axis outside
     jax.block_until_ready(g(x[None], jnp.asarray(idx)[None]))
+
+
+def _fake_timeout():
+    rec = {"rank": 1, "peer": 3, "num_ranks": 4, "epoch": 7, "seen": 6, "timeout_ns": 600 * 10**9,
+           "phase": "ll_dispatch: wait for the peers' rows"}
+    return jax_ep.PeerTimeoutError("jax_ep: ll_dispatch timed out: rank 1 of 4 ...", [rec])
+
+
+def test_peer_timeout_error_fields():
+    e = _fake_timeout()
+    assert isinstance(e, RuntimeError)
+    assert (e.op, e.rank, e.num_ranks, e.peer, e.timeout_s) == ("ll_dispatch", 1, 4, 3, 600.0)
+    assert e.phase.startswith("ll_dispatch: ") and e.setting == "JAX_EP_TIMEOUT_S"
+    if jax_ep.runtime.extension() is None or jax.default_backend() != "gpu":
+        assert jax_ep.raise_if_timed_out() is None  # nothing gave up here
+
+
+def test_checked_raises_a_timeout_recorded_during_the_step(monkeypatch):
+    """checked(step) waits for the step, then raises the recorded timeout: in place of the
+    step's results, and in place of the JaxRuntimeError of a later op."""
+    from jax_ep import _faults
+    step = jax.jit(lambda x: x + 1)
+    assert int(jax_ep.checked(step)(1)) == 2
+    monkeypatch.setattr(_faults, "timeout_error", _fake_timeout)
+    with pytest.raises(jax_ep.PeerTimeoutError) as info:
+        jax_ep.checked(step)(1)
+    assert info.value.op == "ll_dispatch" and info.value.peer == 3
+
+    def failing():
+        raise RuntimeError("DEADLINE_EXCEEDED: jax_ep: ll_dispatch timed out")
+    with pytest.raises(jax_ep.PeerTimeoutError) as info:
+        jax_ep.checked(failing)()
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_absent_ranks_checks_its_ranks():
+    for bad in (-1, 99, True, 1.0):
+        with pytest.raises(ValueError, match="absent_ranks"):
+            with jax_ep.testing.absent_ranks([bad]):
+                pass
