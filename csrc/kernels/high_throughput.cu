@@ -56,24 +56,29 @@ __device__ __forceinline__ int warp_sum(int v) {
 // Steps 1-2 of the protocol for one block: thread 0 publishes (every block does it: the values
 // are identical, and no block then depends on another block having been scheduled), then lanes
 // of warp 0 wait for all peers' ready flags in parallel (one lane per peer). False (in every
-// thread of the block) when a wait on this device gave up, before or during this one: the block
-// must end without reading any peer's memory. A failed device publishes nothing.
+// thread of the block) when a wait gave up, now or before (device_failed, loaded by thread 0
+// only: a load by every thread of the grid queues on one L2 line, ~4 us; its latency hides
+// behind the publication's fence): the block must end without reading any peer's memory or
+// any index a failed kernel may have left unwritten.
 __device__ __forceinline__ bool publish_and_wait(const PeerSlots& ps, const void* const* ptrs,
                                                  int n, unsigned long long e, int64_t timeout_ns,
                                                  const char* phase) {
   __shared__ bool ok;
-  if (threadIdx.x == 0) ok = !device_failed(ps);
-  __syncthreads();
-  if (!ok) return false;
   if (threadIdx.x < 32) {
-    if (threadIdx.x == 0) publish(ps, ptrs, n, e);
+    bool good = true;
+    if (threadIdx.x == 0) {
+      good = !device_failed(ps);
+      publish(ps, ptrs, n, e);
+    }
     __syncwarp();
 #if JAX_EP_MUTATION == 2  // planted bug 2 (transport/peer.cuh): the previous call's addresses
     e = e > 1 ? e - 1 : e;
 #endif
     if (static_cast<int>(threadIdx.x) < ps.num_ranks && !is_remote(ps, threadIdx.x) &&
         !wait_flag_geq(ps, &ps.slot[threadIdx.x]->ready, e, timeout_ns, threadIdx.x, phase))
-      ok = false;
+      good = false;
+    good = __all_sync(kFull, good);
+    if (threadIdx.x == 0) ok = good;
   }
   __syncthreads();
   return ok;
@@ -493,18 +498,21 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
     const void* ptrs[1] = {a.own_x};
     if (!publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, "ht_gather: wait for peers")) return;
     trace_mark(ps, trace::kGatherPeersReady);
-  } else if (device_failed(ps)) {  // the layout kernel's waits gave up: its outputs are not valid
-    return;
   } else if (blockIdx.x == 0 && tid == 0) {
     // Every block of the layout kernel has exited (stream order): its grid barrier is done.
     grid_barrier_reset(ps);
   }
-  // Peer addresses are remote loads: fetch them once per block, in parallel.
+  // Peer addresses are remote loads: fetch them once per block, in parallel. The dispatch's copy
+  // also reads whether a wait on this device gave up (one thread: publish_and_wait says why):
+  // then the layout kernel's outputs are not valid, and the addresses are never followed.
+  __shared__ bool s_failed;
   if (tid < R) {
     s_x[tid] = peer_ptr<const uint8_t>(ps, tid, kPtrX);
     s_sc[tid] = kGather ? nullptr : peer_ptr<const float>(ps, tid, kPtrScales);
   }
+  if (!kGather && tid == 32) s_failed = device_failed(ps);
   __syncthreads();
+  if (!kGather && s_failed) return;
   bool vec = (a.Hb % 16 == 0) && aligned16(a.recv_x);
   for (int s = 0; s < R; ++s) vec = vec && aligned16(s_x[s]);
 

@@ -86,6 +86,17 @@ __device__ __forceinline__ bool device_failed(const PeerSlots& ps) {
   return ld_volatile_u32(&ps.fault->failed) != 0;
 }
 
+// What a wait needs of its peer table to give up. The out-of-line waits take it by value: a
+// reference to a kernel parameter that is not __grid_constant__ (the high-throughput kernels')
+// would copy the whole table into local memory (a ~300-byte stack frame per thread).
+struct Waiter {
+  DeviceFault* fault;
+  int rank, num_ranks;
+};
+__device__ __forceinline__ Waiter waiter(const PeerSlots& ps) {
+  return Waiter{ps.fault, ps.rank, ps.num_ranks};
+}
+
 // What a wait that gives up reports: the phase ("<op>: <what>"), the peer waited for (-1: none),
 // the epoch it waited for and the value it saw last.
 struct WaitSite {
@@ -96,16 +107,16 @@ struct WaitSite {
 
 // The wait gives up: mark the device failed; on a timeout, the first waiter of the device
 // writes the record (state last) and prints it, and the process's aborted flag is raised.
-static __device__ __noinline__ void give_up(const PeerSlots& ps, int64_t timeout_ns, bool timed_out,
+static __device__ __noinline__ void give_up(Waiter me, int64_t timeout_ns, bool timed_out,
                                             WaitSite w) {
-  DeviceFault* f = ps.fault;
+  DeviceFault* f = me.fault;
   *reinterpret_cast<volatile unsigned int*>(&f->failed) = 1u;
   if (timed_out) {
     if (atomicCAS(&f->claim, 0u, 1u) == 0u) {
       volatile FaultRecord* r = f->record;
-      r->rank = ps.rank;
+      r->rank = me.rank;
       r->peer = w.peer;
-      r->num_ranks = ps.num_ranks;
+      r->num_ranks = me.num_ranks;
       r->epoch = w.epoch;
       r->seen = w.seen;
       r->timeout_ns = timeout_ns;
@@ -119,7 +130,7 @@ static __device__ __noinline__ void give_up(const PeerSlots& ps, int64_t timeout
           "known; epoch %llu, seen %llu). A peer did not arrive: check that every rank runs the "
           "same program (JAX_EP_TIMEOUT_S sets the limit). The op's kernels end; every later "
           "jax_ep communication op of this process raises an error.\n",
-          ps.rank, (long long)(timeout_ns / 1000000000LL), w.phase, w.peer, w.epoch, w.seen);
+          me.rank, (long long)(timeout_ns / 1000000000LL), w.phase, w.peer, w.epoch, w.seen);
     }
     __threadfence_system();
     *reinterpret_cast<volatile unsigned int*>(f->aborted) = 1u;
@@ -135,29 +146,39 @@ struct Patience {
   __device__ __forceinline__ Patience()
       : start(global_timer_ns()), next_poll(start + kAbortPollNs) {}
   // Called after each poll that failed: whether the wait must stop (then it gave up).
-  __device__ __forceinline__ bool gives_up(const PeerSlots& ps, int64_t timeout_ns, WaitSite w) {
+  __device__ __forceinline__ bool gives_up(Waiter me, int64_t timeout_ns, WaitSite w) {
     const uint64_t now = global_timer_ns();
     const bool timed_out = static_cast<int64_t>(now - start) > timeout_ns;
     if (!timed_out) {
       if (now < next_poll) return false;
       next_poll = now + kAbortPollNs;
-      if (ld_volatile_u32(ps.fault->aborted) == 0u) return false;
+      if (ld_volatile_u32(me.fault->aborted) == 0u) return false;
     }
-    give_up(ps, timeout_ns, timed_out, w);
+    give_up(me, timeout_ns, timed_out, w);
     return true;
   }
+  __device__ __forceinline__ bool gives_up(const PeerSlots& ps, int64_t timeout_ns, WaitSite w) {
+    return gives_up(waiter(ps), timeout_ns, w);
+  }
 };
+
+// The polling part of wait_flag_geq, out of line: the callers keep their registers.
+static __device__ __noinline__ bool wait_flag_slow(Waiter me, const unsigned long long* flag,
+                                                   unsigned long long target, int64_t timeout_ns,
+                                                   int peer, const char* phase) {
+  Patience wait;
+  unsigned long long v;
+  while ((v = ld_acquire_sys(flag)) < target)
+    if (wait.gives_up(me, timeout_ns, WaitSite{phase, peer, target, v})) return false;
+  return true;
+}
 
 // Wait until *flag >= target; false when the wait gave up (peer: the rank it waits for).
 __device__ __forceinline__ bool wait_flag_geq(const PeerSlots& ps, const unsigned long long* flag,
                                               unsigned long long target, int64_t timeout_ns,
                                               int peer, const char* phase) {
-  unsigned long long v = ld_acquire_sys(flag);
-  if (v >= target) return true;
-  Patience wait;
-  while ((v = ld_acquire_sys(flag)) < target)
-    if (wait.gives_up(ps, timeout_ns, WaitSite{phase, peer, target, v})) return false;
-  return true;
+  if (ld_acquire_sys(flag) >= target) return true;
+  return wait_flag_slow(waiter(ps), flag, target, timeout_ns, peer, phase);
 }
 
 }  // namespace jax_ep

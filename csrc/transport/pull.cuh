@@ -37,6 +37,17 @@ __device__ __forceinline__ T* peer_ptr(const PeerSlots& ps, int s, int i) {
   return reinterpret_cast<T*>(ld_volatile_u64(&ps.slot[s]->ptrs[i]));
 }
 
+// The polling part of grid_barrier, out of line: the callers keep their registers.
+static __device__ __noinline__ bool grid_wait_slow(Waiter me, unsigned int* counter,
+                                                   unsigned int target, int64_t timeout_ns,
+                                                   const char* phase) {
+  Patience wait;
+  unsigned int v;
+  while ((v = atomicAdd(counter, 0u)) < target)
+    if (wait.gives_up(me, timeout_ns, WaitSite{phase, -1, target, v})) return false;
+  return true;
+}
+
 // In-kernel barrier among the blocks of one grid (all blocks must be co-resident: use it only
 // with grids no larger than the number of SMs). Uses the slot's grid_counter, which returns to
 // a multiple of gridDim after each use; `generation` counts uses within the same kernel (1, 2..).
@@ -51,16 +62,8 @@ __device__ __forceinline__ bool grid_barrier(const PeerSlots& ps, unsigned int g
     __threadfence();
     atomicAdd(&me->grid_counter, 1u);
     const unsigned int target = nb * generation;
-    passed = true;
-    unsigned int v = atomicAdd(&me->grid_counter, 0u);
-    if (v < target) {
-      Patience wait;
-      while ((v = atomicAdd(&me->grid_counter, 0u)) < target)
-        if (wait.gives_up(ps, timeout_ns, WaitSite{phase, -1, target, v})) {
-          passed = false;
-          break;
-        }
-    }
+    passed = atomicAdd(&me->grid_counter, 0u) >= target ||
+             grid_wait_slow(waiter(ps), &me->grid_counter, target, timeout_ns, phase);
     __threadfence();
   }
   __syncthreads();
