@@ -131,8 +131,9 @@ if has gemm-mutations; then
 fi
 if has mutations; then
   step "multi-rank mutation check: each planted bug (csrc/transport/peer.cuh) must fail tests"
-  # Each selected test at R = MUTATION_R in a process of its own: a planted bug may end its
-  # process (a wait that times out traps), and the rest must still run. Table: mutations.log.
+  # Each selected test at R = MUTATION_R in a process of its own: a planted bug may leave its
+  # process unable to communicate (a wait that times out fails every later op), and the rest
+  # must still run. Table: mutations.log.
   sel="${MUTATION_K:-scan_back_to_back or two_in_flight or gradients or fresh_buffers or (ll_matches_reference and 128-128-True and random)}"
   : > "$OUT/mutations.log"
   set -f   # test ids hold [...]: no globbing of them
@@ -160,7 +161,7 @@ sys.exit(_C.planted_bug() != $m or not jax_ep.__file__.startswith('$dst'))"); th
          -p no:cacheprovider -m gpu "$OLDPWD/tests/test_gpu.py::$id" > "$log" 2>&1)
       r=$?
       # pytest: 0 passed, 1 failures, 2-5 usage / collection errors; 124 the timeout; > 128 a
-      # signal (a trap can end the process that way)
+      # signal (an illegal memory access can end the process that way)
       if [ $r -eq 0 ]; then v="missed (passed)"
       elif [ $r -ge 2 ] && [ $r -le 5 ]; then v="ERROR (pytest exit $r: see $log)"; rc=1
       elif grep -q "timed out after" "$log"; then v="caught (a wait timed out)"; caught=$((caught + 1))

@@ -457,6 +457,11 @@ def test_checked_raises_a_timeout_recorded_during_the_step(monkeypatch):
         jax_ep.checked(failing)()
     assert isinstance(info.value.__cause__, RuntimeError)
 
+    def unrelated():  # an error of the step's own stays what it is
+        raise ValueError("a shape mismatch of the model")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        jax_ep.checked(unrelated)()
+
 
 def test_absent_ranks_checks_its_ranks():
     for bad in (-1, 99, True, 1.0):

@@ -66,7 +66,7 @@ try:
         second = f(*args)
         jax.block_until_ready((first, second))
     out["absent_run"] = "returned"
-except Exception as e:  # noqa: BLE001 - a trapped kernel surfaces here as a CUDA error
+except Exception as e:  # noqa: BLE001 - a kernel that traps (planted bug 8): a CUDA error
     out["absent_run"] = f"{type(e).__name__}: {e}"[:400]
 out["absent_seconds"] = time.monotonic() - t0
 err = jax_ep._faults.timeout_error()

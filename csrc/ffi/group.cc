@@ -21,9 +21,10 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
   if (fault::aborted()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, fault::message());
   out->peers.fault = fault::device_state(device);
   if (out->peers.fault == nullptr)
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jax_ep: no fault record on device " + std::to_string(device) +
-                          " (the lowering sets it up: was it skipped?)");
+    return ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        "jax_ep: no fault record on device " + std::to_string(device) +
+            " (set up with the EP group's workspace, init_group or sym::attach: was it skipped?)");
   // One process over all GPUs: the table names CUDA ordinals. Per-process mode: it names PEs.
   // One-GPU multi-rank mode: it names the virtual ranks on this device (virtual_ranks.h).
   const bool per_process = sym::active();

@@ -57,24 +57,25 @@ __device__ __forceinline__ int warp_sum(int v) {
 // are identical, and no block then depends on another block having been scheduled), then lanes
 // of warp 0 wait for all peers' ready flags in parallel (one lane per peer). False (in every
 // thread of the block) when a wait gave up, now or before (device_failed, loaded by thread 0
-// only: a load by every thread of the grid queues on one L2 line, ~4 us; its latency hides
-// behind the publication's fence): the block must end without reading any peer's memory or
-// any index a failed kernel may have left unwritten.
+// only: a load by every thread of the grid queues on one L2 line, ~5 us): the block must end
+// without reading any peer's memory or any index a failed kernel may have left unwritten.
 __device__ __forceinline__ bool publish_and_wait(const PeerSlots& ps, const void* const* ptrs,
                                                  int n, unsigned long long e, int64_t timeout_ns,
                                                  const char* phase) {
   __shared__ bool ok;
   if (threadIdx.x < 32) {
+    // A failed device publishes nothing (the publication's fence waits for this load anyway).
     bool good = true;
     if (threadIdx.x == 0) {
       good = !device_failed(ps);
-      publish(ps, ptrs, n, e);
+      if (good) publish(ps, ptrs, n, e);
     }
-    __syncwarp();
+    __syncwarp();  // orders the publication before the lanes' loads of the ready flags
+    good = __shfl_sync(kFull, good, 0);
 #if JAX_EP_MUTATION == 2  // planted bug 2 (transport/peer.cuh): the previous call's addresses
     e = e > 1 ? e - 1 : e;
 #endif
-    if (static_cast<int>(threadIdx.x) < ps.num_ranks && !is_remote(ps, threadIdx.x) &&
+    if (good && static_cast<int>(threadIdx.x) < ps.num_ranks && !is_remote(ps, threadIdx.x) &&
         !wait_flag_geq(ps, &ps.slot[threadIdx.x]->ready, e, timeout_ns, threadIdx.x, phase))
       good = false;
     good = __all_sync(kFull, good);

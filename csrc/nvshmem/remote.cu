@@ -31,22 +31,21 @@ __global__ void __launch_bounds__(kThreads)
   Slot* me = ps.slot[ps.rank];
   const unsigned long long e = ld_volatile_u64(&me->epoch) + 1;
   const int q = threadIdx.x;
-  __shared__ bool ok;  // false: a wait gave up (now or before): get nothing
-  if (q == 0) ok = !device_failed(ps);
+  __shared__ bool failed;  // a wait gave up before: get nothing
+  if (q == 0) failed = device_failed(ps);
   __syncthreads();
-  if (!ok) return;
+  if (failed) return;
+  bool waited = true;
   if (q < ps.num_ranks && is_remote(ps, q)) {
     // Our staging copy (stream-ordered before this kernel) is complete: q may read it.
     if (blockIdx.x == 0) {
       put_flag(&me->ready_from[ps.rank], e, ps.pe[q]);
       nvshmem_quiet();
     }
-    if (!wait_flag_geq(ps, &me->ready_from[q], e, timeout_ns, q,
-                       "ht_remote: wait for a remote peer's staged operands"))
-      ok = false;
+    waited = wait_flag_geq(ps, &me->ready_from[q], e, timeout_ns, q,
+                           "ht_remote: wait for a remote peer's staged operands");
   }
-  __syncthreads();
-  if (!ok) return;
+  if (__syncthreads_or(!waited)) return;     // a wait gave up: get nothing
   const uint8_t* stage = ps.stage[ps.rank];  // symmetric: the same offset on every PE
   const size_t nchunks = (bytes + kGetChunk - 1) / kGetChunk;
   size_t c = 0;  // chunk c of the k-th remote peer: (k * nchunks + chunk) over the grid

@@ -13,7 +13,7 @@ namespace fault {
 namespace {
 
 std::mutex g_mu;
-HostFaults* g_host = nullptr;                 // mapped host memory, never freed
+std::atomic<HostFaults*> g_host{nullptr};     // mapped host memory, never freed
 DeviceFault* g_device[kMaxDevices] = {};      // device memory, never freed
 std::atomic<bool> g_ready[kMaxDevices] = {};  // g_device[d] is set
 
@@ -27,8 +27,8 @@ void check(cudaError_t e, const char* what, int device) {
 }
 
 // A record as the device wrote it: state first, then (after an acquire fence) the fields.
-bool read_record(int d, FaultRecord* out) {
-  const volatile FaultRecord* r = &g_host->device[d];
+bool read_record(HostFaults* host, int d, FaultRecord* out) {
+  const volatile FaultRecord* r = &host->device[d];
   if (r->state != 1) return false;
   std::atomic_thread_fence(std::memory_order_acquire);
   std::memcpy(out, const_cast<const FaultRecord*>(r), sizeof(FaultRecord));
@@ -47,17 +47,19 @@ void ensure(int device) {
   if (g_ready[device].load(std::memory_order_relaxed)) return;
   int prev = 0;
   check(cudaGetDevice(&prev), "cudaGetDevice", device);
-  if (g_host == nullptr) {
+  HostFaults* host = g_host.load(std::memory_order_relaxed);
+  if (host == nullptr) {
     void* h = nullptr;
     // Portable: one allocation mapped into every device; UVA gives it one address everywhere.
     check(cudaHostAlloc(&h, sizeof(HostFaults), cudaHostAllocMapped | cudaHostAllocPortable),
           "cudaHostAlloc(fault records)", device);
     std::memset(h, 0, sizeof(HostFaults));
-    g_host = static_cast<HostFaults*>(h);
+    host = static_cast<HostFaults*>(h);
+    g_host.store(host, std::memory_order_release);
   }
   check(cudaSetDevice(device), "cudaSetDevice", device);
   void* records = nullptr;
-  cudaError_t e = cudaHostGetDevicePointer(&records, g_host, 0);
+  cudaError_t e = cudaHostGetDevicePointer(&records, host, 0);
   DeviceFault init{};
   if (e == cudaSuccess) {
     HostFaults* mapped = static_cast<HostFaults*>(records);
@@ -80,16 +82,18 @@ DeviceFault* device_state(int device) {
 }
 
 bool aborted() {
-  if (g_host == nullptr) return false;
-  return *reinterpret_cast<const volatile unsigned int*>(&g_host->aborted) != 0;
+  HostFaults* host = g_host.load(std::memory_order_acquire);
+  if (host == nullptr) return false;
+  return *reinterpret_cast<const volatile unsigned int*>(&host->aborted) != 0;
 }
 
 std::vector<FaultRecord> records() {
   std::vector<FaultRecord> out;
-  if (g_host == nullptr) return out;
+  HostFaults* host = g_host.load(std::memory_order_acquire);
+  if (host == nullptr) return out;
   for (int d = 0; d < kMaxDevices; ++d) {
     FaultRecord r;
-    if (read_record(d, &r)) out.push_back(r);
+    if (read_record(host, d, &r)) out.push_back(r);
   }
   return out;
 }

@@ -2,8 +2,9 @@
 // timeout never traps: it records why in this process's fault record, marks its device failed
 // and returns; every other wait of the process then gives up within kAbortPollNs, and the kernels
 // end without touching memory they cannot trust. The CUDA context stays usable. From then on
-// every communication op of the process fails when it is run (resolve_group), with the message
-// of fault_message(): the op, the rank, the phase, and the setting to change. Plain C++: the
+// every communication op of the process fails when its handler runs (resolve_group; a replay of
+// a captured command buffer runs no handler), with the message of fault::message(): the op, the
+// rank, the phase, and the setting to change. Plain C++: the
 // structs are shared with the kernels (transport/peer.cuh), the functions are host code.
 #pragma once
 #include <cstdint>
@@ -21,7 +22,7 @@ constexpr int kFaultPhaseChars = 96;
 struct FaultRecord {
   int state;                 // 0: none; 1: complete
   int rank;                  // the waiting rank (a virtual rank in the one-GPU multi-rank mode)
-  int peer;                  // the rank it waited for (-1: its own grid)
+  int peer;                  // the rank it waited for (-1: not known at the wait)
   int num_ranks;             // the EP group's size
   unsigned long long epoch;  // the epoch it waited for
   unsigned long long seen;   // the value it last saw

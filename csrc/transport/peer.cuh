@@ -125,6 +125,10 @@ static __device__ __noinline__ void give_up(Waiter me, int64_t timeout_ns, bool 
       r->phase[i] = '\0';
       __threadfence_system();
       r->state = 1;
+      // Only the writer raises the process's flag, after the record: the host never sees the
+      // flag without a record to name (a timed-out loser of the claim leaves both to it).
+      __threadfence_system();
+      *reinterpret_cast<volatile unsigned int*>(f->aborted) = 1u;
       printf(
           "jax_ep: rank %d timed out after %lld s in phase '%s' (waiting for rank %d, -1: not "
           "known; epoch %llu, seen %llu). A peer did not arrive: check that every rank runs the "
@@ -132,8 +136,6 @@ static __device__ __noinline__ void give_up(Waiter me, int64_t timeout_ns, bool 
           "jax_ep communication op of this process raises an error.\n",
           me.rank, (long long)(timeout_ns / 1000000000LL), w.phase, w.peer, w.epoch, w.seen);
     }
-    __threadfence_system();
-    *reinterpret_cast<volatile unsigned int*>(f->aborted) = 1u;
   }
   __threadfence_system();
 #if JAX_EP_MUTATION == 8  // planted bug 8: the timed-out wait traps, as it once did

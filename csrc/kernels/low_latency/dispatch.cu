@@ -234,6 +234,7 @@ __device__ __forceinline__ bool wait_row(const DispatchParams& p, const int* hdr
     int in = 0;
     if (lane == 0)
       in = push::wait_data(p.ps, s, par, er, p.timeout_ns, "ll_dispatch: wait for the peers' rows");
+    __syncwarp();  // lane 0's acquire comes before every lane's tag load (a shuffle orders none)
     if (!__shfl_sync(kFull, in, 0)) return false;
     return row_state(hdr, er, lane) == 1;
   }
@@ -260,7 +261,7 @@ __device__ __noinline__ void dispatch_fill_item(const DispatchParams& p, int l, 
   const int64_t RM = (int64_t)R * p.M;
   int n = lane < R
               ? static_cast<int>(word_of(p, dispatch_counts(p.buf[p.ps.rank], p, par, lane) + l,
-                                         lane, par, er, "counts"))
+                                         lane, par, er, "ll_dispatch: wait for the peers' counts"))
               : 0;
   n = __reduce_add_sync(kFull, n);
   if (c == 0 && lane == 0) p.recv_count[l] = n;
