@@ -97,8 +97,8 @@ __device__ __forceinline__ Waiter waiter(const PeerSlots& ps) {
   return Waiter{ps.fault, ps.rank, ps.num_ranks};
 }
 
-// What a wait that gives up reports: the phase ("<op>: <what>"), the peer waited for (-1: none),
-// the epoch it waited for and the value it saw last.
+// What a wait that gives up reports: the phase ("<op>: <what>"), the peer waited for (-1: not
+// known at the wait), the epoch it waited for and the value it saw last.
 struct WaitSite {
   const char* phase;
   int peer;

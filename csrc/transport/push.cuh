@@ -94,10 +94,9 @@ __device__ __forceinline__ Take send_take(Slot* me, unsigned int first, int warp
 }
 
 // One thread per sender s: wait for s's data flag of epoch e (our own slot); false when the
-// wait gave up. rows (when not null): s's row count for us.
+// wait gave up.
 __device__ __forceinline__ bool wait_data(const PeerSlots& ps, int s, int p, unsigned long long e,
-                                          int64_t timeout_ns, const char* phase,
-                                          unsigned int* rows = nullptr) {
+                                          int64_t timeout_ns, const char* phase) {
   const unsigned long long* f = &ps.slot[ps.rank]->data_flag[p][s];
   unsigned long long v = ld_acquire_sys(f);
   if ((v >> 32) < e) {
@@ -105,7 +104,6 @@ __device__ __forceinline__ bool wait_data(const PeerSlots& ps, int s, int p, uns
     while (((v = ld_acquire_sys(f)) >> 32) < e)
       if (wait.gives_up(ps, timeout_ns, WaitSite{phase, s, e, v >> 32})) return false;
   }
-  if (rows != nullptr) *rows = static_cast<unsigned int>(v & 0xffffffffu);
   return true;
 }
 
