@@ -99,11 +99,12 @@ def absent_ranks(ranks):
     inside the block. CUDA backend, one-GPU multi-rank mode only (the reference never waits).
     Once a wait gave up, every communication op of the process fails: run this in a process of
     its own."""
-    top = runtime.max_ranks() or 8
+    top = runtime.max_ranks()  # the extension's rank limit (None without it)
     mask = 0
     for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < top:
-            raise ValueError(f"absent_ranks: rank {r!r} is not an int in [0, {top})")
+        if (isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0
+                or (top is not None and r >= top)):
+            raise ValueError(f"absent_ranks: rank {r!r} is not an int in [0, {top or 'R'})")
         mask |= 1 << int(r)
     ext = runtime.extension()
     if ext is None:

@@ -464,7 +464,7 @@ def test_checked_raises_a_timeout_recorded_during_the_step(monkeypatch):
 
 
 def test_absent_ranks_checks_its_ranks():
-    for bad in (-1, 99, True, 1.0):
+    for bad in (-1, True, 1.0) + ((99,) if jax_ep.runtime.max_ranks() else ()):
         with pytest.raises(ValueError, match="absent_ranks"):
             with jax_ep.testing.absent_ranks([bad]):
                 pass
