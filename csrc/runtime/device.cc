@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <sstream>
+#include <stdexcept>
 
 #include "runtime/virtual_ranks.h"
 
@@ -46,6 +48,14 @@ cudaError_t on_private_stream(Op&& op) {
 
 cudaError_t zero_device_memory(void* p, size_t bytes) {
   return on_private_stream([&](cudaStream_t s) { return cudaMemsetAsync(p, 0, bytes, s); });
+}
+
+void check_cuda(cudaError_t e, const char* what, int device) {
+  if (e == cudaSuccess) return;
+  cudaGetLastError();
+  std::ostringstream os;
+  os << "jax_ep: " << what << " failed on device " << device << ": " << cudaGetErrorString(e);
+  throw std::runtime_error(os.str());
 }
 
 cudaError_t copy_to_device_memory(void* dst, const void* src, size_t bytes) {

@@ -20,6 +20,10 @@ cudaError_t zero_device_memory(void* p, size_t bytes);
 // Copy `bytes` from host memory to device memory of the current device, the same way.
 cudaError_t copy_to_device_memory(void* dst, const void* src, size_t bytes);
 
+// Set-up code: throw std::runtime_error "jax_ep: <what> failed on device <device>: <CUDA error>"
+// when e is an error (after clearing it).
+void check_cuda(cudaError_t e, const char* what, int device);
+
 // The SMs one rank's kernels size their grids for: device_sm_count, or in the one-GPU
 // multi-rank mode (runtime/virtual_ranks.h) the rank's share of them, at least 1.
 int sm_count(int device);

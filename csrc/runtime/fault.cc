@@ -17,15 +17,6 @@ std::atomic<HostFaults*> g_host{nullptr};     // mapped host memory, never freed
 DeviceFault* g_device[kMaxDevices] = {};      // device memory, never freed
 std::atomic<bool> g_ready[kMaxDevices] = {};  // g_device[d] is set
 
-void check(cudaError_t e, const char* what, int device) {
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    std::ostringstream os;
-    os << "jax_ep: " << what << " failed on device " << device << ": " << cudaGetErrorString(e);
-    throw std::runtime_error(os.str());
-  }
-}
-
 // A record as the device wrote it: state first, then (after an acquire fence) the fields.
 bool read_record(HostFaults* host, int d, FaultRecord* out) {
   const volatile FaultRecord* r = &host->device[d];
@@ -46,18 +37,18 @@ void ensure(int device) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_ready[device].load(std::memory_order_relaxed)) return;
   int prev = 0;
-  check(cudaGetDevice(&prev), "cudaGetDevice", device);
+  check_cuda(cudaGetDevice(&prev), "cudaGetDevice", device);
   HostFaults* host = g_host.load(std::memory_order_relaxed);
   if (host == nullptr) {
     void* h = nullptr;
     // Portable: one allocation mapped into every device; UVA gives it one address everywhere.
-    check(cudaHostAlloc(&h, sizeof(HostFaults), cudaHostAllocMapped | cudaHostAllocPortable),
-          "cudaHostAlloc(fault records)", device);
+    check_cuda(cudaHostAlloc(&h, sizeof(HostFaults), cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc(fault records)", device);
     std::memset(h, 0, sizeof(HostFaults));
     host = static_cast<HostFaults*>(h);
     g_host.store(host, std::memory_order_release);
   }
-  check(cudaSetDevice(device), "cudaSetDevice", device);
+  check_cuda(cudaSetDevice(device), "cudaSetDevice", device);
   void* records = nullptr;
   cudaError_t e = cudaHostGetDevicePointer(&records, host, 0);
   DeviceFault init{};
@@ -70,7 +61,8 @@ void ensure(int device) {
   if (e == cudaSuccess) e = cudaMalloc(&p, sizeof(DeviceFault));
   if (e == cudaSuccess) e = copy_to_device_memory(p, &init, sizeof(DeviceFault));
   cudaSetDevice(prev);
-  check(e, "setting up the fault record (cudaHostGetDevicePointer / cudaMalloc / copy)", device);
+  check_cuda(e, "setting up the fault record (cudaHostGetDevicePointer / cudaMalloc / copy)",
+             device);
   g_device[device] = static_cast<DeviceFault*>(p);
   g_ready[device].store(true, std::memory_order_release);
 }

@@ -17,13 +17,6 @@ namespace {
 std::mutex g_mu;
 std::map<std::vector<int>, std::map<int, Workspace*>> g_groups;
 
-void check(cudaError_t e, const char* what, int dev) {
-  if (e != cudaSuccess) {
-    std::ostringstream os;
-    os << "jax_ep: " << what << " failed on device " << dev << ": " << cudaGetErrorString(e);
-    throw std::runtime_error(os.str());
-  }
-}
 }  // namespace
 
 void init_group(const std::vector<int>& devices) {
@@ -34,10 +27,10 @@ void init_group(const std::vector<int>& devices) {
   std::map<int, Workspace*> ws;
   for (int id : devices) {  // a CUDA ordinal, or a virtual rank's id (virtual_ranks.h)
     const int d = id_device(id);
-    check(cudaSetDevice(d), "cudaSetDevice", d);
+    check_cuda(cudaSetDevice(d), "cudaSetDevice", d);
     void* p = nullptr;
-    check(cudaMalloc(&p, sizeof(Workspace)), "cudaMalloc(workspace)", d);
-    check(zero_device_memory(p, sizeof(Workspace)), "zeroing the workspace", d);
+    check_cuda(cudaMalloc(&p, sizeof(Workspace)), "cudaMalloc(workspace)", d);
+    check_cuda(zero_device_memory(p, sizeof(Workspace)), "zeroing the workspace", d);
     ws[id] = static_cast<Workspace*>(p);
     fault::ensure(d);
   }
@@ -46,11 +39,11 @@ void init_group(const std::vector<int>& devices) {
     if (std::find(devs.begin(), devs.end(), id_device(id)) == devs.end())
       devs.push_back(id_device(id));
   for (int a : devs) {
-    check(cudaSetDevice(a), "cudaSetDevice", a);
+    check_cuda(cudaSetDevice(a), "cudaSetDevice", a);
     for (int b : devs) {
       if (a == b) continue;
       int can = 0;
-      check(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer", a);
+      check_cuda(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer", a);
       if (!can) {
         std::ostringstream os;
         os << "jax_ep: device " << a << " cannot access device " << b
@@ -61,7 +54,7 @@ void init_group(const std::vector<int>& devices) {
       if (e == cudaErrorPeerAccessAlreadyEnabled) {
         cudaGetLastError();  // someone (XLA) enabled it already: fine
       } else {
-        check(e, "cudaDeviceEnablePeerAccess", a);
+        check_cuda(e, "cudaDeviceEnablePeerAccess", a);
       }
     }
   }
@@ -117,14 +110,14 @@ std::vector<unsigned long long> read_traces(const std::vector<int>& group, int d
     throw std::runtime_error(os.str());
   }
   int prev = 0;
-  check(cudaGetDevice(&prev), "cudaGetDevice", device);
+  check_cuda(cudaGetDevice(&prev), "cudaGetDevice", device);
   std::vector<unsigned long long> out(static_cast<size_t>(kNumSlots) * kTraceSlots, 0ull);
   cudaError_t err = cudaSetDevice(id_device(device));
   for (int s = 0; s < kNumSlots && err == cudaSuccess; ++s)
     err = cudaMemcpy(out.data() + static_cast<size_t>(s) * kTraceSlots, ws->slots[s].trace,
                      sizeof(unsigned long long) * kTraceSlots, cudaMemcpyDeviceToHost);
   cudaSetDevice(prev);
-  check(err, "read_traces (cudaSetDevice / cudaMemcpy)", device);
+  check_cuda(err, "read_traces (cudaSetDevice / cudaMemcpy)", device);
   return out;
 }
 
