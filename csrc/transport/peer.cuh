@@ -13,7 +13,7 @@
 // it publishes (publish, transport/pull.cuh); 4, low-latency: a row tag of the half's previous use
 // passes (tag_older). 5 and 6 are call-site lease bugs (runtime/lease.cc); 7, low-latency
 // combine: a row of y named by a tampered handle is read without the bound (combine_send_item);
-// 8, a wait that timed out traps as it once did (give_up), which ends the CUDA context.
+// 8, a wait that timed out traps (give_up), which ends the CUDA context.
 // 0 (every real build) changes no code.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0
@@ -138,7 +138,7 @@ static __device__ __noinline__ void give_up(Waiter me, int64_t timeout_ns, bool 
     }
   }
   __threadfence_system();
-#if JAX_EP_MUTATION == 8  // planted bug 8: the timed-out wait traps, as it once did
+#if JAX_EP_MUTATION == 8  // planted bug 8: the timed-out wait traps
   if (timed_out) __trap();
 #endif
 }
