@@ -2,9 +2,11 @@
 
 In one run, same shapes, after warm-up, median over repetitions: ours (bf16 forward,
 forward+backward, Zipf-skewed sizes, a quarter-used buffer, FP8), lax.ragged_dot, JAX's Pallas
-Mosaic GPU ragged_dot_mgpu (best of a small config sweep), a dense GEMM of the same FLOPs; the
-masked layout against the time to read the weights once at the HBM rate measured in the same
-run (a 2 GiB read).
+Mosaic GPU ragged_dot_mgpu (best of a small config sweep), a dense GEMM of the same FLOPs,
+CUTLASS's own grouped-GEMM example (example 57, when benchmarks/cutlass_example57.sh has built it
+into --cutlass-bin; it times itself: mean of 100 calls, after a warm-up call); the masked layout
+against the time to read the weights once at the HBM rate measured in the same run (a 2 GiB
+read).
 Each figure is the slope between a jit-compiled scan of n_short calls and one of n_long calls
 (fixed per-execution costs cancel). Prints a table, writes bench_gemm.json and bench_gemm.png.
 
@@ -16,6 +18,8 @@ import argparse
 import functools
 import json
 import os
+import re
+import subprocess
 import sys
 
 import numpy as np
@@ -66,6 +70,38 @@ def pallas_ragged_dot(sweep):
             for bm, bn, bk, st, gbn in sweep]
 
 
+def cutlass_example(bin_dir, M, G, K, N):
+    """CUTLASS example 57's binaries in bin_dir at G groups of M / G rows: {binary: [(kernel,
+    ms, TFLOP/s)]}, its own timing (alpha 1, beta 0: no C read, as in ours)."""
+    out = {}
+    for exe in sorted(os.listdir(bin_dir)) if os.path.isdir(bin_dir) else []:
+        if not exe.startswith("ex57_"):
+            continue
+        cmd = [os.path.join(bin_dir, exe), f"--m={M // G}", f"--n={N}", f"--k={K}",
+               f"--groups={G}", "--alpha=1", "--beta=0", "--iterations=100"]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {exe}: did not run ({type(e).__name__}: {e})")
+            continue
+        runs, kernel = [], None
+        for line in p.stdout.splitlines():
+            if line.startswith("***"):
+                kernel = line.strip("* ")
+            m = re.match(r"\s*Avg runtime\s*:\s*([\d.eE+-]+)", line)
+            if m:
+                ms = float(m.group(1))
+                runs.append((kernel, ms, 2.0 * M * K * N / (ms * 1e-3) / 1e12))
+            if "Disposition: Failed" in line:
+                print(f"  {exe}: its own check failed ({kernel})")
+        if p.returncode or not runs:
+            print(f"  {exe}: exit {p.returncode}: {(p.stdout + p.stderr)[-300:]}")
+        out[exe] = runs
+        for kernel, ms, tf in runs:
+            print(f"  {exe} {kernel}: {ms:.3f} ms = {tf:.1f} TFLOP/s")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -76,6 +112,8 @@ def main():
     ap.add_argument("--masked", default="32,1024,7168,4096", help="G,C,K,N of the masked layout")
     ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
     ap.add_argument("--skip-ragged-dot", action="store_true")
+    ap.add_argument("--cutlass-bin", default=".cutlass/bin",
+                    help="folder of CUTLASS example 57 binaries (benchmarks/cutlass_example57.sh)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
@@ -178,10 +216,24 @@ def main():
         f8 = jax.jit(gm)(aq, wq, s_uni)
         err8 = rel_err(f8, dense_ref)
         print(f"  check: FP8 vs the bf16 einsum (quantization error) rel err {err8:.2e}")
-        record("ours FP8 fwd (1x128 / 128x128 scales)", tag,
+        f8r = record("ours FP8 fwd (1x128 / 128x128 scales)", tag,
                time_op(gm, (aq, wq, s_uni), reps=reps), flops, impl="ours", op="fp8",
                dist="uniform", K=K, N=N, rel_err=err8)
         del aq, wq, f8
+
+        # CUTLASS example 57, best kernel of each of its builds (bf16 builds: best of the two)
+        ex = {}
+        if args.backend == "cuda":
+            for exe, runs in cutlass_example(args.cutlass_bin, M, G, K, N).items():
+                if runs:
+                    kind = "fp8" if "fp8" in exe else "bf16"
+                    kernel, ms, tf = max(runs, key=lambda r: r[2])
+                    if kind not in ex or tf > ex[kind]["tflops"]:
+                        ex[kind] = dict(build=exe, kernel=kernel, ms=ms, tflops=tf)
+            for kind, e in ex.items():
+                record(f"CUTLASS example 57 {kind} ({e['build']}, {e['kernel']})", tag,
+                       (e["ms"] * 1e-3,) * 3, flops, impl="cutlass-example", op=f"ex57-{kind}",
+                       K=K, N=N, build=e["build"], kernel=e["kernel"])
 
         best = pal = None
         if pallas:
@@ -212,7 +264,11 @@ def main():
         print(f"  same-run ratios: fwd {fwd['tflops'] / dense['tflops']:.3f} of dense; Zipf "
               f"{z['tflops'] / fwd['tflops']:.3f} of uniform; quarter-used buffer "
               f"{q['ms'] / fwd['ms']:.3f} of the full time; fwd+bwd {fb['tflops']:.0f} TFLOP/s"
-              + (f"; {fwd['tflops'] / pal['tflops']:.2f}x Pallas" if pal else ""))
+              + (f"; {fwd['tflops'] / pal['tflops']:.2f}x Pallas" if pal else "")
+              + (f"; bf16 {fwd['tflops'] / ex['bf16']['tflops']:.3f} of CUTLASS example 57"
+                 if "bf16" in ex else "")
+              + (f"; FP8 (block-scaled) {f8r['tflops'] / ex['fp8']['tflops']:.3f} of its FP8"
+                 " (no scales)" if "fp8" in ex else ""))
         del a, w, dense_b, ours, dense_ref
 
     # Masked layout (decode): G groups of capacity C, counts averaging 32.
@@ -241,7 +297,8 @@ def main():
     with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
         json.dump(dict(device=dev.device_kind, jax=jax.__version__, hbm_copy_gbps=hbm_rate / 1e9,
                        results=results), f, indent=1)
-    tf = [r for r in results if r["tflops"] and r.get("op") in ("fwd", "fwd+bwd", "fp8")]
+    tf = [r for r in results if r["tflops"] and r.get("op") in ("fwd", "fwd+bwd", "fp8",
+                                                                 "ex57-bf16", "ex57-fp8")]
     barh_plot(os.path.join(args.out, "bench_gemm.png"),
               [f"{r['name']} | {r['shape'].split(' K=')[-1]}" for r in tf],
               [r["tflops"] for r in tf], "TFLOP/s (one H200)")

@@ -12,7 +12,9 @@
 #   bug of csrc/transport/peer.cuh (MUTATIONS="1 2 3 4", MUTATION_K: the tests to run,
 #   MUTATION_R: their rank count, 4); a table
 #   of which tests catch which bug goes to $OUT/mutations.log;
-#   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS);
+#   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS), with
+#   CUTLASS's example 57 in the same run when benchmarks/cutlass_example57.sh built it into
+#   .cutlass/bin;
 #   bench-moe: the MoE layer benchmark (benchmarks/bench_moe.py; MOE_BENCH_ARGS). The GPU
 #   machines have no package index: the build takes CUTLASS's headers from .cutlass/ (include/
 #   and tools/util/include/ of the nvidia-cutlass package) when that folder is there. mp: the per-process (one GPU per process,
@@ -219,7 +221,7 @@ fi
 if has bench-gemm; then
   step "grouped-GEMM benchmark"
   (cd /tmp && timeout ${GEMM_BENCH_TIMEOUT:-580} $PY "$OLDPWD/benchmarks/bench_gemm.py" --out "$OUT" \
-     ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gemm.log" | tail -45) || rc=1
+     --cutlass-bin "$OLDPWD/.cutlass/bin" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gemm.log" | tail -45) || rc=1
 fi
 if has bench-moe; then
   step "MoE layer benchmark (one GPU)"
