@@ -205,6 +205,32 @@ def main():
                        time_op(small, (a, w, sz), reps=reps), flops, impl="ours-64",
                        op="fwd-64", dist=dist.lower(), K=K, N=N)
 
+            # rhs as [G, N, K] (K-major, the example's B layout): the kernel of d lhs
+            wt = jnp.swapaxes(w, 1, 2)
+
+            def nk(a, wt, s, M=M, N=N):
+                return _gg.gemm_call(a, wt, s, None, None, mode="contiguous", rhs_kn=False,
+                                      small_m=False, out_shape=(M, N), out_dtype=jnp.bfloat16)
+            try:
+                record("ours bf16 fwd, rhs [G, N, K] (uniform)", tag,
+                       time_op(nk, (a, wt, s_uni), reps=reps), flops, impl="ours-nk",
+                       op="fwd-nk", dist="uniform", K=K, N=N)
+            except Exception as e:  # noqa: BLE001
+                print(f"  rhs [G, N, K]: failed ({type(e).__name__}: {str(e)[:200]})")
+            del wt
+
+        # The data changes the clock: tensor cores draw less power on integer-valued inputs
+        # (few mantissa bits set), the fill of CUTLASS's example (bf16: integers in [-8, 8]).
+        ai = jnp.asarray(rng.integers(-8, 9, (M, K)), jnp.bfloat16)
+        wi = jnp.asarray(rng.integers(-8, 9, (G, K, N)), jnp.bfloat16)
+        fi = record("ours bf16 fwd, integer data (uniform)", tag,
+                    time_op(gm, (ai, wi, s_uni), reps=reps), flops, impl="ours", op="fwd-int",
+                    dist="uniform", K=K, N=N, data="integers -8..8")
+        di = record("dense GEMM, integer data", f"{M}x{K} @ {K}x{N}",
+                    time_op(lambda x, y: x @ y, (ai, wi[0]), reps=reps), flops, impl="dense",
+                    op="fwd-int", K=K, N=N, data="integers -8..8")
+        del ai, wi
+
         dense_b = jnp.asarray(rng.standard_normal((K, N)) / np.sqrt(K), jnp.bfloat16)
         dense = record("dense GEMM, same FLOPs (XLA / cuBLAS)", f"{M}x{K} @ {K}x{N}",
                        time_op(lambda x, y: x @ y, (a, dense_b), reps=reps), flops,
@@ -220,6 +246,14 @@ def main():
                time_op(gm, (aq, wq, s_uni), reps=reps), flops, impl="ours", op="fp8",
                dist="uniform", K=K, N=N, rel_err=err8)
         del aq, wq, f8
+        # FP8 on integer data in [-2, 2] (the example's FP8 fill), quantised as above
+        aq = jax.jit(jax_ep.quantize_fp8)(jnp.asarray(rng.integers(-2, 3, (M, K)), jnp.bfloat16))
+        wq = jax.jit(jax_ep.quantize_fp8_weights)(
+            jnp.asarray(rng.integers(-2, 3, (G, K, N)), jnp.bfloat16))
+        f8i = record("ours FP8 fwd, integer data", tag, time_op(gm, (aq, wq, s_uni), reps=reps),
+                     flops, impl="ours", op="fp8-int", dist="uniform", K=K, N=N,
+                     data="integers -2..2")
+        del aq, wq
 
         # CUTLASS example 57, best kernel of each of its builds (bf16 builds: best of the two)
         ex = {}
@@ -269,6 +303,13 @@ def main():
                  if "bf16" in ex else "")
               + (f"; FP8 (block-scaled) {f8r['tflops'] / ex['fp8']['tflops']:.3f} of its FP8"
                  " (no scales)" if "fp8" in ex else ""))
+        print(f"  same-run ratios, integer data (the example's fill): bf16 {fi['tflops']:.0f} "
+              f"TFLOP/s = {fi['tflops'] / di['tflops']:.3f} of dense"
+              + (f", {fi['tflops'] / ex['bf16']['tflops']:.3f} of CUTLASS example 57"
+                 if "bf16" in ex else "")
+              + f"; FP8 {f8i['tflops']:.0f} TFLOP/s"
+              + (f" = {f8i['tflops'] / ex['fp8']['tflops']:.3f} of its FP8" if "fp8" in ex
+                 else ""))
         del a, w, dense_b, ours, dense_ref
 
     # Masked layout (decode): G groups of capacity C, counts averaging 32.
@@ -297,8 +338,8 @@ def main():
     with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
         json.dump(dict(device=dev.device_kind, jax=jax.__version__, hbm_copy_gbps=hbm_rate / 1e9,
                        results=results), f, indent=1)
-    tf = [r for r in results if r["tflops"] and r.get("op") in ("fwd", "fwd+bwd", "fp8",
-                                                                 "ex57-bf16", "ex57-fp8")]
+    tf = [r for r in results if r["tflops"] and r.get("op") in (
+        "fwd", "fwd+bwd", "fp8", "fwd-int", "fp8-int", "ex57-bf16", "ex57-fp8")]
     barh_plot(os.path.join(args.out, "bench_gemm.png"),
               [f"{r['name']} | {r['shape'].split(' K=')[-1]}" for r in tf],
               [r["tflops"] for r in tf], "TFLOP/s (one H200)")
