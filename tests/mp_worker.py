@@ -14,8 +14,14 @@ a failed peer could hang).
 With JAX_EP_FORCE_REMOTE_PEERS=1 every other process is treated as a remote peer (no load/store
 access): the same checks then run the NVSHMEM put / get kernels of nvshmem/remote.h.
 
---kill-rank r: rank r exits before the first op; the others must raise jax_ep.PeerTimeoutError
-with the kernel's timeout message, not hang (tests/test_multiprocess.py checks it).
+--kill-rank r: rank r compiles the first op, then exits before running it; the others must
+raise jax_ep.PeerTimeoutError with the kernel's timeout message, not hang
+(tests/test_multiprocess.py checks it).
+--extra-compile-rank r: rank r first compiles a program with a jax_ep op that the others never
+compile; every rank must then fail to compile with the lease ledger's error naming the
+disagreement, instead of running ops whose slots and buffers differ between the processes.
+These two and --absent-rank run jax_ep's kernels only (no NCCL), so they also run with every
+process on one GPU (NVSHMEM with several processes per GPU).
 --absent-rank r: rank r never sets up jax_ep (it idles, then exits); the others must raise
 within JAX_EP_TIMEOUT_S an error naming process r, instead of waiting in NVSHMEM's set-up.
 """
@@ -155,22 +161,45 @@ def main():
           f"remote PEs {info.get('nvshmem_remote_pes')}", flush=True)
     if os.environ.get("JAX_EP_FORCE_REMOTE_PEERS") == "1":  # the NVSHMEM put/get path
         assert info["nvshmem_remote_pes"] == [q for q in range(R) if q != RANK], info
-    if kill is not None:
-        if RANK == kill:
-            print(f"rank {RANK}: exiting before the first op (--kill-rank)", flush=True)
-            os._exit(3)
+
+    def small_dispatch(T=8, H=256):
+        """One low-latency dispatch and its global inputs. Our kernels only: a reference-backend
+        collective (NCCL) would wait for a dead process in its own setup, which has no timeout
+        of ours, and refuses two processes on one GPU."""
         rng = np.random.default_rng(0)
-        x = np.asarray(jnp.asarray(rng.standard_normal((R * 8, 256)), jnp.bfloat16))
-        idx = _routing("random", rng, R, 8, 2, 2 * R)
-        # Our kernels only: a reference-backend collective (NCCL) would wait for the dead
-        # process in its own setup, which has no timeout of ours.
+        x = np.asarray(jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16))
+        idx = _routing("random", rng, R, T, 2, 2 * R)
         f = jax.jit(jax.shard_map(
             lambda x, i: jax_ep.low_latency_dispatch(x, i, num_experts=2 * R,
-                                                     max_tokens_per_rank=8).recv_count,
+                                                     max_tokens_per_rank=T).recv_count,
             mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+        return f, (put(mesh, x, P("ep")), put(mesh, idx, P("ep")))
+
+    if "--extra-compile-rank" in sys.argv:
+        extra = int(sys.argv[sys.argv.index("--extra-compile-rank") + 1])
+        t0 = time.time()
+        try:
+            if RANK == extra:  # e.g. a cost analysis of another program, on this process only
+                g, gargs = small_dispatch(T=16, H=512)
+                g.lower(*gargs).compile()
+            f, args = small_dispatch()
+            f.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001
+            print(f"rank {RANK}: compile raised after {time.time() - t0:.1f} s: "
+                  f"{type(e).__name__}: {e}", flush=True)
+            os._exit(5)
+        print(f"rank {RANK}: compiled without a disagreement (unexpected)", flush=True)
+        os._exit(4)
+    if kill is not None:
+        f, args = small_dispatch()
+        f = f.lower(*args).compile()  # every process compiles the op (the ledger agrees)
+        if RANK == kill:
+            print(f"rank {RANK}: exiting after the compile, before the first op (--kill-rank)",
+                  flush=True)
+            os._exit(3)
         t0 = time.time()
         try:  # the wait for the dead rank gives up: PeerTimeoutError, the context still usable
-            jax_ep.checked(lambda: local(f(put(mesh, x, P("ep")), put(mesh, idx, P("ep")))))()
+            jax_ep.checked(lambda: local(f(*args)))()
         except jax_ep.PeerTimeoutError as e:
             print(f"rank {RANK}: PeerTimeoutError after {time.time() - t0:.1f} s (op {e.op}, "
                   f"peer {e.peer}): {e}", flush=True)

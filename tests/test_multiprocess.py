@@ -25,17 +25,25 @@ def _num_gpus():
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
-def _launch(n, *args, timeout_s="20", wall=900, env=None):
-    if _num_gpus() < n:
+def _launch(n, *args, timeout_s="20", wall=900, env=None, share_gpu=False):
+    """n processes of tests/mp_worker.py, one GPU each; share_gpu: all on GPU 0 when there are
+    fewer GPUs than processes (NVSHMEM runs several processes per GPU; NCCL does not, so only
+    the modes that run jax_ep's kernels alone can share)."""
+    gpus = _num_gpus()
+    if gpus < (1 if share_gpu else n):
         pytest.skip(f"needs {n} GPUs")
     try:
         import nvshmem.core  # noqa: F401
     except ImportError:
         pytest.skip("needs nvshmem4py (pip install 'jax_ep[cuda13]')")
     env = dict(os.environ, JAX_EP_TIMEOUT_S=timeout_s, PYTHONUNBUFFERED="1", **(env or {}))
+    place = []
+    if gpus < n:
+        place = ["--gpus", ",".join(["0"] * n)]
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.8 / n:.2f}"
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--grace", "60",
-                        os.path.join(HERE, "mp_worker.py"), *args], env=env, cwd=HERE,
+                        *place, os.path.join(HERE, "mp_worker.py"), *args], env=env, cwd=HERE,
                        capture_output=True, text=True, timeout=wall)
     return p, time.time() - t0
 
@@ -65,10 +73,10 @@ def test_per_process_suite_remote_peers(n):
 
 
 def test_killed_process_fails_peers_within_timeout():
-    p, dt = _launch(2, "--kill-rank", "1", timeout_s="5", wall=300)
+    p, dt = _launch(2, "--kill-rank", "1", timeout_s="5", wall=300, share_gpu=True)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-6000:]
-    assert "exiting before the first op" in out, out[-6000:]
+    assert "exiting after the compile, before the first op" in out, out[-6000:]
     assert "timed out" in out, out[-6000:]          # the kernel's message, naming the phase
     assert "PeerTimeoutError after" in out and "(op ll_dispatch, peer 1)" in out, out[-6000:]
     assert "unexpected" not in out, out[-6000:]
@@ -78,10 +86,25 @@ def test_killed_process_fails_peers_within_timeout():
 def test_absent_process_is_named_within_timeout():
     """A process that never sets up jax_ep: the others raise within JAX_EP_TIMEOUT_S an error
     naming it (the set-up waits at a bounded barrier before NVSHMEM's collective set-up)."""
-    p, dt = _launch(2, "--absent-rank", "1", timeout_s="10", wall=300)
+    p, dt = _launch(2, "--absent-rank", "1", timeout_s="10", wall=300, share_gpu=True)
     out = p.stdout + p.stderr
     assert "rank 0: set-up raised after" in out, out[-6000:]
     assert "process(es) [1] did not arrive" in out, out[-6000:]
     assert "JAX_EP_TIMEOUT_S" in out, out[-6000:]
     assert "without the absent rank" not in out, out[-6000:]
+    assert dt < 200, f"took {dt:.0f} s"
+
+
+def test_a_process_compiling_an_extra_program_fails_every_compile_clearly():
+    """Process 0 compiles a program with a jax_ep op that process 1 never compiles (a cost
+    analysis on one process, say), then both compile the same program. Without a check the
+    processes' call sites would hold different slots and buffers and exchange rows through the
+    wrong ones; the lease ledger makes both compiles fail, naming the disagreement."""
+    p, dt = _launch(2, "--extra-compile-rank", "0", timeout_s="20", wall=300, share_gpu=True)
+    out = p.stdout + p.stderr
+    for r in (0, 1):
+        assert f"rank {r}: compile raised after" in out, out[-6000:]
+    assert "disagree on their jax_ep call sites" in out, out[-6000:]
+    assert "Compile such programs on every process" in out, out[-6000:]
+    assert "unexpected" not in out, out[-6000:]
     assert dt < 200, f"took {dt:.0f} s"

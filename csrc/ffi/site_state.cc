@@ -43,9 +43,16 @@ ffi::ErrorOr<std::unique_ptr<SiteState>> instantiate(ffi::Dictionary attrs) {
   r.group_size = static_cast<int>(R);
   r.push = push;
   r.bytes = static_cast<size_t>(*bytes);
+  if (attrs.contains("timeout_ns")) {
+    ffi::ErrorOr<int64_t> t = attrs.get<int64_t>("timeout_ns");
+    if (!t.has_value() || *t <= 0) return fail("timeout_ns must be a positive integer");
+    r.timeout_ns = *t;
+  }
   auto st = std::make_unique<SiteState>();
   try {
     st->lease = acquire_lease(r);
+  } catch (const LeaseDisagreement& e) {
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition, e.what()));
   } catch (const std::exception& e) {
     return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kResourceExhausted, e.what()));
   }

@@ -4,11 +4,15 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "nvshmem/glue.h"
 #include "runtime/fault.h"
@@ -33,6 +37,13 @@ struct SymGroup {
   std::vector<Workspace*> peer;  // this process's address of each rank's workspace (or null)
 };
 std::map<std::vector<int>, SymGroup> g_sym_groups;
+// The lease ledger (symmetric.h): its ring in the arena, the number of leases made so far and
+// the running hash of their contents. The ring is written and read by copies on a stream of
+// its own, which never waits for the op streams (a peer's kernel may be waiting for us).
+LedgerEntry* g_ledger = nullptr;
+cudaStream_t g_ledger_stream = nullptr;
+uint64_t g_leases = 0;
+uint64_t g_chain = 0xcbf29ce484222325ull;
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -63,6 +74,40 @@ void* peer_address(void* local, int pe) {
   if (pe == g_pe) return local;
   if (g_force_remote) return nullptr;
   return g_api->ptr(local, pe);
+}
+
+// Ledger entries move as whole copies on g_ledger_stream. A write invalidates the ring entry,
+// then writes the payload, then the number: a reader that sees a number sees the payload that
+// goes with it once two reads in a row agree (see read_entry).
+cudaError_t copy_entry(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, g_ledger_stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(g_ledger_stream);
+  return e;
+}
+void write_entry(const LedgerEntry& e) {
+  LedgerEntry* dst = g_ledger + (e.number_plus1 - 1) % kLedgerEntries;
+  const uint64_t none = 0;
+  LedgerEntry payload = e;
+  payload.number_plus1 = 0;
+  check(copy_entry(&dst->number_plus1, &none, sizeof none, cudaMemcpyHostToDevice),
+        "writing the lease ledger");
+  check(copy_entry(dst, &payload, sizeof payload, cudaMemcpyHostToDevice),
+        "writing the lease ledger");
+  check(copy_entry(&dst->number_plus1, &e.number_plus1, sizeof e.number_plus1,
+                   cudaMemcpyHostToDevice),
+        "writing the lease ledger");
+}
+cudaError_t read_entry(const LedgerEntry* src, LedgerEntry* out) {
+  for (;;) {
+    LedgerEntry a, b;
+    cudaError_t e = copy_entry(&a, src, sizeof a, cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess) e = copy_entry(&b, src, sizeof b, cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) return e;
+    if (std::memcmp(&a, &b, sizeof a) == 0) {
+      *out = a;
+      return cudaSuccess;
+    }
+  }
 }
 
 const SymGroup* find_group(const int64_t* members, int n) {
@@ -111,6 +156,10 @@ void attach(size_t bytes) {
   g_any_remote = false;
   for (int pe = 0; pe < g_npes; ++pe)
     if (pe != g_pe && (g_force_remote || api.ptr(p, pe) == nullptr)) g_any_remote = true;
+  g_ledger = reinterpret_cast<LedgerEntry*>(
+      take(sizeof(LedgerEntry) * kLedgerEntries, "the lease ledger"));
+  check(cudaStreamCreateWithFlags(&g_ledger_stream, cudaStreamNonBlocking),
+        "cudaStreamCreateWithFlags(lease ledger)");
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   fault::ensure(device);
@@ -168,7 +217,7 @@ Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote, s
 }
 
 std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& table, int slot,
-                                        size_t bytes) {
+                                        size_t bytes, uint64_t content, LedgerEntry* entry) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_api == nullptr) throw std::runtime_error("jax_ep: per-process mode is not attached");
   if (slot < 0 || slot >= kNumSlots) throw std::runtime_error("jax_ep: slot out of range");
@@ -184,6 +233,15 @@ std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& tab
   const int images = g_any_remote && !table.empty() ? static_cast<int>(table[0].size()) : 0;
   sb.bytes = (bytes + kAlign - 1) / kAlign * kAlign;
   sb.local = take(sb.bytes * (1 + images), "a call site's data buffer");
+  // The ledger: number, content chain (FNV-1a over the content hashes), slot, offset.
+  g_chain = (g_chain ^ content) * 0x100000001b3ull;
+  LedgerEntry e;
+  e.number_plus1 = ++g_leases;
+  e.chain = g_chain;
+  e.slot = slot;
+  e.offset = static_cast<uint64_t>(sb.local - g_arena);
+  write_entry(e);
+  *entry = e;
   std::vector<unsigned long long> out;
   for (const std::vector<int>& members : table) {
     bool mine = false;
@@ -202,6 +260,71 @@ std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& tab
     }
   }
   return out;
+}
+
+std::string check_lease(const LedgerEntry& mine, const std::vector<std::vector<int>>& table,
+                        long long timeout_ns) {
+  std::set<int> peers;
+  const LedgerEntry* ring_entry = nullptr;
+  std::map<int, const LedgerEntry*> where;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_api == nullptr || g_ledger == nullptr) return {};
+    ring_entry = g_ledger + (mine.number_plus1 - 1) % kLedgerEntries;
+    for (const std::vector<int>& members : table) {
+      if (std::find(members.begin(), members.end(), g_pe) == members.end()) continue;
+      for (int pe : members)
+        if (pe != g_pe) peers.insert(pe);
+    }
+    // Peers that only NVSHMEM operations reach are not checked (docs/design.md#lease-ledger).
+    for (int pe : peers) {
+      void* a = peer_address(const_cast<LedgerEntry*>(ring_entry), pe);
+      if (a != nullptr) where[pe] = static_cast<const LedgerEntry*>(a);
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+  const uint64_t n = mine.number_plus1;
+  for (const auto& [pe, addr] : where) {
+    for (;;) {
+      LedgerEntry theirs;
+      const cudaError_t e = read_entry(addr, &theirs);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return "jax_ep: reading process " + std::to_string(pe) +
+               "'s lease ledger failed: " + cudaGetErrorString(e);
+      }
+      if (theirs.number_plus1 > n) break;  // a whole ring ahead: that entry is gone
+      if (theirs.number_plus1 == n) {
+        if (theirs.chain == mine.chain && theirs.slot == mine.slot && theirs.offset == mine.offset)
+          break;
+        std::ostringstream os;
+        os << "jax_ep: processes " << g_pe << " and " << pe
+           << " disagree on their jax_ep call sites: call site number " << n << " of process "
+           << g_pe << " holds workspace slot " << mine.slot << " and buffer offset " << mine.offset
+           << ", call site number " << n << " of process " << pe << " slot " << theirs.slot
+           << " and offset " << theirs.offset
+           << (theirs.chain != mine.chain ? ", and the call sites compiled so far differ"
+                                          : " (the same call sites, dropped in a different order)")
+           << ". Every process must compile, and drop, the same programs that use jax_ep ops, "
+              "in the same order: one extra compile on one process (a .lower().compile() for a "
+              "cost analysis, a program only one process runs) shifts the slots and buffers of "
+              "every later call site, and the ranks would exchange rows through the wrong "
+              "buffers. Compile such programs on every process.";
+        return os.str();
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::ostringstream os;
+        os << "jax_ep: process " << pe << " has not compiled call site number " << n
+           << " of process " << g_pe << " within " << timeout_ns / 1000000000.0
+           << " s: it compiles other programs that use jax_ep ops (every process must "
+              "compile the same ones, in the same order), is slower than that, or stopped. "
+              "Raise JAX_EP_TIMEOUT_S if its compiles can legitimately lag that far.";
+        return os.str();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return {};
 }
 
 std::vector<int> remote_pes() {

@@ -41,6 +41,19 @@ void init_groups(const std::vector<std::vector<int>>& table);
 // *remote = true: rank r is not reachable by loads and stores (nvshmem/remote.h); null
 // otherwise: unknown group, err names the reason.
 Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote, std::string* err);
+// The lease ledger: every lease a process makes in per-process mode, numbered in the order it
+// made them, in a ring of entries at a fixed place of its arena that peers read. Every process
+// must make the same leases in the same order (same slot, same buffer offset, same call-site
+// content); a lease is checked against every peer's entry of the same number before its
+// program may run (docs/design.md#lease-ledger).
+struct LedgerEntry {
+  uint64_t number_plus1 = 0;  // the lease's number + 1 (0: never written)
+  uint64_t chain = 0;         // hash of the contents of this lease and of every earlier one
+  int64_t slot = -1;
+  uint64_t offset = 0;  // arena offset of the lease's buffer
+};
+inline constexpr int kLedgerEntries = 4096;
+
 // Symmetric buffer of at least `bytes` for a new lease of slot `slot` (runtime/lease.cc): fresh
 // arena memory (zero since attach; never reused, as a faster peer may already have written into
 // it), at the same offset on every PE when every process leases in the same order.
@@ -48,8 +61,16 @@ Workspace* group_workspace(const int64_t* members, int n, int r, bool* remote, s
 // of its own group, and 0 for the members of other groups. A member without load/store access
 // gets instead this process's scratch image for it (the push ops' send area for that member,
 // the pull ops' mirror of its staging buffer), with bit 0 set to say so.
+// The lease is also written to the ledger (`content`: a hash of the call site's request), and
+// *entry says what was written. bytes may be 0 (no buffer; the lease is still numbered).
 std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& table, int slot,
-                                        size_t bytes);
+                                        size_t bytes, uint64_t content, LedgerEntry* entry);
+// Compares `mine` with the ledger entry of the same number of every other member of this
+// process's groups in `table` that loads and stores reach, waiting up to timeout_ns for members
+// that have not made that lease yet. Returns "" when all agree, else a message naming the
+// process and what differs (or that it did not get there in time).
+std::string check_lease(const LedgerEntry& mine, const std::vector<std::vector<int>>& table,
+                        long long timeout_ns);
 // PEs this process reaches only through NVSHMEM operations (no load/store mapping, or all of
 // them with JAX_EP_FORCE_REMOTE_PEERS=1): the ops then run the nvshmem/remote.h kernels.
 std::vector<int> remote_pes();

@@ -31,8 +31,12 @@ Workspace* group_workspace(const int64_t*, int, int, bool* remote, std::string* 
   *err = "no per-process transport in this build";
   return nullptr;
 }
-std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>&, int, size_t) {
+std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>&, int, size_t, uint64_t,
+                                        LedgerEntry*) {
   not_built();
+  return {};
+}
+std::string check_lease(const LedgerEntry&, const std::vector<std::vector<int>>&, long long) {
   return {};
 }
 std::vector<int> remote_pes() { return {}; }

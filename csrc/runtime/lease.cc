@@ -18,7 +18,8 @@
 
 // Planted bugs of the mutation check (scripts/gpu_check.sh lease-mutations; 0 in real builds):
 // 5: a released lease keeps its slot and buffers (memory never comes back);
-// 6: every push lease takes the first push slot (call sites share epochs and pending sends).
+// 6: every push lease takes the first push slot (call sites share epochs and pending sends);
+// 9: per-process leases are not compared with the peers' (the lease ledger goes unread).
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0
 #endif
@@ -154,6 +155,19 @@ std::vector<int64_t> allocate_buffers(const LeaseRequest& r, int slot) {
   return out;
 }
 
+// What the ledger compares across processes: a hash (FNV-1a) of everything a lease is made of.
+uint64_t content_hash(const LeaseRequest& r) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+  };
+  mix(r.push ? 1 : 0);
+  mix(r.bytes);
+  mix(static_cast<uint64_t>(r.group_size));
+  for (int64_t g : r.groups) mix(static_cast<uint64_t>(g));
+  return h;
+}
+
 bool same_request(const LeaseRequest& a, const LeaseRequest& b) {
   return a.groups == b.groups && a.group_size == b.group_size && a.push == b.push &&
          a.bytes == b.bytes;
@@ -215,14 +229,18 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
   }
   // Buffers outside the lock (allocation and zeroing take a while).
   std::vector<int64_t> bufs;
+  std::vector<std::vector<int>> table;  // per-process mode: the PEs of each group
+  sym::LedgerEntry entry;
   try {
-    if (r.bytes > 0 && sym::active()) {
-      std::vector<std::vector<int>> table;
+    if (sym::active()) {
+      // Every per-process lease is numbered in the ledger, with or without a buffer.
       for (size_t i = 0; i < r.groups.size(); i += static_cast<size_t>(r.group_size))
         table.emplace_back(r.groups.begin() + static_cast<std::ptrdiff_t>(i),
                            r.groups.begin() + static_cast<std::ptrdiff_t>(i + r.group_size));
-      for (unsigned long long v : sym::reserve(table, slot, r.bytes))
-        bufs.push_back(static_cast<int64_t>(v));
+      std::vector<unsigned long long> addrs =
+          sym::reserve(table, slot, r.bytes, content_hash(r), &entry);
+      if (r.bytes > 0)
+        for (unsigned long long v : addrs) bufs.push_back(static_cast<int64_t>(v));
     } else if (r.bytes > 0) {
       bufs = allocate_buffers(r, slot);
     }
@@ -232,7 +250,7 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
     throw;
   }
   std::shared_ptr<Lease> live;
-  bool mismatch = false;
+  bool mismatch = false, ours = false;
   {
     std::lock_guard<std::mutex> lock(reg().mu);
     // Another thread may have made the lease of this site meanwhile (one lowering compiled
@@ -247,11 +265,22 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
         for (int64_t id : r.groups) reg().bytes[id_device(static_cast<int>(id))] += r.bytes;
       ++reg().created;
       reg().leases[r.site] = lease;
-      return lease;
+      live = lease;
+      ours = true;
     }
   }
-  give_back(r, slot, bufs);
-  if (mismatch) throw_mismatch();
+  if (!ours) {
+    give_back(r, slot, bufs);
+    if (mismatch) throw_mismatch();
+    return live;
+  }
+  // Per-process mode: the peers must have made the same lease (same number, slot, offset and
+  // call sites so far) before its program may run. Outside the registry's lock: this waits for
+  // the peers' compiles.
+  if (sym::active() && JAX_EP_MUTATION != 9) {
+    const std::string why = sym::check_lease(entry, table, r.timeout_ns);
+    if (!why.empty()) throw LeaseDisagreement(why);  // `live` drops: the slot goes back
+  }
   return live;
 }
 

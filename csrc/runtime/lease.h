@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,14 @@ struct LeaseRequest {
   int group_size = 0;
   bool push = false;  // slot range: push (low-latency) or pull (high-throughput)
   size_t bytes = 0;   // data buffer per table entry; 0: none
+  long long timeout_ns = 600000000000LL;  // per-process mode: bound of the wait for the peers'
+                                          // leases (the op's JAX_EP_TIMEOUT_S)
+};
+
+// Per-process mode: this process's lease disagrees with a peer's lease of the same number, or
+// the peer did not make it in time (nvshmem/symmetric.h, the lease ledger).
+struct LeaseDisagreement : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 struct Lease {
@@ -39,7 +48,8 @@ struct Lease {
 
 // The lease of r.site: the live one when another call site holds it (it must then name the same
 // table, kind and size: a lowering bug otherwise), else a new one. Throws std::runtime_error
-// naming what is missing: no free slot (the message gives the limit), or device memory.
+// naming what is missing: no free slot (the message gives the limit), or device memory; in
+// per-process mode a new lease is first compared with the peers' (LeaseDisagreement).
 std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r);
 
 struct LeaseStats {
