@@ -243,8 +243,8 @@ def main():
         err8 = rel_err(f8, dense_ref)
         print(f"  check: FP8 vs the bf16 einsum (quantization error) rel err {err8:.2e}")
         f8r = record("ours FP8 fwd (1x128 / 128x128 scales)", tag,
-               time_op(gm, (aq, wq, s_uni), reps=reps), flops, impl="ours", op="fp8",
-               dist="uniform", K=K, N=N, rel_err=err8)
+                     time_op(gm, (aq, wq, s_uni), reps=reps), flops, impl="ours", op="fp8",
+                     dist="uniform", K=K, N=N, rel_err=err8)
         del aq, wq, f8
         # FP8 on integer data in [-2, 2] (the example's FP8 fill), quantised as above
         aq = jax.jit(jax_ep.quantize_fp8)(jnp.asarray(rng.integers(-2, 3, (M, K)), jnp.bfloat16))

@@ -24,7 +24,8 @@
 #   on the loopback device instead (needs the libucx-cu13 wheel): peers are then remote for
 #   real, not by JAX_EP_FORCE_REMOTE_PEERS.
 #   probe: NVLink all-to-all bandwidth per method (benchmarks/nvlink_probe.cu; PROBE_ARGS).
-# Extra args: PYTEST_K="ll_ or layout" (a -k expression); PYTEST_ARGS="--maxfail=3";
+# Extra args: PYTEST_K="ll_ or layout" (a -k expression, test and mp stages);
+# PYTEST_ARGS="--maxfail=3";
 # BENCH_ARGS="--ranks 4".
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -180,9 +181,13 @@ sys.exit(_C.planted_bug() != $m or not jax_ep.__file__.startswith('$dst'))"); th
 fi
 if has mp; then
   step "per-process suite (jax_ep.launch, NVSHMEM)"
+  # nvshmem4py from a wheel carried in .whl/nvshmem/ when the machine lacks it
+  if ! $PY -c "import nvshmem.core" 2>/dev/null && [ -d .whl/nvshmem ]; then
+    $PY -m pip install -q --no-deps --no-index .whl/nvshmem/*.whl
+  fi
   (cd /tmp && timeout 900 $PY -m pytest -q -p no:cacheprovider -m gpu \
-     "$OLDPWD/tests/test_multiprocess.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/mp_tests.log" \
-     | tail -40) || rc=1
+     "$OLDPWD/tests/test_multiprocess.py" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 \
+     | tee "$OUT/mp_tests.log" | tail -40) || rc=1
 fi
 if has ucx; then
   step "per-process suite, peers remote over NVSHMEM's UCX transport (TCP, loopback)"
