@@ -185,8 +185,10 @@ def main():
             f, args = small_dispatch()
             f.lower(*args).compile()
         except Exception as e:  # noqa: BLE001
-            print(f"rank {RANK}: compile raised after {time.time() - t0:.1f} s: "
-                  f"{type(e).__name__}: {e}", flush=True)
+            sys.stdout.flush()  # one write, so that the other process's lines never split it
+            os.write(1, f"rank {RANK}: compile raised after {time.time() - t0:.1f} s: "
+                        f"{type(e).__name__}: {e}\n".encode())
+            time.sleep(3)  # the peer may still be reading this process's ledger
             os._exit(5)
         print(f"rank {RANK}: compiled without a disagreement (unexpected)", flush=True)
         os._exit(4)
@@ -196,6 +198,7 @@ def main():
         if RANK == kill:
             print(f"rank {RANK}: exiting after the compile, before the first op (--kill-rank)",
                   flush=True)
+            time.sleep(2)  # the peer's compile may still be reading this process's ledger
             os._exit(3)
         t0 = time.time()
         try:  # the wait for the dead rank gives up: PeerTimeoutError, the context still usable

@@ -42,6 +42,7 @@ std::map<std::vector<int>, SymGroup> g_sym_groups;
 // its own, which never waits for the op streams (a peer's kernel may be waiting for us).
 LedgerEntry* g_ledger = nullptr;
 cudaStream_t g_ledger_stream = nullptr;
+int g_device = -1;  // this process's GPU (the ledger's copies run on it)
 uint64_t g_leases = 0;
 uint64_t g_chain = 0xcbf29ce484222325ull;
 
@@ -79,9 +80,15 @@ void* peer_address(void* local, int pe) {
 // Ledger entries move as whole copies on g_ledger_stream. A write invalidates the ring entry,
 // then writes the payload, then the number: a reader that sees a number sees the payload that
 // goes with it once two reads in a row agree (see read_entry).
+// Copies on g_ledger_stream with this process's GPU current: XLA's compile threads may have
+// another device current, and a copy there would open a context on it.
 cudaError_t copy_entry(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
-  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, g_ledger_stream);
+  int prev = -1;
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e == cudaSuccess && prev != g_device) e = cudaSetDevice(g_device);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(dst, src, bytes, kind, g_ledger_stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(g_ledger_stream);
+  if (prev >= 0 && prev != g_device) cudaSetDevice(prev);
   return e;
 }
 void write_entry(const LedgerEntry& e) {
@@ -97,7 +104,9 @@ void write_entry(const LedgerEntry& e) {
                    cudaMemcpyHostToDevice),
         "writing the lease ledger");
 }
-cudaError_t read_entry(const LedgerEntry* src, LedgerEntry* out) {
+// cudaErrorTimeout: no two reads agreed before the deadline.
+cudaError_t read_entry(const LedgerEntry* src, LedgerEntry* out,
+                       std::chrono::steady_clock::time_point deadline) {
   for (;;) {
     LedgerEntry a, b;
     cudaError_t e = copy_entry(&a, src, sizeof a, cudaMemcpyDeviceToHost);
@@ -107,6 +116,7 @@ cudaError_t read_entry(const LedgerEntry* src, LedgerEntry* out) {
       *out = a;
       return cudaSuccess;
     }
+    if (std::chrono::steady_clock::now() > deadline) return cudaErrorTimeout;
   }
 }
 
@@ -162,6 +172,7 @@ void attach(size_t bytes) {
         "cudaStreamCreateWithFlags(lease ledger)");
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
+  g_device = device;
   fault::ensure(device);
   g_api = &api;
 }
@@ -287,7 +298,7 @@ std::string check_lease(const LedgerEntry& mine, const std::vector<std::vector<i
   for (const auto& [pe, addr] : where) {
     for (;;) {
       LedgerEntry theirs;
-      const cudaError_t e = read_entry(addr, &theirs);
+      const cudaError_t e = read_entry(addr, &theirs, deadline);
       if (e != cudaSuccess) {
         cudaGetLastError();
         return "jax_ep: reading process " + std::to_string(pe) +

@@ -205,7 +205,30 @@ void throw_mismatch() {
       "(the halves of a split op, and split sends sharing a pair name, must agree)");
 }
 
+// Per-process mode: leases are made one at a time, each checked against the peers' before it
+// is published (so no call site gets an unchecked lease, and a race of two threads over one
+// site costs no ledger number); the first disagreement is kept, since every later lease
+// number is then off too.
+std::mutex& making_mu() {
+  static std::mutex* m = new std::mutex();
+  return *m;
+}
+std::string& ledger_failure() {  // under making_mu()
+  static std::string* s = new std::string();
+  return *s;
+}
+
 std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
+  std::unique_lock<std::mutex> making;
+  if (sym::active()) {
+    making = std::unique_lock<std::mutex>(making_mu());
+    if (!ledger_failure().empty())
+      throw LeaseDisagreement(
+          "jax_ep: an earlier compile of this process found the processes disagreeing on "
+          "their jax_ep call sites, so no later one can be checked; restart the job. The "
+          "first disagreement: " +
+          ledger_failure());
+  }
   int slot = -1;
   {
     std::shared_ptr<Lease> live;
@@ -249,6 +272,20 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
     reg().slot_used[slot] = false;
     throw;
   }
+  // Per-process mode: the peers must have made the same lease (same number, slot, offset and
+  // call sites so far) before this one is published and its program may run. This waits for
+  // the peers' compiles (not under the registry's lock).
+  if (sym::active() && JAX_EP_MUTATION != 9) {
+    const std::string why = sym::check_lease(entry, table, r.timeout_ns);
+    if (!why.empty()) {
+      {
+        std::lock_guard<std::mutex> lock(reg().mu);
+        reg().slot_used[slot] = false;
+      }
+      ledger_failure() = why;
+      throw LeaseDisagreement(why);
+    }
+  }
   std::shared_ptr<Lease> live;
   bool mismatch = false, ours = false;
   {
@@ -272,14 +309,6 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
   if (!ours) {
     give_back(r, slot, bufs);
     if (mismatch) throw_mismatch();
-    return live;
-  }
-  // Per-process mode: the peers must have made the same lease (same number, slot, offset and
-  // call sites so far) before its program may run. Outside the registry's lock: this waits for
-  // the peers' compiles.
-  if (sym::active() && JAX_EP_MUTATION != 9) {
-    const std::string why = sym::check_lease(entry, table, r.timeout_ns);
-    if (!why.empty()) throw LeaseDisagreement(why);  // `live` drops: the slot goes back
   }
   return live;
 }
