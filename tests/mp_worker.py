@@ -45,6 +45,10 @@ from test_gpu import (_assert_ht_equal, _assert_ll_equal, _ht_body, _ll_body,  #
                       _routing)
 
 RANK = None
+# Every process computes the reference for all ranks itself (virtual ranks: jax.vmap over the
+# EP axis on its own GPU), instead of in the shared shard_map whose collectives are NCCL's:
+# NCCL refuses several processes on one GPU (tests/test_multiprocess.py sets it then).
+LOCAL_REFERENCE = os.environ.get("JAX_EP_MP_LOCAL_REFERENCE") == "1"
 
 
 def seed(*key):
@@ -67,15 +71,38 @@ def local(tree):
     return jax.tree.map(one, tree)
 
 
-def ht_check(mesh, x, idx, w, E, capacity=None, atol=2e-2, spec=None):
-    spec = spec or P("ep")
-    f = jax.jit(jax.shard_map(_ht_body(E, capacity), mesh=mesh, in_specs=spec, out_specs=spec,
+def reference_shard(body, R, args, ep_dim=0):
+    """This rank's outputs of `body` (a per-rank body on the reference backend) with every rank
+    computed here as a virtual rank: global inputs split along ep_dim, no collective between
+    the processes."""
+    dev = jax.local_devices()[0]
+
+    def split(a):
+        a = np.asarray(a)
+        n = a.shape[ep_dim]
+        a = a.reshape(a.shape[:ep_dim] + (R, n // R) + a.shape[ep_dim + 1:])
+        return jax.device_put(np.moveaxis(a, ep_dim, 0), dev)
+    out = jax.jit(jax.vmap(body, axis_name="ep", axis_size=R))(*jax.tree.map(split, args))
+    return jax.tree.map(lambda a: np.asarray(a[RANK]), out)
+
+
+def both_backends(make_body, mesh, args, spec=P("ep")):
+    """(cuda, reference) outputs of this process's rank: one shard_map running both, or with
+    LOCAL_REFERENCE the CUDA backend in the shard_map and the reference in this process."""
+    put_args = jax.tree.map(lambda a: put(mesh, a, spec), args)
+    if not LOCAL_REFERENCE:
+        f = jax.jit(jax.shard_map(make_body(("cuda", "reference")), mesh=mesh, in_specs=spec,
+                                  out_specs=spec, check_vma=False))
+        return local(f(*put_args))
+    f = jax.jit(jax.shard_map(make_body(("cuda",)), mesh=mesh, in_specs=spec, out_specs=spec,
                               check_vma=False))
-    if isinstance(x, tuple):
-        args = (tuple(put(mesh, a, spec) for a in x), put(mesh, idx, spec), put(mesh, w, spec))
-    else:
-        args = (put(mesh, x, spec), put(mesh, idx, spec), put(mesh, w, spec))
-    cu, rf = local(f(*args))
+    return (local(f(*put_args))[0],
+            reference_shard(make_body(("reference",)), mesh.devices.size, args)[0])
+
+
+def ht_check(mesh, x, idx, w, E, capacity=None, atol=2e-2, spec=None):
+    cu, rf = both_backends(lambda b: _ht_body(E, capacity, backends=b), mesh, (x, idx, w),
+                           spec or P("ep"))
     _assert_ht_equal(cu, rf, atol)
     return cu
 
@@ -84,10 +111,8 @@ def ll_check(mesh, x, idx, w, E, M, use_fp8, round_scale, split):
     R = mesh.devices.size
     L = E // R
     T = x.shape[0] // R
-
-    f = jax.jit(jax.shard_map(_ll_body(E, M, use_fp8, round_scale, split), mesh=mesh,
-                              in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
-    cu, rf = local(f(put(mesh, x, P("ep")), put(mesh, idx, P("ep")), put(mesh, w, P("ep"))))
+    cu, rf = both_backends(
+        lambda b: _ll_body(E, M, use_fp8, round_scale, split, backends=b), mesh, (x, idx, w))
     _assert_ll_equal(cu, rf, x, T, M, use_fp8, round_scale, 1, L)
 
 
@@ -120,6 +145,8 @@ def scan_check(mesh, kind, steps=200):
                 return c, (out, r.recv_count)
             return jax.lax.scan(step, 0, (xs, idx, w))[1]
         spec = P(None, "ep")
+        if be == "reference" and LOCAL_REFERENCE:
+            return reference_shard(body, R, (xs, idx, w), ep_dim=1)
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
         return local(f(put(mesh, xs, spec), put(mesh, idx, spec), put(mesh, w, spec)))
 

@@ -51,11 +51,11 @@ def _routing(kind, rng, R, T, K, E):
     return idx.astype(np.int32)
 
 
-def _ht_body(E, capacity=None, axis="ep"):
+def _ht_body(E, capacity=None, axis="ep", backends=("cuda", "reference")):
     """shard_map body running dispatch + combine on both backends (cuda first)."""
     def body(x, idx, w):
         outs = []
-        for be in ("cuda", "reference"):
+        for be in backends:
             r = jax_ep.dispatch(x, idx, w, num_experts=E, capacity=capacity, axis_name=axis,
                                 backend=be)
             rx = r.recv_x if not isinstance(r.recv_x, tuple) else r.recv_x[0]
@@ -380,12 +380,12 @@ def _ll_combine(y, idx, w, handle, split, **kw):
         jax_ep.low_latency_combine_send(y, idx, w, handle, **kw))
 
 
-def _ll_body(E, M, use_fp8, round_scale, split=False):
+def _ll_body(E, M, use_fp8, round_scale, split=False, backends=("cuda", "reference")):
     """shard_map body running LL dispatch + combine on both backends (cuda first; the cuda one
     through the send / receive halves when split)."""
     def body(x, idx, w):
         outs = []
-        for be in ("cuda", "reference"):
+        for be in backends:
             r = _ll_dispatch(x, idx, split and be == "cuda", num_experts=E,
                              max_tokens_per_rank=M, use_fp8=use_fp8, round_scale=round_scale,
                              backend=be)

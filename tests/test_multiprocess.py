@@ -41,6 +41,7 @@ def _launch(n, *args, timeout_s="20", wall=900, env=None, share_gpu=False):
     if gpus < n:
         place = ["--gpus", ",".join(["0"] * n)]
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.8 / n:.2f}"
+        env["JAX_EP_MP_LOCAL_REFERENCE"] = "1"  # the reference without NCCL (mp_worker.py)
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--grace", "60",
                         *place, os.path.join(HERE, "mp_worker.py"), *args], env=env, cwd=HERE,
@@ -50,7 +51,7 @@ def _launch(n, *args, timeout_s="20", wall=900, env=None, share_gpu=False):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_per_process_suite(n):
-    p, _ = _launch(n)
+    p, _ = _launch(n, share_gpu=True)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     for r in range(n):
@@ -63,7 +64,7 @@ def test_per_process_suite_remote_peers(n):
     """Every other process treated as remote: the NVSHMEM put-with-signal (low-latency) and get
     (high-throughput) kernels of nvshmem/remote.h run the whole suite, here over NVSHMEM's
     own NVLink transport. The worker checks that runtime_info lists every other PE as remote."""
-    p, _ = _launch(n, env={"JAX_EP_FORCE_REMOTE_PEERS": "1"})
+    p, _ = _launch(n, env={"JAX_EP_FORCE_REMOTE_PEERS": "1"}, share_gpu=True)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     for r in range(n):
