@@ -1,7 +1,8 @@
 """Per-process mode on one host: N JAX processes, one GPU each, NVSHMEM transport.
 
 Marked `gpu`: each test starts its own processes with `python -m jax_ep.launch` running
-tests/mp_worker.py (the per-process GPU suite), and needs as many GPUs as processes.
+tests/mp_worker.py (the per-process GPU suite). With fewer GPUs than processes every process
+runs on GPU 0 (NVSHMEM allows it) and computes the reference itself (NCCL does not).
 """
 from __future__ import annotations
 
