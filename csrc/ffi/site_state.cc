@@ -27,8 +27,13 @@ ffi::ErrorOr<std::unique_ptr<SiteState>> instantiate(ffi::Dictionary attrs) {
   ffi::ErrorOr<ffi::Span<const int64_t>> groups = attrs.get<ffi::Span<const int64_t>>("groups");
   ffi::ErrorOr<int64_t> group_size = attrs.get<int64_t>("group_size");
   ffi::ErrorOr<int64_t> site = attrs.get<int64_t>("site");
-  if (!groups.has_value() || !group_size.has_value() || !site.has_value())
-    return fail("a communication call site needs the attributes groups, group_size and site");
+  ffi::ErrorOr<int64_t> timeout_ns = attrs.get<int64_t>("timeout_ns");
+  if (!groups.has_value() || !group_size.has_value() || !site.has_value() ||
+      !timeout_ns.has_value())
+    return fail(
+        "a communication call site needs the attributes groups, group_size, site and "
+        "timeout_ns");
+  if (*timeout_ns <= 0) return fail("timeout_ns must be positive");
   const bool push = attrs.contains("buffer_bytes");
   ffi::ErrorOr<int64_t> bytes = attrs.get<int64_t>(push ? "buffer_bytes" : "stage_bytes");
   if (!bytes.has_value()) return fail("missing buffer_bytes / stage_bytes");
@@ -43,11 +48,7 @@ ffi::ErrorOr<std::unique_ptr<SiteState>> instantiate(ffi::Dictionary attrs) {
   r.group_size = static_cast<int>(R);
   r.push = push;
   r.bytes = static_cast<size_t>(*bytes);
-  if (attrs.contains("timeout_ns")) {
-    ffi::ErrorOr<int64_t> t = attrs.get<int64_t>("timeout_ns");
-    if (!t.has_value() || *t <= 0) return fail("timeout_ns must be a positive integer");
-    r.timeout_ns = *t;
-  }
+  r.timeout_ns = *timeout_ns;
   auto st = std::make_unique<SiteState>();
   try {
     st->lease = acquire_lease(r);

@@ -27,10 +27,10 @@ struct LeaseRequest {
   uint64_t site = 0;            // the lowering's call-site id
   std::vector<int64_t> groups;  // flattened group table [num_groups * group_size]
   int group_size = 0;
-  bool push = false;  // slot range: push (low-latency) or pull (high-throughput)
-  size_t bytes = 0;   // data buffer per table entry; 0: none
-  long long timeout_ns = 600000000000LL;  // per-process mode: bound of the wait for the peers'
-                                          // leases (the op's JAX_EP_TIMEOUT_S)
+  bool push = false;         // slot range: push (low-latency) or pull (high-throughput)
+  size_t bytes = 0;          // data buffer per table entry; 0: none
+  long long timeout_ns = 0;  // per-process mode: bound of the wait for the peers' leases (the
+                             // op's timeout_ns attribute, from JAX_EP_TIMEOUT_S)
 };
 
 // Per-process mode: this process's lease disagrees with a peer's lease of the same number, or
