@@ -5,7 +5,7 @@
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
 #   moe: the MoE layer (moe_ffn) GPU suite; leases: the call-site lease suite
 #   (tests/test_gpu_leases.py); timeouts: waits that give up cleanly (tests/test_gpu_timeouts.py);
-#   planted: builds with planted bugs 5 to 9 (csrc/transport/peer.cuh
+#   planted: builds with planted bugs 5 to 10 (csrc/transport/peer.cuh
 #   lists them), each against the tests that must catch it (PLANTED="M:TEST ..."; planted.log);
 #   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
@@ -88,7 +88,7 @@ if has timeouts; then
      | tail -15) || rc=1
 fi
 if has planted; then
-  step "planted-bug check: each planted bug (lease.cc 5, 6 and 9, combine.cu 7, peer.cuh 8) must fail its tests"
+  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8) must fail its tests"
   # MUTATION:TEST pairs, each test in a process of its own (table: planted.log)
   L=tests/test_gpu_leases.py
   pairs="${PLANTED:-5:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
@@ -97,7 +97,8 @@ if has planted; then
     6:$L::test_dropped_programs_give_their_slots_and_memory_back
     7:tests/test_gpu.py::test_ll_combine_never_reads_past_a_tampered_handle
     8:tests/test_gpu_timeouts.py::test_a_wait_that_times_out_raises_and_keeps_the_context
-    9:tests/test_multiprocess.py::test_a_process_compiling_an_extra_program_fails_every_compile_clearly}"
+    9:tests/test_multiprocess.py::test_a_process_compiling_an_extra_program_fails_every_compile_clearly
+    10:tests/test_multiprocess.py::test_a_process_compiling_an_extra_program_fails_every_compile_clearly[remote]}"
   : > "$OUT/planted.log"
   need_nvshmem4py
   built=" "
@@ -117,10 +118,10 @@ sys.exit(_C.planted_bug() != $m)"); then
         echo "  mutation $m: the tests would not import the planted build"; rc=1; continue
       fi
     fi
+    log="$OUT/planted_${m}_$(echo "${t##*::}" | tr -c 'A-Za-z0-9_.\n-' '_').log"
     (cd /tmp && PYTHONPATH="$dst" JAX_EP_TIMEOUT_S=5 timeout ${MUTATION_TIMEOUT:-200} $PY -m pytest \
-       -q -p no:cacheprovider -m gpu "$OLDPWD/$t" > "$OUT/planted_${m}_${t##*::}.log" 2>&1)
+       -q -p no:cacheprovider -m gpu "$OLDPWD/$t" > "$log" 2>&1)
     r=$?
-    log="$OUT/planted_${m}_${t##*::}.log"
     if [ $r -eq 0 ] && grep -q " skipped" "$log" && ! grep -q " passed" "$log"; then
       v="NOT RUN (skipped)"; rc=1
     elif [ $r -eq 0 ]; then v="missed (passed)"; else v="caught (exit $r)"; fi

@@ -14,9 +14,9 @@ a failed peer could hang).
 With JAX_EP_FORCE_REMOTE_PEERS=1 every other process is treated as a remote peer (no load/store
 access): the same checks then run the NVSHMEM put / get kernels of nvshmem/remote.h.
 
---kill-rank r: rank r compiles the first op, then exits before running it; the others must
-raise jax_ep.PeerTimeoutError with the kernel's timeout message, not hang
-(tests/test_multiprocess.py checks it).
+--kill-rank r [--kill-op ll|ht]: rank r compiles a low-latency (default) or high-throughput
+dispatch, then exits before running it; the others must raise jax_ep.PeerTimeoutError with the
+kernel's timeout message, not hang (tests/test_multiprocess.py checks it).
 --extra-compile-rank r: rank r first compiles a program with a jax_ep op that the others never
 compile; every rank must then fail to compile with the lease ledger's error naming the
 disagreement, instead of running ops whose slots and buffers differ between the processes.
@@ -189,17 +189,21 @@ def main():
     if os.environ.get("JAX_EP_FORCE_REMOTE_PEERS") == "1":  # the NVSHMEM put/get path
         assert info["nvshmem_remote_pes"] == [q for q in range(R) if q != RANK], info
 
-    def small_dispatch(T=8, H=256):
-        """One low-latency dispatch and its global inputs. Our kernels only: a reference-backend
-        collective (NCCL) would wait for a dead process in its own setup, which has no timeout
-        of ours, and refuses two processes on one GPU."""
+    def small_dispatch(T=8, H=256, op="ll"):
+        """One low-latency (op "ll") or high-throughput ("ht") dispatch and its global inputs.
+        Our kernels only: a reference-backend collective (NCCL) would wait for a dead process
+        in its own setup, which has no timeout of ours, and refuses two processes on one GPU."""
         rng = np.random.default_rng(0)
         x = np.asarray(jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16))
         idx = _routing("random", rng, R, T, 2, 2 * R)
-        f = jax.jit(jax.shard_map(
-            lambda x, i: jax_ep.low_latency_dispatch(x, i, num_experts=2 * R,
-                                                     max_tokens_per_rank=T).recv_count,
-            mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+
+        def body(x, i):
+            if op == "ht":
+                return jax_ep.dispatch(x, i, num_experts=2 * R).recv_x
+            return jax_ep.low_latency_dispatch(x, i, num_experts=2 * R,
+                                               max_tokens_per_rank=T).recv_count
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                                  check_vma=False))
         return f, (put(mesh, x, P("ep")), put(mesh, idx, P("ep")))
 
     if "--extra-compile-rank" in sys.argv:
@@ -220,7 +224,8 @@ def main():
         print(f"rank {RANK}: compiled without a disagreement (unexpected)", flush=True)
         os._exit(4)
     if kill is not None:
-        f, args = small_dispatch()
+        kill_op = sys.argv[sys.argv.index("--kill-op") + 1] if "--kill-op" in sys.argv else "ll"
+        f, args = small_dispatch(op=kill_op)
         f = f.lower(*args).compile()  # every process compiles the op (the ledger agrees)
         if RANK == kill:
             print(f"rank {RANK}: exiting after the compile, before the first op (--kill-rank)",

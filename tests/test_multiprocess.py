@@ -74,13 +74,23 @@ def test_per_process_suite_remote_peers(n):
         assert f"rank {r}: {n} processes" in out and f"remote PEs {others}" in out, out[-6000:]
 
 
-def test_killed_process_fails_peers_within_timeout():
-    p, dt = _launch(2, "--kill-rank", "1", timeout_s="5", wall=300, share_gpu=True)
+REMOTE = {"JAX_EP_FORCE_REMOTE_PEERS": "1"}
+
+
+@pytest.mark.parametrize("op,remote", [("ll", False), ("ll", True), ("ht", True)],
+                         ids=["ll-mapped", "ll-remote", "ht-remote"])
+def test_killed_process_fails_peers_within_timeout(op, remote):
+    """remote: the peer reached only by NVSHMEM operations (the kernels of nvshmem/remote.h:
+    puts with signals for "ll", gets for "ht", both behind bounded waits for the peer)."""
+    p, dt = _launch(2, "--kill-rank", "1", "--kill-op", op, timeout_s="5", wall=300,
+                    share_gpu=True, env=REMOTE if remote else None)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-6000:]
     assert "exiting after the compile, before the first op" in out, out[-6000:]
     assert "timed out" in out, out[-6000:]          # the kernel's message, naming the phase
-    assert "PeerTimeoutError after" in out and "(op ll_dispatch, peer 1)" in out, out[-6000:]
+    ops = ("ll_dispatch",) if op == "ll" else ("ht_dispatch", "ht_remote")
+    assert "PeerTimeoutError after" in out, out[-6000:]
+    assert any(f"(op {name}, peer 1)" in out for name in ops), out[-6000:]
     assert "unexpected" not in out, out[-6000:]
     assert dt < 240, f"took {dt:.0f} s"
 
@@ -97,12 +107,15 @@ def test_absent_process_is_named_within_timeout():
     assert dt < 200, f"took {dt:.0f} s"
 
 
-def test_a_process_compiling_an_extra_program_fails_every_compile_clearly():
+@pytest.mark.parametrize("remote", [False, True], ids=["mapped", "remote"])
+def test_a_process_compiling_an_extra_program_fails_every_compile_clearly(remote):
     """Process 0 compiles a program with a jax_ep op that process 1 never compiles (a cost
     analysis on one process, say), then both compile the same program. Without a check the
     processes' call sites would hold different slots and buffers and exchange rows through the
-    wrong ones; the lease ledger makes both compiles fail, naming the disagreement."""
-    p, dt = _launch(2, "--extra-compile-rank", "0", timeout_s="20", wall=300, share_gpu=True)
+    wrong ones; the lease ledger makes both compiles fail, naming the disagreement. remote: the
+    peer's ledger read through NVSHMEM gets, as for a process on another node."""
+    p, dt = _launch(2, "--extra-compile-rank", "0", timeout_s="20", wall=300, share_gpu=True,
+                    env=REMOTE if remote else None)
     out = p.stdout + p.stderr
     for r in (0, 1):  # each process names the disagreement itself
         line = [ln for ln in out.splitlines() if f"rank {r}: compile raised after" in ln]

@@ -48,6 +48,10 @@ __global__ void self_test_kernel(int* cell, int* out) {
   nvshmem_quiet();
 }
 
+__global__ void get_kernel(void* dst, const void* src, size_t bytes, int pe) {
+  nvshmem_getmem(dst, src, bytes, pe);
+}
+
 }  // namespace
 
 // The device library's host-side entry points (see the file comment): hidden forwarders.
@@ -109,6 +113,11 @@ void launch_self_test(int* cell, int* out) {
   if (e != cudaSuccess)
     throw std::runtime_error(std::string("jax_ep: NVSHMEM self-test kernel failed: ") +
                              cudaGetErrorString(e));
+}
+
+cudaError_t launch_get(void* dst, const void* src, size_t bytes, int pe, cudaStream_t stream) {
+  get_kernel<<<1, 1, 0, stream>>>(dst, src, bytes, pe);
+  return cudaGetLastError();
 }
 
 }  // namespace nvshmem

@@ -5,6 +5,8 @@
 // copy per CUDA module) is registered with the host library by open() (see glue.cu).
 // Only compiled in builds with NVSHMEM (CMakeLists.txt).
 #pragma once
+#include <cuda_runtime.h>
+
 #include <cstddef>
 
 namespace jax_ep {
@@ -25,6 +27,10 @@ const HostApi& open();
 // nvshmem_ptr(cell, next PE) != null}, and nvshmem_int_p(cell, 1000 + my_pe, next PE); then
 // nvshmem_quiet. `cell` is a symmetric int; out is device memory for 3 ints. Synchronous.
 void launch_self_test(int* cell, int* out);
+// Enqueues on `stream` one thread of a kernel on the current device that copies `bytes` from the
+// symmetric `src` of PE `pe` into the symmetric `dst` of this PE (nvshmem_getmem; complete when
+// the kernel is). For reading a peer that loads and stores do not reach; asynchronous.
+cudaError_t launch_get(void* dst, const void* src, size_t bytes, int pe, cudaStream_t stream);
 
 }  // namespace nvshmem
 }  // namespace jax_ep

@@ -66,9 +66,10 @@ inline constexpr int kLedgerEntries = 4096;
 std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& table, int slot,
                                         size_t bytes, uint64_t content, LedgerEntry* entry);
 // Compares `mine` with the ledger entry of the same number of every other member of this
-// process's groups in `table` that loads and stores reach, waiting up to timeout_ns for members
-// that have not made that lease yet. Returns "" when all agree, else a message naming the
-// process and what differs (or that it did not get there in time).
+// process's groups in `table` (read by loads, or by NVSHMEM gets for members that loads do not
+// reach), waiting up to timeout_ns for members that have not made that lease yet. Callers are
+// serialised (runtime/lease.cc: one lease is made at a time). Returns "" when all agree, else a
+// message naming the process and what differs (or that it did not get there in time).
 std::string check_lease(const LedgerEntry& mine, const std::vector<std::vector<int>>& table,
                         long long timeout_ns);
 // PEs this process reaches only through NVSHMEM operations (no load/store mapping, or all of

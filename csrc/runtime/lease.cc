@@ -19,7 +19,8 @@
 // Planted bugs of the mutation check (scripts/gpu_check.sh lease-mutations; 0 in real builds):
 // 5: a released lease keeps its slot and buffers (memory never comes back);
 // 6: every push lease takes the first push slot (call sites share epochs and pending sends);
-// 9: per-process leases are not compared with the peers' (the lease ledger goes unread).
+// 9: per-process leases are not compared with the peers' (the lease ledger goes unread);
+// 10 (nvshmem/symmetric.cc): peers that loads and stores do not reach are not compared.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0
 #endif

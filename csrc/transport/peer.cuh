@@ -11,7 +11,7 @@
 // the peers' addresses accepts those of the previous call (publish_and_wait,
 // kernels/high_throughput.cu); 3, the ready flag stored relaxed, with no fence after the addresses
 // it publishes (publish, transport/pull.cuh); 4, low-latency: a row tag of the half's previous use
-// passes (tag_older). 5, 6 and 9 are call-site lease bugs (runtime/lease.cc); 7, low-latency
+// passes (tag_older). 5, 6, 9 and 10 are call-site lease bugs (runtime/lease.cc); 7, low-latency
 // combine: a row of y named by a tampered handle is read without the bound (combine_send_item);
 // 8, a wait that timed out traps (give_up), which ends the CUDA context.
 // 0 (every real build) changes no code.
