@@ -102,6 +102,7 @@ if has planted; then
   : > "$OUT/planted.log"
   need_nvshmem4py
   built=" "
+  set -f   # test ids hold [...]: no globbing of them
   for pair in $pairs; do
     m=${pair%%:*}; t=${pair#*:}
     dst=/tmp/jax_ep_mutation$m
@@ -124,9 +125,12 @@ sys.exit(_C.planted_bug() != $m)"); then
     r=$?
     if [ $r -eq 0 ] && grep -q " skipped" "$log" && ! grep -q " passed" "$log"; then
       v="NOT RUN (skipped)"; rc=1
+    elif [ $r -eq 4 ] || [ $r -eq 5 ]; then  # pytest: usage error / nothing collected
+      v="NOT RUN (pytest exit $r: no such test?)"; rc=1
     elif [ $r -eq 0 ]; then v="missed (passed)"; else v="caught (exit $r)"; fi
     echo "  mutation $m, ${t##*::}: $v" | tee -a "$OUT/planted.log"
   done
+  set +f
 fi
 if has moe; then
   step "MoE layer GPU suite"

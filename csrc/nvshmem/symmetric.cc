@@ -41,8 +41,9 @@ struct SymGroup {
 };
 std::map<std::vector<int>, SymGroup> g_sym_groups;
 // The lease ledger (symmetric.h): its ring in the arena, the number of leases made so far and
-// the running hash of their contents. The ring is written and read by copies on a stream of
-// its own, which never waits for the op streams (a peer's kernel may be waiting for us).
+// the running hash of their contents. The ring is written and read on a stream of its own
+// (copies, and NVSHMEM gets for peers that loads do not reach), which never waits for the op
+// streams (a peer's kernel may be waiting for us).
 LedgerEntry* g_ledger = nullptr;
 LedgerEntry* g_ledger_scratch = nullptr;  // where NVSHMEM gets put a remote peer's entry
 LedgerEntry* g_ledger_pinned = nullptr;   // pinned host copy of it (an async copy to pageable
@@ -83,7 +84,7 @@ void* peer_address(void* local, int pe) {
   return g_api->ptr(local, pe);
 }
 
-// Ledger entries move as whole copies on g_ledger_stream. A write invalidates the ring entry,
+// Ledger entries move whole on g_ledger_stream. A write invalidates the ring entry,
 // then writes the payload, then the number: a reader that sees a number sees the payload that
 // goes with it once two reads in a row agree (see read_entry).
 // Copies on g_ledger_stream with this process's GPU current: XLA's compile threads may have
@@ -135,12 +136,17 @@ void write_entry(const LedgerEntry& e) {
 // One read of PE pe's ring entry `entry` (this process's own address of it): by a copy from
 // `mapped`, pe's entry as loads and stores reach it, or, for a PE they do not reach (mapped
 // null), by an NVSHMEM get into g_ledger_scratch (callers are serialised: runtime/lease.cc).
-// A get that does not complete by the deadline (a peer gone mid-read) gives cudaErrorTimeout.
+// A get that does not complete by the deadline (a peer gone mid-read) gives cudaErrorTimeout;
+// it then stays queued on g_ledger_stream, which nothing uses again (a failed check latches,
+// runtime/lease.cc). The scratch is cleared first: a get that ended without writing reads as
+// an entry never written, never as the previous peer's.
 cudaError_t read_once(const LedgerEntry* entry, int pe, const LedgerEntry* mapped, LedgerEntry* out,
                       std::chrono::steady_clock::time_point deadline) {
   if (mapped != nullptr) return copy_entry(out, mapped, sizeof *out, cudaMemcpyDeviceToHost);
   OnLedgerDevice on;
   cudaError_t e = on.error();
+  if (e == cudaSuccess)
+    e = cudaMemsetAsync(g_ledger_scratch, 0, sizeof *g_ledger_scratch, g_ledger_stream);
   if (e == cudaSuccess)
     e = nvshmem::launch_get(g_ledger_scratch, entry, sizeof *out, pe, g_ledger_stream);
   if (e == cudaSuccess)
@@ -153,7 +159,8 @@ cudaError_t read_once(const LedgerEntry* entry, int pe, const LedgerEntry* mappe
   if (e == cudaSuccess) *out = *g_ledger_pinned;
   return e;
 }
-// cudaErrorTimeout: no two reads agreed before the deadline.
+// cudaErrorNotReady: no two reads agreed before the deadline (the entry kept changing);
+// cudaErrorTimeout: a read did not complete in time (read_once).
 cudaError_t read_entry(const LedgerEntry* entry, int pe, const LedgerEntry* mapped,
                        LedgerEntry* out, std::chrono::steady_clock::time_point deadline) {
   for (;;) {
@@ -165,7 +172,7 @@ cudaError_t read_entry(const LedgerEntry* entry, int pe, const LedgerEntry* mapp
       *out = a;
       return cudaSuccess;
     }
-    if (std::chrono::steady_clock::now() > deadline) return cudaErrorTimeout;
+    if (std::chrono::steady_clock::now() > deadline) return cudaErrorNotReady;
   }
 }
 
@@ -352,6 +359,11 @@ std::string check_lease(const LedgerEntry& mine, const std::vector<std::vector<i
         return "jax_ep: reading process " + std::to_string(pe) +
                "'s lease ledger through NVSHMEM did not complete in time: that process is "
                "gone or its node unreachable, or (if it is alive) raise JAX_EP_TIMEOUT_S.";
+      }
+      if (e == cudaErrorNotReady) {
+        return "jax_ep: process " + std::to_string(pe) +
+               "'s lease ledger entry kept changing until the deadline (two reads in a row "
+               "never agreed)";
       }
       if (e != cudaSuccess) {
         cudaGetLastError();

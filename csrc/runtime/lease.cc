@@ -16,7 +16,7 @@
 #include "runtime/virtual_ranks.h"
 #include "runtime/workspace.h"
 
-// Planted bugs of the mutation check (scripts/gpu_check.sh lease-mutations; 0 in real builds):
+// Planted bugs of the mutation check (scripts/gpu_check.sh planted; 0 in real builds):
 // 5: a released lease keeps its slot and buffers (memory never comes back);
 // 6: every push lease takes the first push slot (call sites share epochs and pending sends);
 // 9: per-process leases are not compared with the peers' (the lease ledger goes unread);
@@ -225,9 +225,9 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
     making = std::unique_lock<std::mutex>(making_mu());
     if (!ledger_failure().empty())
       throw LeaseDisagreement(
-          "jax_ep: an earlier compile of this process found the processes disagreeing on "
-          "their jax_ep call sites, so no later one can be checked; restart the job. The "
-          "first disagreement: " +
+          "jax_ep: an earlier compile of this process failed the check of its jax_ep call "
+          "sites against its peers', so no later one can be checked; restart the job. The "
+          "first failure: " +
           ledger_failure());
   }
   int slot = -1;

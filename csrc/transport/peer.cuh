@@ -4,16 +4,18 @@
 // Every wait gives up after timeout_ns without trapping (runtime/fault.h): it records the rank,
 // the peer and the phase, and the kernels end; the host turns the record into an error.
 #pragma once
-// Planted bugs for the mutation check of the multi-rank suites (scripts/gpu_check.sh
-// mutations, CMake variable JAX_EP_MUTATION), each in code every one-process run executes:
+// Planted bugs for the mutation checks (scripts/gpu_check.sh mutations and planted, CMake
+// variable JAX_EP_MUTATION); 1 to 8 sit in code every one-process run executes, 9 and 10 in
+// per-process code only:
 // 1, low-latency dispatch: a count or position word of the buffer half's previous use passes
 // as this call's (word_older, kernels/low_latency/common.cuh); 2, high-throughput: the wait for
 // the peers' addresses accepts those of the previous call (publish_and_wait,
 // kernels/high_throughput.cu); 3, the ready flag stored relaxed, with no fence after the addresses
 // it publishes (publish, transport/pull.cuh); 4, low-latency: a row tag of the half's previous use
-// passes (tag_older). 5, 6, 9 and 10 are call-site lease bugs (runtime/lease.cc); 7, low-latency
+// passes (tag_older); 5, 6 and 9, call-site lease bugs (runtime/lease.cc); 7, low-latency
 // combine: a row of y named by a tampered handle is read without the bound (combine_send_item);
-// 8, a wait that timed out traps (give_up), which ends the CUDA context.
+// 8, a wait that timed out traps (give_up), which ends the CUDA context; 10, the per-process
+// lease ledger skips the peers that loads do not reach (nvshmem/symmetric.cc).
 // 0 (every real build) changes no code.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0
