@@ -169,6 +169,15 @@ def gpu_devices():
         return []
 
 
+def split_ranks(a, R, ep_dim=0):
+    """Global array a with axis ep_dim split over R ranks, stacked on a new leading rank axis
+    (rank r's shard at index r, as shard_map's P("ep") / P(None, "ep") would hand it out)."""
+    a = jnp.asarray(a)
+    n = a.shape[ep_dim]
+    a = a.reshape(a.shape[:ep_dim] + (R, n // R) + a.shape[ep_dim + 1:])
+    return jnp.moveaxis(a, ep_dim, 0)
+
+
 def gpu_ranks(body, R, ep_dim=0):
     """body (per rank, as given to shard_map) over R ranks, on global arrays whose axis ep_dim
     is split over the ranks (shard_map's P("ep") for ep_dim 0, P(None, "ep") for 1): on R GPUs,
@@ -178,17 +187,12 @@ def gpu_ranks(body, R, ep_dim=0):
         pytest.skip("needs a GPU")
     f = jax_ep.testing.run_ranks(body, R)
 
-    def split(a):
-        a = jnp.asarray(a)
-        n = a.shape[ep_dim]
-        a = a.reshape(a.shape[:ep_dim] + (R, n // R) + a.shape[ep_dim + 1:])
-        return jnp.moveaxis(a, ep_dim, 0)
-
     def merge(a):
         a = jnp.moveaxis(a, 0, ep_dim)
         return a.reshape(a.shape[:ep_dim] + (-1,) + a.shape[ep_dim + 2:])
 
-    return lambda *args: jax.tree.map(merge, f(*jax.tree.map(split, args)))
+    return lambda *args: jax.tree.map(merge,
+                                      f(*jax.tree.map(lambda a: split_ranks(a, R, ep_dim), args)))
 
 
 def poison_gpu_memory(mib=64):

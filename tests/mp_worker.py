@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_ep  # noqa: E402
+from helpers import split_ranks  # noqa: E402
 from test_gpu import (_assert_ht_equal, _assert_ll_equal, _ht_body, _ll_body,  # noqa: E402
                       _routing)
 
@@ -49,6 +50,11 @@ RANK = None
 # EP axis on its own GPU), instead of in the shared shard_map whose collectives are NCCL's:
 # NCCL refuses several processes on one GPU (tests/test_multiprocess.py sets it then).
 LOCAL_REFERENCE = os.environ.get("JAX_EP_MP_LOCAL_REFERENCE") == "1"
+
+
+def option(name, default=None):
+    """The value after `name` on the command line, or default when it is absent."""
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
 
 def seed(*key):
@@ -75,14 +81,8 @@ def reference_shard(body, R, args, ep_dim=0):
     """This rank's outputs of `body` (a per-rank body on the reference backend) with every rank
     computed here as a virtual rank: global inputs split along ep_dim, no collective between
     the processes."""
-    dev = jax.local_devices()[0]
-
-    def split(a):
-        a = np.asarray(a)
-        n = a.shape[ep_dim]
-        a = a.reshape(a.shape[:ep_dim] + (R, n // R) + a.shape[ep_dim + 1:])
-        return jax.device_put(np.moveaxis(a, ep_dim, 0), dev)
-    out = jax.jit(jax.vmap(body, axis_name="ep", axis_size=R))(*jax.tree.map(split, args))
+    ranks = jax.tree.map(lambda a: split_ranks(a, R, ep_dim), args)  # on this process's GPU
+    out = jax.jit(jax.vmap(body, axis_name="ep", axis_size=R))(*ranks)
     return jax.tree.map(lambda a: np.asarray(a[RANK]), out)
 
 
@@ -159,18 +159,15 @@ def scan_check(mesh, kind, steps=200):
 
 def main():
     global RANK
-    kill = None
-    if "--kill-rank" in sys.argv:
-        kill = int(sys.argv[sys.argv.index("--kill-rank") + 1])
+    kill = option("--kill-rank")
     jax.distributed.initialize()  # no-op under jax_ep.launch; SLURM etc. otherwise
     RANK = jax.process_index()
     R = jax.process_count()
     devs = jax.devices()
     assert len(devs) == R and len(jax.local_devices()) == 1, "one GPU per process expected"
     mesh = Mesh(np.array(devs), ("ep",))
-    if "--absent-rank" in sys.argv:
-        absent = int(sys.argv[sys.argv.index("--absent-rank") + 1])
-        if RANK == absent:
+    if option("--absent-rank") is not None:
+        if RANK == int(option("--absent-rank")):
             print(f"rank {RANK}: never setting up jax_ep (--absent-rank)", flush=True)
             time.sleep(float(os.environ["JAX_EP_TIMEOUT_S"]) + 20)
             os._exit(0)
@@ -206,11 +203,11 @@ def main():
                                   check_vma=False))
         return f, (put(mesh, x, P("ep")), put(mesh, idx, P("ep")))
 
-    if "--extra-compile-rank" in sys.argv:
-        extra = int(sys.argv[sys.argv.index("--extra-compile-rank") + 1])
+    if option("--extra-compile-rank") is not None:
         t0 = time.time()
         try:
-            if RANK == extra:  # e.g. a cost analysis of another program, on this process only
+            # e.g. a cost analysis of another program, on this process only
+            if RANK == int(option("--extra-compile-rank")):
                 g, gargs = small_dispatch(T=16, H=512)
                 g.lower(*gargs).compile()
             f, args = small_dispatch()
@@ -224,10 +221,9 @@ def main():
         print(f"rank {RANK}: compiled without a disagreement (unexpected)", flush=True)
         os._exit(4)
     if kill is not None:
-        kill_op = sys.argv[sys.argv.index("--kill-op") + 1] if "--kill-op" in sys.argv else "ll"
-        f, args = small_dispatch(op=kill_op)
+        f, args = small_dispatch(op=option("--kill-op", "ll"))
         f = f.lower(*args).compile()  # every process compiles the op (the ledger agrees)
-        if RANK == kill:
+        if RANK == int(kill):
             print(f"rank {RANK}: exiting after the compile, before the first op (--kill-rank)",
                   flush=True)
             time.sleep(2)  # the peer's compile may still be reading this process's ledger

@@ -208,8 +208,8 @@ void throw_mismatch() {
 
 // Per-process mode: leases are made one at a time, each checked against the peers' before it
 // is published (so no call site gets an unchecked lease, and a race of two threads over one
-// site costs no ledger number); the first disagreement is kept, since every later lease
-// number is then off too.
+// site costs no ledger number); the first failed check is kept, since every later lease number
+// is then unchecked or off too.
 std::mutex& making_mu() {
   static std::mutex* m = new std::mutex();
   return *m;
@@ -269,8 +269,7 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
       bufs = allocate_buffers(r, slot);
     }
   } catch (...) {
-    std::lock_guard<std::mutex> lock(reg().mu);
-    reg().slot_used[slot] = false;
+    give_back(r, slot, {});  // the allocations free what they made before failing
     throw;
   }
   // Per-process mode: the peers must have made the same lease (same number, slot, offset and
@@ -279,10 +278,7 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
   if (sym::active() && JAX_EP_MUTATION != 9) {
     const std::string why = sym::check_lease(entry, table, r.timeout_ns);
     if (!why.empty()) {
-      {
-        std::lock_guard<std::mutex> lock(reg().mu);
-        reg().slot_used[slot] = false;
-      }
+      give_back(r, slot, bufs);  // per-process: the slot only (arena memory is never reused)
       ledger_failure() = why;
       throw LeaseDisagreement(why);
     }
