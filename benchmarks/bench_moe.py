@@ -121,6 +121,37 @@ def main():
     fb = record("moe_ffn forward + backward", time_op(layer_fb, lay_args, reps=reps),
                 3 * flops_fwd, impl="ours", op="fwd+bwd")
 
+    # fused dispatch + first grouped GEMM: the layer, and its first half against the same half
+    # unfused (dispatch to the expert-major layout at the fused path's alignment, then the GEMM)
+    def layer_fused(x, idx, w, wgu, wd):
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, fused=True, backend=be)
+
+    err_f = rel_err(once(layer_fused)(*lay_args), ours)
+    print(f"  check: moe_ffn fused vs unfused rel err {err_f:.2e}")
+    assert err_f < 1e-2, err_f
+    fwd_f = record("moe_ffn(fused=True) forward", time_op(layer_fused, lay_args, reps=reps),
+                   flops_fwd, impl="ours-fused", op="fwd", rel_err=err_f)
+    fb_f = record("moe_ffn(fused=True) forward + backward",
+                  time_op(functools.partial(layer_fb, fn=layer_fused), lay_args, reps=reps),
+                  3 * flops_fwd, impl="ours-fused", op="fwd+bwd")
+    align = jax_ep.runtime.extension().fused_block_rows if be == "cuda" else 1
+
+    def half_unfused(x, idx, w, wgu):
+        res = jax_ep.dispatch(x, idx, w, num_experts=L, layout="expert",
+                              expert_alignment=align, backend=be)
+        return jax_ep.grouped_matmul(res.recv_x, wgu, res.expert_sizes, backend=be)
+
+    def half_fused(x, idx, w, wgu):
+        return _ht.dispatch_matmul(x, idx, w, wgu, num_experts=L, backend=be)[1]
+
+    half_args = (x, idx, w, wgu)
+    flops_g1 = 2.0 * M * H * 2 * I
+    hu = record("  dispatch + grouped GEMM gate/up, unfused",
+                time_op(half_unfused, half_args, reps=reps), flops_g1, impl="ours", op="half")
+    hf = record("  dispatch + grouped GEMM gate/up, fused",
+                time_op(half_fused, half_args, reps=reps), flops_g1, impl="ours-fused",
+                op="half")
+
     # the layer's own grouped GEMMs alone, at its group sizes (uniform routing: as drawn)
     flat = jnp.where(idx >= 0, idx, L).reshape(-1)
     sizes = jnp.zeros((L + 1,), jnp.int32).at[flat].add(1)[:L]
@@ -197,7 +228,10 @@ def main():
                              lay_args, 1, 2, reps=3), 3 * flops_fwd, impl="ragged_dot",
                      op="fwd+bwd")
 
-    ratios = dict(fwd_vs_own_gemms=fwd["ms"] / gemm_fwd_ms,
+    ratios = dict(fused_fwd_vs_unfused=fwd_f["ms"] / fwd["ms"],
+                  fused_fwd_bwd_vs_unfused=fb_f["ms"] / fb["ms"],
+                  fused_half_vs_unfused_half=hf["ms"] / hu["ms"],
+                  fwd_vs_own_gemms=fwd["ms"] / gemm_fwd_ms,
                   fwd_bwd_vs_own_gemms=fb["ms"] / gemm_fb_ms,
                   dispatch_combine_share_of_fwd=dc["ms"] / fwd["ms"],
                   capacity_einsum_fwd_vs_ours=cap["ms"] / fwd["ms"],

@@ -15,6 +15,7 @@
 
 #include "ffi/handlers.h"
 #include "ffi/site_state.h"
+#include "kernels/fused/sizes.h"
 #include "kernels/gemm/grouped_gemm.h"
 #include "kernels/ht_sizes.h"
 #include "kernels/ll_sizes.h"
@@ -79,6 +80,7 @@ NB_MODULE(_C, m) {
     with_vr("jax_ep_ht_dispatch", JaxEpHtDispatch, JaxEpHtDispatchVr);
     with_vr("jax_ep_ht_gather", JaxEpHtGather, JaxEpHtGatherVr);
     with_vr("jax_ep_ht_combine", JaxEpHtCombine, JaxEpHtCombineVr);
+    with_vr("jax_ep_ht_gather_gemm", JaxEpHtGatherGemm, JaxEpHtGatherGemmVr);
     with_vr("jax_ep_ll_dispatch", JaxEpLlDispatch, JaxEpLlDispatchVr);
     with_vr("jax_ep_ll_combine", JaxEpLlCombine, JaxEpLlCombineVr);
     with_vr("jax_ep_ll_dispatch_send", JaxEpLlDispatchSend, JaxEpLlDispatchSendVr);
@@ -225,10 +227,12 @@ NB_MODULE(_C, m) {
     staged["jax_ep_ht_dispatch"] = jax_ep::ht::kStagedDispatch;
     staged["jax_ep_ht_gather"] = jax_ep::ht::kStagedGather;
     staged["jax_ep_ht_combine"] = jax_ep::ht::kStagedCombine;
+    staged["jax_ep_ht_gather_gemm"] = jax_ep::ht::kStagedGatherGemm;
     m.attr("ht_staged_operands") = staged;
   }
   m.def("ht_scratch_words", &jax_ep::ht::ht_scratch_words, nb::arg("R"), nb::arg("T"),
         "int32 words of jax_ep_ht_dispatch's scratch result (csrc/kernels/high_throughput.cuh).");
+  m.attr("fused_block_rows") = jax_ep::fused::kBlockM;
   m.def("gemm_built", &jax_ep::gemm::built,
         "True when the CUTLASS grouped-GEMM kernels are compiled in.");
   m.def(

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _checks, _ffi, reference as ref
-from jax_ep import remat, runtime
+from jax_ep import grouped_gemm, remat, runtime
 
 
 class DispatchHandle(NamedTuple):
@@ -290,24 +290,131 @@ def _reduce_rows_bwd(K, res, g):
 reduce_rows.defvjp(_reduce_rows_fwd, _reduce_rows_bwd)
 
 
-def _to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weights):
-    """A rank-major receive -> ExpertDispatchResult."""
+def _expert_plan(ridx, rw, handle, L, capacity, alignment, has_weights):
+    """Where a rank-major receive's rows go in the expert-major layout, without moving them:
+    (layout dict of ref.expert_layout, the rows' weights or None, the ExpertDispatchHandle)."""
     C, K = ridx.shape
     lay = ref.expert_layout(ridx, num_local_experts=L, capacity=capacity, alignment=alignment)
     src, row_of = lay["src"], lay["row_of"]
-    if isinstance(recv_x, tuple):    # FP8: forward only
-        rows = jnp.where(src >= 0, src // K, -1)
-        xe = tuple(_take_rows(a, rows) for a in recv_x)
-    else:
-        xe = expand_rows(recv_x, src, jnp.where(ref.first_occurrence(ridx), row_of, -1), K)
     # without weights each (token, expert) pair weighs 1, however many slots name it
     w = rw if has_weights else ref.first_occurrence(ridx).astype(jnp.float32)
     we = _take_rows(_pair_weights(w, row_of).reshape(C * K), src)
     ehandle = ExpertDispatchHandle(handle, row_of, src, w,
                                    handle.num_dropped + lay["num_dropped"])
-    return ExpertDispatchResult(xe, we if has_weights else None, lay["expert_sizes"],
-                                lay["expert_offsets"], lay["counts"], lay["recv_count"],
-                                ehandle)
+    return lay, (we if has_weights else None), ehandle
+
+
+def _to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weights):
+    """A rank-major receive -> ExpertDispatchResult."""
+    K = ridx.shape[1]
+    lay, we, ehandle = _expert_plan(ridx, rw, handle, L, capacity, alignment, has_weights)
+    src = lay["src"]
+    if isinstance(recv_x, tuple):    # FP8: forward only
+        rows = jnp.where(src >= 0, src // K, -1)
+        xe = tuple(_take_rows(a, rows) for a in recv_x)
+    else:
+        xe = expand_rows(recv_x, src, jnp.where(ref.first_occurrence(ridx), lay["row_of"], -1), K)
+    return ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"], lay["counts"],
+                                lay["recv_count"], ehandle)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused dispatch + first grouped GEMM (moe_ffn(fused=True), docs/kernels.md#fused-gather-gemm):
+# the routing moves no rows (a rank-major dispatch of zero-width rows); one kernel then pulls
+# each expert-major row from its token's rank and multiplies every expert segment by the
+# expert's weights as its rows arrive.
+# ---------------------------------------------------------------------------------------------
+
+class _FusedConfig(NamedTuple):
+    cfg: _Config      # the routing dispatch's (its combine returns the rows' cotangents)
+    K: int
+    copy_blocks: int  # blocks that pull rows (0: the kernel's automatic share)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _gather_matmul(x, w, rows_src, sizes, src, row_first, handle, fcfg):
+    """(xe, h): xe[j] = the token of rows_src[j] (zero where -1), h = grouped_matmul(xe, w,
+    sizes), in one launch."""
+    del src, row_first, handle
+    C, H, N = rows_src.shape[0], x.shape[1], w.shape[2]
+    blocks = -(-C // runtime.extension().fused_block_rows)
+    xe, h, _ = _ffi.call("jax_ep_ht_gather_gemm", [x, rows_src, sizes, w],
+                         [((C, H), x.dtype), ((C, N), x.dtype), ((blocks,), jnp.int32)],
+                         axis_name=fcfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
+                         copy_blocks=fcfg.copy_blocks)
+    return xe, h
+
+
+def _gather_matmul_fwd(x, w, rows_src, sizes, src, row_first, handle, fcfg):
+    xe, h = _gather_matmul(x, w, rows_src, sizes, src, row_first, handle, fcfg)
+    return (xe, h), (xe, w, sizes, src, row_first, handle)
+
+
+def _gather_matmul_bwd(fcfg, res, g):
+    xe, w, sizes, src, row_first, handle = res
+    g_xe, g_h = g
+    _, vjp = jax.vjp(lambda a, b: grouped_gemm.grouped_matmul(a, b, sizes, backend="cuda"), xe, w)
+    d_xe, d_w = vjp(g_h.astype(xe.dtype))
+    d_xe = (d_xe.astype(jnp.float32) + g_xe.astype(jnp.float32)).astype(xe.dtype)
+    d_rows = _expand_rows_bwd(fcfg.K, (src, row_first), d_xe)[0]
+    dx = _combine_diff(d_rows, handle, fcfg.cfg)
+    return dx, d_w, None, None, None, None, None
+
+
+_gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
+
+
+def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep", capacity=None,
+                    backend="auto", copy_blocks=0):
+    """`dispatch(layout="expert")` fused with `grouped_matmul(recv_x, w, expert_sizes)`.
+
+    Returns (ExpertDispatchResult, h [capacity, N]). On the CUDA backend x and w are bfloat16
+    and the segments start at multiples of the kernel's row block (`expert_alignment` of
+    `jax_ep._C.fused_block_rows`); the reference backend runs the two ops unfused (segments
+    unaligned). Differentiable in x, topk_weights and w. copy_blocks: blocks of the launch that
+    pull rows (0: automatic, docs/kernels.md#fused-gather-gemm).
+    """
+    _checks.expect_rank("x", x, 2, "[T, H]")
+    T, H = x.shape
+    be = _checks.resolve_backend(backend, empty=T == 0)
+    if be == "reference":
+        res = dispatch(x, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
+                       capacity=capacity, layout="expert", backend=be)
+        return res, grouped_gemm.grouped_matmul(res.recv_x, w, res.expert_sizes, backend=be)
+    for name, a in (("x", x), ("w_gate_up", w)):
+        if jnp.dtype(a.dtype) != jnp.bfloat16:
+            raise TypeError(f"{name}: the fused dispatch + grouped GEMM takes bfloat16, got "
+                            f"{jnp.dtype(a.dtype).name} (fused=False takes every dtype)")
+    _checks.hidden("x", H)
+    _checks.topk("topk_idx", topk_idx, T)
+    if topk_weights is not None:
+        _checks.weights("topk_weights", topk_weights, topk_idx.shape)
+    R, _ = ref.axis_info(axis_name)
+    _checks.group_size(R, axis_name)
+    L = _checks.experts_per_rank(num_experts, R)
+    K = topk_idx.shape[1]
+    A = runtime.extension().fused_block_rows
+    worst = R * T * min(K, L) + L * (A - 1)
+    capacity = worst if capacity is None else _checks.static_int("capacity", capacity, 1)
+    if max(R * T * K, capacity) > _checks.INT32_LIMIT:
+        raise ValueError(f"capacity={capacity}, R * T * K = {R * T * K}: rows are indexed in "
+                         "int32, so each must be < 2^31")
+    copy_blocks = _checks.static_int("copy_blocks", copy_blocks, 0)
+    cfg = _Config(int(num_experts), min(R * T, capacity), axis_name, be)
+    idx = _checks.int32_ids(topk_idx, num_experts)
+    wts = (jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None
+           else topk_weights.astype(jnp.float32))
+    x, wts = _ffi.varying([x, wts, idx], axis_name)[:2]
+    # the routing alone: a dispatch of zero-width rows (differentiable in the weights)
+    _, ridx, rw, _, handle = _dispatch_diff(jnp.zeros((T, 0), x.dtype), wts, idx, cfg)
+    lay, we, ehandle = _expert_plan(ridx, rw, handle, L, capacity, A, topk_weights is not None)
+    src = lay["src"]
+    rows_src = jnp.where(src >= 0, handle.recv_src[jnp.maximum(src, 0) // K], -1)
+    row_first = jnp.where(ref.first_occurrence(ridx), lay["row_of"], -1)
+    xe, h = _gather_matmul(x, w, rows_src, lay["expert_sizes"], src, row_first, handle,
+                           _FusedConfig(cfg, K, copy_blocks))
+    return ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"],
+                                lay["counts"], lay["recv_count"], ehandle), h
 
 
 # ---------------------------------------------------------------------------------------------

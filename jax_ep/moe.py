@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _checks, grouped_gemm, reference as ref
-from jax_ep.high_throughput import combine, dispatch
+from jax_ep.high_throughput import combine, dispatch, dispatch_matmul
 from jax_ep.low_latency import low_latency_combine, low_latency_dispatch
 
 MODES = ("high_throughput", "low_latency")
@@ -38,7 +38,7 @@ def swiglu(h):
 
 def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_name="ep",
             mode="high_throughput", capacity=None, use_fp8=False, max_tokens_per_rank=None,
-            backend="auto"):
+            fused=False, fused_copy_blocks=0, backend="auto"):
     """One MoE feed-forward layer, per shard inside `jax.shard_map` over `axis_name`.
 
     `out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`, e the
@@ -60,6 +60,12 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         R * T * min(K, L), nothing dropped); rows past it are dropped.
       use_fp8: dispatch FP8 activations into the FP8 GEMM of w_gate_up (an `Fp8Weights`);
         forward only.
+      fused: high-throughput mode, bfloat16: the dispatch and the first grouped GEMM in one
+        launch, each expert tile starting as soon as its rows have arrived
+        (docs/kernels.md#fused-gather-gemm). Same results as fused=False up to float32
+        accumulation order; the backward runs the unfused ops.
+      fused_copy_blocks: with fused=True, how many of the launch's blocks (one per SM) pull
+        rows while the others compute tiles; 0: automatic (an eighth of the SMs).
       backend: "auto", "reference" or "cuda" for every op of the layer.
 
     Returns:
@@ -69,6 +75,10 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; expected one of {MODES}")
     use_fp8 = _checks.flag("use_fp8", use_fp8)
+    fused = _checks.flag("fused", fused)
+    if fused and (mode != "high_throughput" or use_fp8):
+        raise ValueError("fused=True: the fused dispatch + grouped GEMM is high-throughput mode "
+                         "in bfloat16 (use_fp8=False)")
     if mode == "low_latency" and max_tokens_per_rank is None:
         raise ValueError("max_tokens_per_rank: mode='low_latency' needs it (the static receive "
                          "capacity per source rank)")
@@ -100,10 +110,16 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
                                 axis_name, use_fp8, max_tokens_per_rank, backend)
     if max_tokens_per_rank is not None:
         raise ValueError("max_tokens_per_rank is a low-latency setting (mode='low_latency')")
-    xin = ref.quantize_fp8(x) if use_fp8 else x
-    res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
-                   capacity=capacity, layout="expert", backend=backend)
-    h = grouped_gemm.grouped_matmul(res.recv_x, w_gate_up, res.expert_sizes, backend=backend)
+    if fused:
+        res, h = dispatch_matmul(x, topk_idx, topk_weights, w_gate_up, num_experts=num_experts,
+                                 axis_name=axis_name, capacity=capacity, backend=backend,
+                                 copy_blocks=fused_copy_blocks)
+    else:
+        xin = ref.quantize_fp8(x) if use_fp8 else x
+        res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts,
+                       axis_name=axis_name, capacity=capacity, layout="expert", backend=backend)
+        h = grouped_gemm.grouped_matmul(res.recv_x, w_gate_up, res.expert_sizes,
+                                        backend=backend)
     a = swiglu(h).astype(w_down.dtype)
     y = grouped_gemm.grouped_matmul(a, w_down, res.expert_sizes, backend=backend)
     # combine weights each (token, expert) row and sums per token

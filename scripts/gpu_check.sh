@@ -3,7 +3,8 @@
 #   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [moe] [mp] [ucx] [example] [bench]
 #                        [bench-quick] [bench-gemm] [bench-moe] [bench-modes] [probe]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
-#   moe: the MoE layer (moe_ffn) GPU suite; leases: the call-site lease suite
+#   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM suite
+#   (tests/test_gpu_fused.py); leases: the call-site lease suite
 #   (tests/test_gpu_leases.py); timeouts: waits that give up cleanly (tests/test_gpu_timeouts.py);
 #   planted: builds with planted bugs 5 to 10 (csrc/transport/peer.cuh
 #   lists them), each against the tests that must catch it (PLANTED="M:TEST ..."; planted.log);
@@ -75,6 +76,12 @@ if has gemm; then
      "$OLDPWD/tests/test_gpu_gemm.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gemm_tests.log" \
      | tail -30) || rc=1
 fi
+if has fused; then
+  step "fused dispatch + grouped GEMM GPU suite"
+  (cd /tmp && timeout 540 $PY -m pytest -q -p no:cacheprovider -m gpu \
+     "$OLDPWD/tests/test_gpu_fused.py" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 \
+     | tee "$OUT/fused_tests.log" | tail -30) || rc=1
+fi
 if has leases; then
   step "call-site lease GPU suite"
   (cd /tmp && timeout 540 $PY -m pytest -q -s -p no:cacheprovider -m gpu \
@@ -88,7 +95,7 @@ if has timeouts; then
      | tail -15) || rc=1
 fi
 if has planted; then
-  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8) must fail its tests"
+  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8, gather_gemm.cu 11) must fail its tests"
   # MUTATION:TEST pairs, each test in a process of its own (table: planted.log)
   L=tests/test_gpu_leases.py
   pairs="${PLANTED:-5:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
@@ -98,7 +105,8 @@ if has planted; then
     7:tests/test_gpu.py::test_ll_combine_never_reads_past_a_tampered_handle
     8:tests/test_gpu_timeouts.py::test_a_wait_that_times_out_raises_and_keeps_the_context
     9:tests/test_multiprocess.py::test_a_process_compiling_an_extra_program_fails_every_compile_clearly
-    10:tests/test_multiprocess.py::test_a_process_compiling_an_extra_program_fails_every_compile_clearly[remote]}"
+    10:tests/test_multiprocess.py::test_a_process_compiling_an_extra_program_fails_every_compile_clearly[remote]
+    11:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused}"
   : > "$OUT/planted.log"
   need_nvshmem4py
   built=" "
@@ -110,7 +118,8 @@ if has planted; then
       built="$built$m "; rm -rf "$dst"
       if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install -v --no-build-isolation --no-deps \
           --target "$dst" -C build-dir=/tmp/jax_ep_mutation_build$m \
-          -C cmake.define.JAX_EP_MUTATION=$m -C cmake.define.JAX_EP_WITH_GEMM=OFF \
+          -C cmake.define.JAX_EP_MUTATION=$m \
+          -C cmake.define.JAX_EP_WITH_GEMM=$([ "$m" = 11 ] && echo ON || echo OFF) \
           . > "$OUT/build_mutation$m.log" 2>&1; then
         echo "  mutation $m: BUILD FAILED" | tee -a "$OUT/planted.log"; rc=1; continue
       fi

@@ -42,10 +42,10 @@ def _setup(mesh, dtype, seed=0):
     return x, jnp.asarray(idx), w, wgu, wd, E, S
 
 
-def _run(mesh, mode, x, idx, w, wgu, wd, E):
+def _run(mesh, mode, x, idx, w, wgu, wd, E, **extra):
     sp = spec(mesh)
     ep_only = P("ep")     # experts are sharded over the EP axis only (replicated over dp)
-    kw = dict(num_experts=E, mode=mode, backend="reference")
+    kw = dict(num_experts=E, mode=mode, backend="reference", **extra)
     if mode == "low_latency":
         kw["max_tokens_per_rank"] = T
 
@@ -98,6 +98,29 @@ def test_moe_ffn_bad_arguments(mesh4):
         call(use_fp8=True)
     with pytest.raises(TypeError, match="use_fp8 must be a bool"):
         call(use_fp8="yes")
+    with pytest.raises(TypeError, match="fused must be a bool"):
+        call(fused="yes")
+    with pytest.raises(ValueError, match="fused=True: the fused dispatch"):
+        call(fused=True, mode="low_latency", max_tokens_per_rank=T)
+    with pytest.raises(ValueError, match="fused=True: the fused dispatch"):
+        call(fused=True, use_fp8=True)
+
+
+def test_moe_ffn_fused_on_the_reference_backend_is_the_layer(mesh4):
+    """fused=True is the same layer (the reference backend runs its unfused ops), gradients
+    included; the CUDA kernel is checked against both in tests/test_gpu_fused.py."""
+    x, idx, w, wgu, wd, E, S = _setup(mesh4, jnp.bfloat16, seed=3)
+    run = functools.partial(_run, mesh4, "high_throughput", E=E)
+    got = jax.jit(functools.partial(run, fused=True))(x, idx, w, wgu, wd)
+    want = _dense_moe(x, idx, w, wgu, wd)
+    err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
+    assert err < 3e-2, err
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
+    g = jax.jit(jax.grad(loss(functools.partial(run, fused=True)), argnums=(0, 2, 3, 4)))(
+        x, idx, w, wgu, wd)
+    gu = jax.jit(jax.grad(loss(run), argnums=(0, 2, 3, 4)))(x, idx, w, wgu, wd)
+    for a, b in zip(g, gu):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("mode", ["high_throughput", "low_latency"])

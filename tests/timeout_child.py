@@ -40,6 +40,15 @@ def ht_combine(y, handle):
     return jax_ep.combine(y, handle)
 
 
+def ht_gather_gemm(x, rows_src, sizes, wgu):
+    """The fused kernel alone (its routing would be the first op to time out otherwise)."""
+    from jax_ep import high_throughput as ht
+    C = rows_src.shape[0]
+    fcfg = ht._FusedConfig(ht._Config(E, C, "ep", "cuda"), K, 0)
+    unused = jnp.zeros((C,), jnp.int32)   # the backward's residuals
+    return ht._gather_matmul(x, wgu, rows_src, sizes, unused, unused, unused, fcfg)[1]
+
+
 run = lambda fn: jax.jit(testing.virtual_ranks(fn, R))  # noqa: E731
 if op == "ll_dispatch":
     f, args = run(ll_dispatch), (x, idx)
@@ -52,6 +61,14 @@ elif op == "ht_dispatch":
 elif op == "ht_combine":
     r = jax.block_until_ready(run(ht_dispatch)(x, idx, w))
     f, args = run(ht_combine), (r.recv_x, r.handle)
+elif op == "ht_gather_gemm":
+    rows = jax_ep.runtime.extension().fused_block_rows
+    C, L = 2 * rows, E // R
+    # every rank reads rows of both ranks' tokens, in two segments of one row block each
+    rows_src = jnp.asarray(np.tile(np.arange(C) % (R * T), (R, 1)), jnp.int32)
+    sizes = jnp.asarray(np.tile([rows, rows] + [0] * (L - 2), (R, 1)), jnp.int32)
+    wgu = jnp.asarray(rng.standard_normal((R, L, H, 128)) / 16, jnp.bfloat16)
+    f, args = run(ht_gather_gemm), (x, rows_src, sizes, wgu)
 else:
     raise SystemExit(f"unknown op {op}")
 

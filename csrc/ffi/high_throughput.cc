@@ -14,8 +14,10 @@
 #include "ffi/handlers.h"
 #include "ffi/site_state.h"
 #include "ffi/virtual_ranks.h"
+#include "kernels/fused/gather_gemm.h"
 #include "kernels/high_throughput.cuh"
 #include "runtime/device.h"
+#include "runtime/virtual_ranks.h"
 #include "nvshmem/remote.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -328,6 +330,99 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                     [&] { jax_ep::ht::launch_combine(a, stream); });
 }
 
+// ------------------------------------------------------------------------------------------
+ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
+                            ffi::Buffer<ffi::S32> rows_src, ffi::Buffer<ffi::S32> sizes,
+                            ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::BF16>> xe,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> h,
+                            ffi::Result<ffi::Buffer<ffi::S32>> counters,
+                            ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                            int64_t timeout_ns, int64_t num_blocks, int64_t copy_blocks,
+                            int64_t stage_bytes, jax_ep::SiteState* st) {
+  const char* op = "jax_ep_ht_gather_gemm";
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
+#if !JAX_EP_WITH_GEMM
+  return jax_ep::op_error(op,
+                          "this build has no CUTLASS GEMMs (the nvidia-cutlass headers were "
+                          "not found when it was built)");
+#else
+  jax_ep::GroupInfo gi;
+  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
+  const auto dx = x.dimensions();
+  if (dx.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": x must be [T, H] bfloat16, got " +
+                                       dims_str(dx));
+  const int64_t T = dx[0], H = dx[1];
+  const auto dw = w.dimensions();
+  if (dw.size() != 3 || dw[1] != H)
+    return ffi::Error::InvalidArgument(std::string(op) + ": w must be [L, H=" + std::to_string(H) +
+                                       ", N] bfloat16, got " + dims_str(dw));
+  const int64_t L = dw[0], N = dw[2];
+  const auto dc = rows_src.dimensions();
+  if (dc.size() != 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": rows_src must be [C], got " +
+                                       dims_str(dc));
+  const int64_t C = dc[0];
+  JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
+  JAX_EP_CHECK_SHAPE(*xe, op, "xe", C, H);
+  JAX_EP_CHECK_SHAPE(*h, op, "h", C, N);
+  const int64_t blocks = (C + jax_ep::fused::kBlockM - 1) / jax_ep::fused::kBlockM;
+  JAX_EP_CHECK_SHAPE(*counters, op, "counters", blocks);
+  if (group_size * T > kMaxInt || C > kMaxInt || H > kMaxInt || N > kMaxInt)
+    return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
+  if (H % 8 != 0 || N % 8 != 0)
+    return jax_ep::op_error(op, "H (" + std::to_string(H) + ") and N (" + std::to_string(N) +
+                                    ") must be multiples of 8 (16-byte rows for the TMA)");
+  if (L < 1 || L > jax_ep::fused::kMaxExperts)
+    return jax_ep::op_error(op, "the local experts (" + std::to_string(L) + ") must be in [1, " +
+                                    std::to_string(jax_ep::fused::kMaxExperts) + "]");
+  const int sms = jax_ep::sm_count(device);
+  if (sms <= 0) {
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string(op) +
+                                ": cannot read the multiprocessor count of device " +
+                                std::to_string(device));
+  }
+  // One block per SM (its ranks' share of them in the one-GPU multi-rank mode); the copy blocks
+  // (copy_blocks, 0: automatic) come out of the same grid.
+  const jax_ep::VirtualRank* vr = jax_ep::virtual_rank();
+  const int share = vr != nullptr ? sms / vr->num_ranks : sms;
+  const int copy =
+      copy_blocks > 0 ? static_cast<int>(copy_blocks) : jax_ep::fused::auto_copy_blocks(share);
+  if (copy < 1 || copy >= share)
+    return jax_ep::op_error(op, "copy_blocks (" + std::to_string(copy) +
+                                    ") must leave at least one of the " + std::to_string(share) +
+                                    " blocks (one per SM) to the GEMM tiles");
+
+  size_t staged = 0;
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, groups, &gi,
+                                        {{x.untyped_data(), x.size_bytes()}}, &staged));
+  cudaMemsetAsync(counters->untyped_data(), 0, counters->size_bytes(), stream);
+  jax_ep::fused::GatherGemmArgs a{};
+  a.ps = gi.peers;
+  a.timeout_ns = timeout_ns;
+  a.x = x.untyped_data();
+  a.rows_src = rows_src.typed_data();
+  a.sizes = sizes.typed_data();
+  a.w = w.untyped_data();
+  a.T = static_cast<int>(T);
+  a.C = static_cast<int>(C);
+  a.L = static_cast<int>(L);
+  a.H = H;
+  a.N = N;
+  a.xe = xe->untyped_data();
+  a.h = h->untyped_data();
+  a.counters = counters->typed_data();
+  a.copy_blocks = copy;
+  a.gemm_blocks = share - copy;
+  std::string err;
+  ffi::Error e = run_pulled(op, gi, staged, timeout_ns, stream,
+                            [&] { err = jax_ep::fused::launch(a, stream); });
+  if (!err.empty()) return ffi::Error::Internal(std::string(op) + ": " + err);
+  return e;
+#endif
+}
+
 }  // namespace
 
 // What every high-throughput handler binds first (stream, device) and the attributes the
@@ -377,3 +472,15 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER)
       .Ret<ffi::AnyBuffer>()        /* out [T, H], dtype of y */    \
       JAX_EP_HT_GROUP_ATTRS JAX_EP_HT_STAGE_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE);
+
+#define JAX_EP_BIND_HT_GATHER_GEMM                            \
+  JAX_EP_HT_BIND                                              \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* x [T, H] */           \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* rows_src [C] */       \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */          \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, H, N] */        \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* xe [C, H] */          \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* h [C, N] */           \
+      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [C / 128] */ \
+      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("copy_blocks") JAX_EP_HT_STAGE_AND_STATE
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT_GATHER_GEMM);

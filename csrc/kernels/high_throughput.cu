@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/high_throughput.cuh"
+#include "kernels/ht_common.cuh"
 #include "kernels/expert_ids.cuh"
 #include "runtime/virtual_ranks.h"
 
@@ -13,10 +14,6 @@ namespace jax_ep {
 namespace ht {
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
-// int4 loads in flight per lane (row copy): a 14 KiB row (bf16, H = 7168) takes 2 rounds of
-// loads-then-stores per warp, a 7 KiB FP8 row 1.
-constexpr int kCopyUnroll = 16;
 // Combine: U int4 loads per lane per source rank, kCombineRanks ranks loaded at a time (P * U
 // int4 in flight per lane), with U * 16 / sizeof(T) f32 accumulators per lane. U is 3 for 16-bit
 // types (4 spills at 512 threads: 64 registers of loads + 32 accumulators), 4 for f32.
@@ -25,65 +22,6 @@ constexpr int combine_unroll() {
   return sizeof(T) == 4 ? 4 : 3;
 }
 constexpr int kCombineRanks = 4;
-
-// Read-only loads of peer XLA operands (never written while an op runs).
-__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ int ld_nc_s32(const int32_t* p) {
-  int v;
-  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ float ld_nc_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-
-// Steps 1-2 of the protocol for one block: thread 0 publishes (every block does it: the values
-// are identical, and no block then depends on another block having been scheduled), then lanes
-// of warp 0 wait for all peers' ready flags in parallel (one lane per peer). False (in every
-// thread of the block) when a wait gave up, now or before (device_failed, loaded by thread 0
-// only: a load by every thread of the grid queues on one L2 line, ~5 us): the block must end
-// without reading any peer's memory or any index a failed kernel may have left unwritten.
-__device__ __forceinline__ bool publish_and_wait(const PeerSlots& ps, const void* const* ptrs,
-                                                 int n, unsigned long long e, int64_t timeout_ns,
-                                                 const char* phase) {
-  __shared__ bool ok;
-  if (threadIdx.x < 32) {
-    // A failed device publishes nothing (the publication's fence waits for this load anyway).
-    bool good = true;
-    if (threadIdx.x == 0) {
-      good = !device_failed(ps);
-      if (good) publish(ps, ptrs, n, e);
-    }
-    __syncwarp();  // orders the publication before the lanes' loads of the ready flags
-    good = __shfl_sync(kFull, good, 0);
-#if JAX_EP_MUTATION == 2  // planted bug 2 (transport/peer.cuh): the previous call's addresses
-    e = e > 1 ? e - 1 : e;
-#endif
-    if (good && static_cast<int>(threadIdx.x) < ps.num_ranks && !is_remote(ps, threadIdx.x) &&
-        !wait_flag_geq(ps, &ps.slot[threadIdx.x]->ready, e, timeout_ns, threadIdx.x, phase))
-      good = false;
-    good = __all_sync(kFull, good);
-    if (threadIdx.x == 0) ok = good;
-  }
-  __syncthreads();
-  return ok;
-}
 
 // ------------------------------------------------------------------------------------------
 // Dispatch, kernel 1: layout. grid = R * nch blocks (<= #SMs, co-resident; one grid barrier).
@@ -440,38 +378,6 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) dispatch_layout_kernel(Disp
     for (int l = tid; l < L; l += blockDim.x)
       if (s_tpe[l] != 0) atomicAdd(&a.recv_tokens_per_expert[l], s_tpe[l]);
   trace_mark(ps, trace::kLayoutEnd);
-}
-
-// ------------------------------------------------------------------------------------------
-// Row copy (dispatch kernel 2, and gather): one warp per destination row, grid-stride.
-// ------------------------------------------------------------------------------------------
-__device__ __forceinline__ void copy_row(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
-                                         int64_t nbytes, bool vec, int lane) {
-  if (vec) {
-    const int64_t n = nbytes >> 4;
-    int4* d = reinterpret_cast<int4*>(dst);
-    const int4* p = reinterpret_cast<const int4*>(src);
-    for (int64_t base = lane; base < n; base += 32 * kCopyUnroll) {
-      int4 v[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u)
-        if (base + u * 32 < n) v[u] = ld_nc_v4(p + base + u * 32);
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u)
-        if (base + u * 32 < n) d[base + u * 32] = v[u];
-    }
-  } else {
-    for (int64_t i = lane; i < nbytes; i += 32) dst[i] = __ldg(src + i);
-  }
-}
-__device__ __forceinline__ void zero_row(uint8_t* dst, int64_t nbytes, bool vec, int lane) {
-  if (vec) {
-    int4* d = reinterpret_cast<int4*>(dst);
-    const int4 z = make_int4(0, 0, 0, 0);
-    for (int64_t i = lane; i < (nbytes >> 4); i += 32) d[i] = z;
-  } else {
-    for (int64_t i = lane; i < nbytes; i += 32) dst[i] = 0;
-  }
 }
 
 struct CopyArgs {

@@ -15,7 +15,8 @@
 // passes (tag_older); 5, 6 and 9, call-site lease bugs (runtime/lease.cc); 7, low-latency
 // combine: a row of y named by a tampered handle is read without the bound (combine_send_item);
 // 8, a wait that timed out traps (give_up), which ends the CUDA context; 10, the per-process
-// lease ledger skips the peers that loads do not reach (nvshmem/symmetric.cc).
+// lease ledger skips the peers that loads do not reach (nvshmem/symmetric.cc); 11, the fused
+// gather + grouped GEMM: a tile does not wait for its rows (kernels/fused/gather_gemm.cu).
 // 0 (every real build) changes no code.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0
@@ -27,6 +28,16 @@
 #include "runtime/workspace.h"
 #include "transport/ordering.cuh"
 #include "transport/trace_marks.h"
+
+// The out-of-line parts of the waits: a call keeps the callers' registers. A kernel that also
+// issues warpgroup MMAs defines JAX_EP_WAITS_INLINE before including this header: ptxas
+// serializes every wgmma of a kernel that makes a function call, so there the waits are inlined
+// and the timeout record is not printed (the host raises it as an error anyway).
+#ifdef JAX_EP_WAITS_INLINE
+#define JAX_EP_WAIT_FN __forceinline__
+#else
+#define JAX_EP_WAIT_FN __noinline__
+#endif
 
 namespace jax_ep {
 
@@ -109,8 +120,8 @@ struct WaitSite {
 
 // The wait gives up: mark the device failed; on a timeout, the first waiter of the device
 // writes the record (state last) and prints it, and the process's aborted flag is raised.
-static __device__ __noinline__ void give_up(Waiter me, int64_t timeout_ns, bool timed_out,
-                                            WaitSite w) {
+static __device__ JAX_EP_WAIT_FN void give_up(Waiter me, int64_t timeout_ns, bool timed_out,
+                                              WaitSite w) {
   DeviceFault* f = me.fault;
   *reinterpret_cast<volatile unsigned int*>(&f->failed) = 1u;
   if (timed_out) {
@@ -131,12 +142,14 @@ static __device__ __noinline__ void give_up(Waiter me, int64_t timeout_ns, bool 
       // flag without a record to name (a timed-out loser of the claim leaves both to it).
       __threadfence_system();
       *reinterpret_cast<volatile unsigned int*>(f->aborted) = 1u;
+#ifndef JAX_EP_WAITS_INLINE
       printf(
           "jax_ep: rank %d timed out after %lld s in phase '%s' (waiting for rank %d, -1: not "
           "known; epoch %llu, seen %llu). A peer did not arrive: check that every rank runs the "
           "same program (JAX_EP_TIMEOUT_S sets the limit). The op's kernels end; every later "
           "jax_ep communication op of this process raises an error.\n",
           me.rank, (long long)(timeout_ns / 1000000000LL), w.phase, w.peer, w.epoch, w.seen);
+#endif
     }
   }
   __threadfence_system();
@@ -167,9 +180,9 @@ struct Patience {
 };
 
 // The polling part of wait_flag_geq, out of line: the callers keep their registers.
-static __device__ __noinline__ bool wait_flag_slow(Waiter me, const unsigned long long* flag,
-                                                   unsigned long long target, int64_t timeout_ns,
-                                                   int peer, const char* phase) {
+static __device__ JAX_EP_WAIT_FN bool wait_flag_slow(Waiter me, const unsigned long long* flag,
+                                                     unsigned long long target, int64_t timeout_ns,
+                                                     int peer, const char* phase) {
   Patience wait;
   unsigned long long v;
   while ((v = ld_acquire_sys(flag)) < target)

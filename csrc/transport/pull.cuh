@@ -38,9 +38,9 @@ __device__ __forceinline__ T* peer_ptr(const PeerSlots& ps, int s, int i) {
 }
 
 // The polling part of grid_barrier, out of line: the callers keep their registers.
-static __device__ __noinline__ bool grid_wait_slow(Waiter me, unsigned int* counter,
-                                                   unsigned int target, int64_t timeout_ns,
-                                                   const char* phase) {
+static __device__ JAX_EP_WAIT_FN bool grid_wait_slow(Waiter me, unsigned int* counter,
+                                                     unsigned int target, int64_t timeout_ns,
+                                                     const char* phase) {
   Patience wait;
   unsigned int v;
   while ((v = atomicAdd(counter, 0u)) < target)
@@ -82,17 +82,20 @@ __device__ __forceinline__ void grid_barrier_reset(const PeerSlots& ps) {
 // parallel), then closes the epoch. last_fn runs with all threads of the last block,
 // block-uniformly; every other block of the grid has finished its work when it runs.
 // trace >= 0: marks trace (all blocks arrived) and trace + 1 (peers' done seen), last block.
+// blocks: how many blocks of the grid call it (0: all of them; the others must not touch the
+// slot's block counter).
 template <typename LastFn>
 __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
                                             int64_t timeout_ns, const char* phase, LastFn&& last_fn,
-                                            int trace = -1) {
+                                            int trace = -1, unsigned int blocks = 0) {
   __syncthreads();
   __shared__ bool is_last;
   if (threadIdx.x == 0) {
     __threadfence();
     Slot* me = ps.slot[ps.rank];
     unsigned int prev = atomicAdd(&me->block_counter, 1u);
-    is_last = (prev == gridDim.x * gridDim.y * gridDim.z - 1);
+    const unsigned int n = blocks > 0 ? blocks : gridDim.x * gridDim.y * gridDim.z;
+    is_last = (prev == n - 1);
     if (is_last) {
       __threadfence();  // acquire: see what the other blocks wrote
       if (trace >= 0) trace_mark_last(ps, trace);

@@ -1,0 +1,38 @@
+// The fused gather + grouped GEMM of the high-throughput MoE layer (kernels/fused/gather_gemm.cu,
+// docs/kernels.md#fused-gather-gemm): one launch pulls every expert-major row from the rank that
+// holds its token and multiplies each expert's rows by that expert's weights, a GEMM tile starting
+// as soon as the rows of its row block have arrived. Host declarations only.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/fused/sizes.h"
+#include "transport/peer.cuh"
+
+namespace jax_ep {
+namespace fused {
+
+struct GatherGemmArgs {
+  PeerSlots ps;
+  int64_t timeout_ns;
+  const void* x;            // [T, H] own tokens, published for the peers
+  const int32_t* rows_src;  // [C] source of each expert-major row: s * T + t, or -1 (zero row)
+  const int32_t* sizes;     // [L] segment lengths, multiples of kBlockM (the last clipped to C)
+  const void* w;            // [L, H, N]
+  int T, C, L;
+  int64_t H, N;
+  void* xe;           // [C, H] the expert-major rows
+  void* h;            // [C, N] xe @ w per segment; zero past the last segment
+  int32_t* counters;  // [ceil(C / kBlockM)] zeroed before the launch: rows arrived per block
+  int copy_blocks;    // blocks that pull rows; the others compute tiles
+  int gemm_blocks;
+};
+
+// Enqueue on `stream` (bfloat16 operands; CUTLASS builds only); an error message, empty on
+// success. In the one-GPU multi-rank mode's dry run it checks the residency and launches nothing.
+std::string launch(const GatherGemmArgs& a, cudaStream_t stream);
+
+}  // namespace fused
+}  // namespace jax_ep
