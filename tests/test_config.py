@@ -62,7 +62,10 @@ def test_the_extension_owns_its_sizes_and_trace_marks():
     assert ext.ht_stage_bytes([]) == 256
     assert ext.ht_stage_bytes([1, 256, 257]) == 256 + 256 + 512
     assert set(ext.ht_staged_operands) == {"jax_ep_ht_dispatch", "jax_ep_ht_gather",
-                                           "jax_ep_ht_combine"}
+                                           "jax_ep_ht_combine", "jax_ep_ht_gather_gemm"}
+    # every communication target is registered and stages its operands in per-process mode
+    assert set(ext.ht_staged_operands) <= set(ext.registrations())
+    assert ext.fused_block_rows % 64 == 0    # whole tiles of the fused GEMM
     marks = ext.trace_marks
     assert marks[0] == "layout start" and len(marks) >= 20
     assert max(marks) < ext.trace_slots and max(ext.diag_marks) < ext.trace_slots

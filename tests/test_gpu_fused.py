@@ -146,3 +146,29 @@ def test_fused_in_a_long_scan():
     hr, sr = jax.device_get(run("reference")(x, idx, w, wgu, wd))
     assert _rel(hc, hr) < 2e-2
     assert _rel(sc, sr) < 2e-2
+
+
+@pytest.mark.parametrize("copy_blocks", [1, 3])
+def test_fused_with_few_copy_blocks(copy_blocks):
+    """Few copy blocks: each streams thousands of rows (several windows of staged sources, every
+    ring slot reused many times), the tiles waiting on them."""
+    R, T, H, N, K, L = 1, 1500, 256, 128, 4, 4
+    x, idx, w, wgu, E = _setup(R, T, H, N, K, L, "masked", 7)
+
+    def fused(x, idx, w, wgu):
+        res, h = dispatch_matmul(x, idx, w, wgu, num_experts=E, backend="cuda",
+                                 copy_blocks=copy_blocks)
+        return res.recv_x, h
+
+    def unfused(x, idx, w, wgu):
+        res = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert",
+                              expert_alignment=_rows(None), backend="cuda")
+        return res.recv_x, jax_ep.grouped_matmul(res.recv_x, wgu, res.expert_sizes,
+                                                 backend="cuda")
+
+    poison_gpu_memory()
+    xe, h = jax.device_get(gpu_ranks(fused, R)(x, idx, w, wgu))
+    xr, hr = jax.device_get(gpu_ranks(unfused, R)(x, idx, w, wgu))
+    assert xe.shape[0] > 4096 + 128
+    np.testing.assert_array_equal(np.asarray(xe).view(np.uint16), np.asarray(xr).view(np.uint16))
+    assert _rel(h, hr) < 1e-2, _rel(h, hr)
