@@ -63,7 +63,8 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
       fused: high-throughput mode, bfloat16: the dispatch and the first grouped GEMM in one
         launch, each expert tile starting as soon as its rows have arrived
         (docs/kernels.md#fused-gather-gemm). Same results as fused=False up to float32
-        accumulation order; the backward runs the unfused ops.
+        accumulation order; the backward runs the unfused ops. Expert segments start at
+        multiples of 128 rows (the default capacity adds L * 127 rows for it).
       fused_copy_blocks: with fused=True, how many of the launch's blocks (one per SM) pull
         rows while the others compute tiles; 0: automatic (an eighth of the SMs).
       backend: "auto", "reference" or "cuda" for every op of the layer.
