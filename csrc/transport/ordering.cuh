@@ -1,5 +1,6 @@
 // Memory-ordering primitives of the device protocols (transport/peer.cuh, pull.cuh,
-// push.cuh): system-scope acquire / release and relaxed accesses, and the global timer.
+// push.cuh, the arrival counters of kernels/fused/gather_gemm.cu): system- and GPU-scope
+// acquire / release, relaxed accesses, the async-proxy fence, and the global timer.
 #pragma once
 #include <cstdint>
 
@@ -21,6 +22,21 @@ __device__ __forceinline__ int ld_acquire_sys_s32(const int* p) {
 __device__ __forceinline__ void st_release_sys_s32(int* p, int v) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// GPU scope: a counter that blocks of one kernel on one device share.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Orders generic-proxy accesses to global memory before later async-proxy (TMA) ones of the
+// same thread: an acquire before the TMA loads of what it guards.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // Relaxed system-scope accesses: for words that carry their own epoch (no data behind them).
 // No "memory" clobber: nothing is ordered by them, and a clobber would make the compiler reload
 // every value it read from memory (the kernel parameters, behind a reference in the out-of-line

@@ -87,20 +87,6 @@ constexpr const char* kPhasePeers = "ht_gather_gemm: wait for peers";
 constexpr const char* kPhaseRows = "ht_gather_gemm: wait for a row block's rows";
 constexpr const char* kPhaseEnd = "ht_gather_gemm: end barrier";
 
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// Orders the tile producer's acquire of an arrival counter (generic proxy) before its TMA loads
-// of the rows (async proxy).
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
 // Rows in all segments (clipped to C), summed by one warp.
 __device__ __forceinline__ int rows_in_segments(const GatherGemmArgs& a, int lane) {
   int s = 0;
