@@ -3,8 +3,9 @@
 // One grid, two roles, all blocks co-resident (one per SM):
 // - blocks [0, copy_blocks) pull rows: they follow the pull protocol of the high-throughput ops
 //   (transport/pull.cuh) with x as the published operand, copy expert-major row j from the rank
-//   holding its token (or zero it), and after each row bump the arrival counter of its row block
-//   (release). Rows past the last segment (and their GEMM output rows) are zeroed last.
+//   holding its token (or zero it), a warp 8 rows at a time, and then add them to the arrival
+//   counter of their row block (release). Rows past the last segment (and their GEMM output
+//   rows) come last in that order, and are zeroed.
 // - the other blocks compute tiles with CUTLASS's SM90 collectives (TMA loads into a smem
 //   pipeline, warpgroup MMAs, TMA-store epilogue), in a loop of our own: tile i is row block
 //   b = i / nN and column block i % nN, of the expert whose segment holds b. The producer warp
@@ -96,7 +97,8 @@ __device__ __forceinline__ int rows_in_segments(const GatherGemmArgs& a, int lan
 }
 
 // ------------------------------------------------------------------------------------------
-// Copy role: one warp per expert-major row, rows in order (early row blocks arrive first).
+// Copy role: a warp per chunk of kChunkRows rows, chunks in row order (early row blocks
+// arrive first).
 // ------------------------------------------------------------------------------------------
 __device__ void copy_rows(const GatherGemmArgs& a) {
   const PeerSlots& ps = a.ps;
