@@ -318,6 +318,25 @@ def _to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weigh
                                 lay["recv_count"], ehandle)
 
 
+def _routing_checks(T, H, topk_idx, topk_weights):
+    """The token side of a dispatch: hidden size, top-k ids and weights."""
+    _checks.hidden("x", H)
+    _checks.topk("topk_idx", topk_idx, T)
+    if topk_weights is not None:
+        _checks.weights("topk_weights", topk_weights, topk_idx.shape)
+
+
+def _group_checks(num_experts, axis_name, T):
+    """The EP group of a dispatch: (R, L)."""
+    R, _ = ref.axis_info(axis_name)
+    _checks.group_size(R, axis_name)
+    L = _checks.experts_per_rank(num_experts, R)
+    if R * T > _checks.INT32_LIMIT:
+        raise ValueError(f"x: R * T = {R * T} tokens in the EP group; row ids are int32, so it "
+                         f"must be < 2^31")
+    return R, L
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused dispatch + first grouped GEMM (moe_ffn(fused=True), docs/kernels.md#fused-gather-gemm):
 # the routing moves no rows (a rank-major dispatch of zero-width rows); one kernel then pulls
@@ -385,13 +404,8 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
         if jnp.dtype(a.dtype) != jnp.bfloat16:
             raise TypeError(f"{name}: the fused dispatch + grouped GEMM takes bfloat16, got "
                             f"{jnp.dtype(a.dtype).name} (fused=False takes every dtype)")
-    _checks.hidden("x", H)
-    _checks.topk("topk_idx", topk_idx, T)
-    if topk_weights is not None:
-        _checks.weights("topk_weights", topk_weights, topk_idx.shape)
-    R, _ = ref.axis_info(axis_name)
-    _checks.group_size(R, axis_name)
-    L = _checks.experts_per_rank(num_experts, R)
+    _routing_checks(T, H, topk_idx, topk_weights)
+    R, L = _group_checks(num_experts, axis_name, T)
     K = topk_idx.shape[1]
     A = runtime.extension().fused_block_rows
     worst = R * T * min(K, L) + L * (A - 1)
@@ -533,18 +547,10 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
         _checks.expect_rank("x", x, 2, "[T, H]")
         _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
         T, H = x.shape
-    _checks.hidden("x", H)
-    _checks.topk("topk_idx", topk_idx, T)
-    if topk_weights is not None:
-        _checks.weights("topk_weights", topk_weights, topk_idx.shape)
+    _routing_checks(T, H, topk_idx, topk_weights)
     _checks.flag("check", check, allow_none=True)
     be = _checks.resolve_backend(backend, empty=T == 0)
-    R, _ = ref.axis_info(axis_name)
-    _checks.group_size(R, axis_name)
-    _checks.experts_per_rank(num_experts, R)
-    if R * T > _checks.INT32_LIMIT:
-        raise ValueError(f"x: R * T = {R * T} tokens in the EP group; row ids are int32, so it "
-                         f"must be < 2^31")
+    R, _ = _group_checks(num_experts, axis_name, T)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}")
     A = _checks.static_int("expert_alignment", expert_alignment, 1)

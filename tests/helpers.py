@@ -202,3 +202,19 @@ def poison_gpu_memory(mib=64):
         a = jax.device_put(jnp.full((mib << 20,), 0xFF, jnp.uint8), d)
         a.block_until_ready()
         del a
+
+
+def moe_layer_and_grads(backend, **kw):
+    """Per rank: `jax_ep.moe_ffn(..., backend=backend, **kw)`'s output and the gradients (x,
+    topk_weights, w_gate_up, w_down) of a fixed projection of it."""
+    def body(x, idx, w, wgu, wd):
+        T, H = x.shape
+
+        def loss(x, w, wgu, wd):
+            out = jax_ep.moe_ffn(x, idx, w, wgu, wd, backend=backend, **kw)
+            proj = jnp.cos(jnp.arange(T * H, dtype=jnp.float32).reshape(T, H))
+            return jnp.sum(out.astype(jnp.float32) * proj), out
+        (_, out), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+            x, w, wgu, wd)
+        return (out,) + g
+    return body

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import jax_ep
 from jax_ep.high_throughput import dispatch_matmul
-from helpers import gpu_devices, gpu_ranks, poison_gpu_memory
+from helpers import gpu_devices, gpu_ranks, moe_layer_and_grads, poison_gpu_memory
 
 pytestmark = pytest.mark.gpu
 
@@ -89,21 +89,6 @@ def test_fused_dispatch_matmul_matches_unfused(R, kind):
         assert not np.any(np.asarray(h[tail], np.float32)), r
 
 
-def _layer(backend, fused, E):
-    def body(x, idx, w, wgu, wd):
-        T, H = x.shape
-
-        def loss(x, w, wgu, wd):
-            out = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=fused,
-                                 backend=backend)
-            proj = jnp.cos(jnp.arange(T * H, dtype=jnp.float32).reshape(T, H))
-            return jnp.sum(out.astype(jnp.float32) * proj), out
-        (_, out), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
-            x, w, wgu, wd)
-        return (out,) + g
-    return body
-
-
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 def test_moe_ffn_fused_matches_unfused_and_reference(R):
     T, H, I, K, L = 48, 512, 256, 4, 4
@@ -112,9 +97,11 @@ def test_moe_ffn_fused_matches_unfused_and_reference(R):
     wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
     w = w.astype(jnp.bfloat16)
     poison_gpu_memory()
-    got = jax.device_get(gpu_ranks(_layer("cuda", True, E), R)(x, idx, w, wgu, wd))
-    unf = jax.device_get(gpu_ranks(_layer("cuda", False, E), R)(x, idx, w, wgu, wd))
-    ref = jax.device_get(gpu_ranks(_layer("reference", True, E), R)(x, idx, w, wgu, wd))
+
+    def run(backend, fused):
+        layer = moe_layer_and_grads(backend, num_experts=E, fused=fused)
+        return jax.device_get(gpu_ranks(layer, R)(x, idx, w, wgu, wd))
+    got, unf, ref = run("cuda", True), run("cuda", False), run("reference", True)
     names = ("out", "d x", "d topk_weights", "d w_gate_up", "d w_down")
     for name, a, b, c in zip(names, got, unf, ref):
         assert a.dtype == c.dtype, name

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_ep
-from helpers import gpu_devices, gpu_ranks, poison_gpu_memory
+from helpers import gpu_devices, gpu_ranks, moe_layer_and_grads, poison_gpu_memory
 
 pytestmark = pytest.mark.gpu
 
@@ -39,21 +39,6 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-def _layer(backend, **kw):
-    """Per rank: the layer's output and the gradients of a fixed projection of it."""
-    def body(x, idx, w, wgu, wd):
-        T, H = x.shape
-
-        def loss(x, w, wgu, wd):
-            out = jax_ep.moe_ffn(x, idx, w, wgu, wd, backend=backend, **kw)
-            proj = jnp.cos(jnp.arange(T * H, dtype=jnp.float32).reshape(T, H))
-            return jnp.sum(out.astype(jnp.float32) * proj), out
-        (_, out), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
-            x, w, wgu, wd)
-        return (out,) + g
-    return body
-
-
 NAMES = ("out", "d x", "d topk_weights", "d w_gate_up", "d w_down")
 
 
@@ -65,8 +50,8 @@ def test_moe_ffn_matches_reference(R, mode):
     kw = dict(num_experts=E, mode=mode)
     if mode == "low_latency":
         kw["max_tokens_per_rank"] = T
-    got = gpu_ranks(_layer("cuda", **kw), R)
-    want = gpu_ranks(_layer("reference", **kw), R)
+    got = gpu_ranks(moe_layer_and_grads("cuda", **kw), R)
+    want = gpu_ranks(moe_layer_and_grads("reference", **kw), R)
     poison_gpu_memory()
     g = jax.device_get(got(x, idx, w, wgu, wd))
     r = jax.device_get(want(x, idx, w, wgu, wd))

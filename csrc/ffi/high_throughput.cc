@@ -44,6 +44,16 @@ ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks,
   return ffi::Error::Success();
 }
 
+// The multiprocessor count of `device` into *sms, or an error naming the op.
+ffi::Error read_sm_count(const char* op, int32_t device, int* sms) {
+  *sms = jax_ep::sm_count(device);
+  if (*sms > 0) return ffi::Error::Success();
+  cudaGetLastError();  // clear it: a later launch check must not see it
+  return ffi::Error::Internal(std::string(op) +
+                              ": cannot read the multiprocessor count of device " +
+                              std::to_string(device));
+}
+
 // Per-process mode (the call site's lease names a staging buffer per rank, aligned with
 // `groups`; its size is the `stage_bytes` attribute, kernels/ht_sizes.h): peers
 // cannot read this rank's XLA buffers, so copy the operands they read into this rank's
@@ -168,13 +178,8 @@ ffi::Error HtDispatchImpl(
   if (R * T > kMaxInt || C > kMaxInt || K > (1 << 20) || G > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
-  const int sms = jax_ep::sm_count(device);
-  if (sms <= 0) {
-    cudaGetLastError();  // clear it: the launch check below must not see it
-    return ffi::Error::Internal(std::string(op) +
-                                ": cannot read the multiprocessor count of device " +
-                                std::to_string(device));
-  }
+  int sms = 0;
+  JAX_EP_RETURN_IF_ERROR(read_sm_count(op, device, &sms));
   // The layout kernel has a grid barrier: its grid (R * nch) must be co-resident. Half the SMs
   // at most: XLA may run other kernels beside ours (a NCCL collective on another stream, say)
   // that hold SMs, and a grid that needs every SM would then wait for them to finish.
@@ -376,13 +381,8 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   if (L < 1 || L > jax_ep::fused::kMaxExperts)
     return jax_ep::op_error(op, "the local experts (" + std::to_string(L) + ") must be in [1, " +
                                     std::to_string(jax_ep::fused::kMaxExperts) + "]");
-  const int sms = jax_ep::sm_count(device);
-  if (sms <= 0) {
-    cudaGetLastError();
-    return ffi::Error::Internal(std::string(op) +
-                                ": cannot read the multiprocessor count of device " +
-                                std::to_string(device));
-  }
+  int sms = 0;
+  JAX_EP_RETURN_IF_ERROR(read_sm_count(op, device, &sms));
   // One block per SM (its ranks' share of them in the one-GPU multi-rank mode); the copy blocks
   // (copy_blocks, 0: automatic) come out of the same grid.
   const jax_ep::VirtualRank* vr = jax_ep::virtual_rank();

@@ -30,8 +30,9 @@ struct GatherGemmArgs {
   int gemm_blocks;
 };
 
-// Enqueue on `stream` (bfloat16 operands; CUTLASS builds only); an error message, empty on
-// success. In the one-GPU multi-rank mode's dry run it checks the residency and launches nothing.
+// Enqueue on `stream` (bfloat16 operands, shapes checked by the handler; CUTLASS builds only); an
+// error message, empty on success. In the one-GPU multi-rank mode's dry run it checks the residency
+// and launches nothing.
 std::string launch(const GatherGemmArgs& a, cudaStream_t stream);
 
 }  // namespace fused
