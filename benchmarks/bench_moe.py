@@ -3,7 +3,8 @@
 Shapes (per rank): T tokens, hidden H, intermediate I, L experts, top-K, bf16. In one run,
 after warm-up, median over repetitions:
 - moe_ffn forward and forward + backward (the gradients of x, topk_weights, w_gate_up and
-  w_down);
+  w_down), unfused and fused (fused=True), the fused layer with only its first half fused,
+  the time split of both halves, and optionally a sweep of fused_combine_blocks;
 - its own grouped GEMMs alone, at the layer's group sizes: forward (gate/up and down) and
   backward (d lhs and d rhs of each);
 - its forward's other parts, each alone: dispatch, the expert-major order and rows, the
@@ -13,7 +14,8 @@ after warm-up, median over repetitions:
 Each figure is the slope between a jit-compiled scan of n_short calls and one of n_long calls.
 Prints a table and the same-run ratios, writes bench_moe.json and bench_moe.png.
 
-  python benchmarks/bench_moe.py --out DIR [--quick] [--backend reference --tokens 64 ...]
+  python benchmarks/bench_moe.py --out DIR [--quick] [--combine-blocks 1,8,16]
+                                [--backend reference --tokens 64 ...]
 """
 from __future__ import annotations
 
@@ -60,6 +62,9 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
     ap.add_argument("--skip-ragged-dot", action="store_true")
+    ap.add_argument("--combine-blocks", default="",
+                    help="comma-separated fused_combine_blocks values to time the fused layer "
+                         "with, beside the automatic one")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
@@ -134,6 +139,25 @@ def main():
     fb_f = record("moe_ffn(fused=True) forward + backward",
                   time_op(functools.partial(layer_fb, fn=layer_fused), lay_args, reps=reps),
                   3 * flops_fwd, impl="ours-fused", op="fwd+bwd")
+
+    # the fused layer with its second half unfused: the fused GEMM + combine's own effect
+    def layer_fused_first(x, idx, w, wgu, wd):
+        res, h = _ht.dispatch_matmul(x, idx, w, wgu, num_experts=L, backend=be)
+        y = jax_ep.grouped_matmul(_moe.swiglu(h).astype(wd.dtype), wd, res.expert_sizes,
+                                  backend=be)
+        return jax_ep.combine(y, res.handle, backend=be)
+
+    fwd_f1 = record("moe_ffn, fused dispatch + GEMM only, forward",
+                    time_op(layer_fused_first, lay_args, reps=reps), flops_fwd,
+                    impl="ours-fused-first", op="fwd")
+    sweep = {}
+    for c in [int(v) for v in args.combine_blocks.split(",") if v.strip()]:
+        def layer_c(x, idx, w, wgu, wd, c=c):
+            return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, fused=True,
+                                  fused_combine_blocks=c, backend=be)
+        sweep[c] = record(f"moe_ffn(fused=True, fused_combine_blocks={c}) forward",
+                          time_op(layer_c, lay_args, reps=reps), flops_fwd,
+                          impl="ours-fused", op="fwd-sweep")["ms"]
     align = jax_ep.runtime.extension().fused_block_rows if be == "cuda" else 1
 
     def half_unfused(x, idx, w, wgu):
@@ -228,7 +252,14 @@ def main():
                              lay_args, 1, 2, reps=3), 3 * flops_fwd, impl="ragged_dot",
                      op="fwd+bwd")
 
+    # the time split: each half of the layer, fused and unfused (the second half as the layer
+    # minus its first half, both measured in this run)
+    split = dict(first_half_unfused_ms=hu["ms"], first_half_fused_ms=hf["ms"],
+                 second_half_unfused_ms=fwd_f1["ms"] - hf["ms"],
+                 second_half_fused_ms=fwd_f["ms"] - hf["ms"])
+    print("  time split (ms): " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in split.items()))
     ratios = dict(fused_fwd_vs_unfused=fwd_f["ms"] / fwd["ms"],
+                  fused_fwd_vs_fused_first_half_only=fwd_f["ms"] / fwd_f1["ms"],
                   fused_fwd_bwd_vs_unfused=fb_f["ms"] / fb["ms"],
                   fused_half_vs_unfused_half=hf["ms"] / hu["ms"],
                   fwd_vs_own_gemms=fwd["ms"] / gemm_fwd_ms,
@@ -246,6 +277,7 @@ def main():
     with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
         json.dump(dict(device=dev.device_kind, jax=jax.__version__, shape=tag, ranks=1,
                        gemm_fwd_ms=gemm_fwd_ms, gemm_fwd_bwd_ms=gemm_fb_ms, ratios=ratios,
+                       fused_split=split, fused_combine_blocks_sweep=sweep,
                        results=results), f, indent=1)
     rs = [r for r in results if r["op"] in ("fwd", "fwd+bwd")]
     barh_plot(os.path.join(args.out, "bench_moe.png"), [r["name"] for r in rs],

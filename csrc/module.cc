@@ -81,6 +81,7 @@ NB_MODULE(_C, m) {
     with_vr("jax_ep_ht_gather", JaxEpHtGather, JaxEpHtGatherVr);
     with_vr("jax_ep_ht_combine", JaxEpHtCombine, JaxEpHtCombineVr);
     with_vr("jax_ep_ht_gather_gemm", JaxEpHtGatherGemm, JaxEpHtGatherGemmVr);
+    with_vr("jax_ep_ht_gemm_combine", JaxEpHtGemmCombine, JaxEpHtGemmCombineVr);
     with_vr("jax_ep_ll_dispatch", JaxEpLlDispatch, JaxEpLlDispatchVr);
     with_vr("jax_ep_ll_combine", JaxEpLlCombine, JaxEpLlCombineVr);
     with_vr("jax_ep_ll_dispatch_send", JaxEpLlDispatchSend, JaxEpLlDispatchSendVr);
@@ -228,11 +229,15 @@ NB_MODULE(_C, m) {
     staged["jax_ep_ht_gather"] = jax_ep::ht::kStagedGather;
     staged["jax_ep_ht_combine"] = jax_ep::ht::kStagedCombine;
     staged["jax_ep_ht_gather_gemm"] = jax_ep::ht::kStagedGatherGemm;
+    staged["jax_ep_ht_gemm_combine"] = jax_ep::ht::kStagedGemmCombine;
     m.attr("ht_staged_operands") = staged;
   }
   m.def("ht_scratch_words", &jax_ep::ht::ht_scratch_words, nb::arg("R"), nb::arg("T"),
         "int32 words of jax_ep_ht_dispatch's scratch result (csrc/kernels/high_throughput.cuh).");
   m.attr("fused_block_rows") = jax_ep::fused::kBlockM;
+  m.def("fused_counter_words", &jax_ep::fused::counter_words, nb::arg("C"),
+        "int32 words of jax_ep_ht_gemm_combine's counters result for C expert-major rows "
+        "(csrc/kernels/fused/sizes.h).");
   m.def("gemm_built", &jax_ep::gemm::built,
         "True when the CUTLASS grouped-GEMM kernels are compiled in.");
   m.def(

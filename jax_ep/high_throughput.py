@@ -432,6 +432,86 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
 
 
 # ---------------------------------------------------------------------------------------------
+# Fused second grouped GEMM + combine (moe_ffn(fused=True), docs/kernels.md#fused-gemm-combine):
+# one kernel multiplies each expert segment by the expert's weights and sums every token's
+# rows on its own rank, a token starting once the row blocks of its rows are computed on every
+# rank. The same arithmetic as grouped_matmul followed by combine(handle).
+# ---------------------------------------------------------------------------------------------
+
+class _CombineConfig(NamedTuple):
+    cfg: _Config         # the combine's (axis, backend)
+    K: int
+    combine_blocks: int  # blocks that only combine (0: the kernel's automatic share)
+
+
+def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg):
+    """(ye, out): ye = grouped_matmul(a, w, sizes), out = its combine, in one launch."""
+    C, N = a.shape[0], w.shape[2]
+    T = rank.send_rows.shape[0]
+    words = runtime.extension().fused_counter_words(C)
+    ye, out, _ = _ffi.call("jax_ep_ht_gemm_combine",
+                           [a, sizes, w, row_of, weights, rank.send_rows],
+                           [((C, N), a.dtype), ((T, N), a.dtype), ((words,), jnp.int32)],
+                           axis_name=ccfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
+                           combine_blocks=ccfg.combine_blocks)
+    return ye, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _matmul_combine(a, w, weights, sizes, row_of, src, rank, ccfg):
+    """combine(grouped_matmul(a, w, sizes), handle) in one launch: [T, N] in a's dtype."""
+    del src
+    return _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg)[1]
+
+
+def _matmul_combine_fwd(a, w, weights, sizes, row_of, src, rank, ccfg):
+    ye, out = _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg)
+    return out, (a, w, ye, weights, sizes, row_of, src, rank)
+
+
+def _matmul_combine_bwd(ccfg, res, g):
+    # The unfused ops' backward, rule by rule: combine's (a gather), the pre-reduction's (on
+    # the kernel's GEMM rows ye), the GEMM's (its forward, unused, is dropped by XLA).
+    a, w, ye, weights, sizes, row_of, src, rank = res
+    g_rows = _gather_diff(g, rank, ccfg.cfg).astype(jnp.float32)
+    d_ye, d_weights, _, _ = _reduce_rows_bwd(ccfg.K, (ye, weights, src, row_of), g_rows)
+    _, vjp = jax.vjp(lambda a, w: grouped_gemm.grouped_matmul(a, w, sizes, backend="cuda"), a, w)
+    d_a, d_w = vjp(d_ye)
+    return d_a, d_w, d_weights, None, None, None, None
+
+
+_matmul_combine.defvjp(_matmul_combine_fwd, _matmul_combine_bwd)
+
+
+def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=0):
+    """`combine(grouped_matmul(a, w, res.expert_sizes), res.handle)` fused in one launch.
+
+    a: `[capacity, I]` expert-major rows of the `ExpertDispatchResult` res of `dispatch_matmul`
+    (on the CUDA backend bfloat16, one process over the group's GPUs, segments starting at
+    multiples of `jax_ep._C.fused_block_rows` rows); w: `[L, I, N]`. Returns `[T, N]` in a's
+    dtype. Elsewhere (the reference backend, per-process groups) it runs the two ops.
+    Differentiable in a, w and the routing weights. combine_blocks: blocks of the launch that
+    only combine (0: automatic, docs/kernels.md#fused-gemm-combine).
+    """
+    handle = res.handle
+    rank = handle.rank
+    combine_blocks = _checks.static_int("combine_blocks", combine_blocks, 0)
+    be = _checks.resolve_backend(backend, empty=rank.send_rows.shape[0] == 0)
+    if be == "reference" or runtime.per_process():
+        y = grouped_gemm.grouped_matmul(a, w, res.expert_sizes, backend=be)
+        return combine(y, handle, axis_name=axis_name, backend=be)
+    for name, v in (("a", a), ("w_down", w)):
+        if jnp.dtype(v.dtype) != jnp.bfloat16:
+            raise TypeError(f"{name}: the fused grouped GEMM + combine takes bfloat16, got "
+                            f"{jnp.dtype(v.dtype).name}")
+    K = handle.row_of.shape[1]
+    cfg = _Config(0, rank.recv_src.shape[0], axis_name, be)
+    a, weights = _ffi.varying([a, handle.weights, rank.recv_src], axis_name)[:2]
+    return _matmul_combine(a, w, weights, res.expert_sizes, handle.row_of, handle.src, rank,
+                           _CombineConfig(cfg, K, combine_blocks))
+
+
+# ---------------------------------------------------------------------------------------------
 # Public ops
 # ---------------------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _checks, grouped_gemm, reference as ref
-from jax_ep.high_throughput import combine, dispatch, dispatch_matmul
+from jax_ep.high_throughput import combine, dispatch, dispatch_matmul, matmul_combine
 from jax_ep.low_latency import low_latency_combine, low_latency_dispatch
 
 MODES = ("high_throughput", "low_latency")
@@ -38,7 +38,7 @@ def swiglu(h):
 
 def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_name="ep",
             mode="high_throughput", capacity=None, use_fp8=False, max_tokens_per_rank=None,
-            fused=False, fused_copy_blocks=0, backend="auto"):
+            fused=False, fused_copy_blocks=0, fused_combine_blocks=0, backend="auto"):
     """One MoE feed-forward layer, per shard inside `jax.shard_map` over `axis_name`.
 
     `out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`, e the
@@ -62,11 +62,16 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         forward only.
       fused: high-throughput mode, bfloat16: the dispatch and the first grouped GEMM in one
         launch, each expert tile starting as soon as its rows have arrived
-        (docs/kernels.md#fused-gather-gemm). Same results as fused=False up to float32
-        accumulation order; the backward runs the unfused ops. Expert segments start at
-        multiples of 128 rows (the default capacity adds L * 127 rows for it).
-      fused_copy_blocks: with fused=True, how many of the launch's blocks (one per SM) pull
-        rows while the others compute tiles; 0: automatic (an eighth of the SMs).
+        (docs/kernels.md#fused-gather-gemm), and the second grouped GEMM and the combine in
+        another, each token summed as soon as its rows are computed
+        (docs/kernels.md#fused-gemm-combine; per-process groups run this half unfused). Same
+        results as fused=False up to float32 accumulation order; the backward runs the
+        unfused ops. Expert segments start at multiples of 128 rows (the default capacity
+        adds L * 127 rows for it).
+      fused_copy_blocks: with fused=True, how many of the first launch's blocks (one per SM)
+        pull rows while the others compute tiles; 0: automatic (an eighth of the SMs).
+      fused_combine_blocks: with fused=True, how many of the second launch's blocks only
+        combine (the others compute tiles, then combine); 0: automatic (one).
       backend: "auto", "reference" or "cuda" for every op of the layer.
 
     Returns:
@@ -77,6 +82,8 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         raise ValueError(f"mode={mode!r}; expected one of {MODES}")
     use_fp8 = _checks.flag("use_fp8", use_fp8)
     fused = _checks.flag("fused", fused)
+    fused_copy_blocks = _checks.static_int("fused_copy_blocks", fused_copy_blocks, 0)
+    fused_combine_blocks = _checks.static_int("fused_combine_blocks", fused_combine_blocks, 0)
     if fused and (mode != "high_throughput" or use_fp8):
         raise ValueError("fused=True: the fused dispatch + grouped GEMM is high-throughput mode "
                          "in bfloat16 (use_fp8=False)")
@@ -115,6 +122,9 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         res, h = dispatch_matmul(x, topk_idx, topk_weights, w_gate_up, num_experts=num_experts,
                                  axis_name=axis_name, capacity=capacity, backend=backend,
                                  copy_blocks=fused_copy_blocks)
+        a = swiglu(h).astype(w_down.dtype)
+        return matmul_combine(a, w_down, res, axis_name=axis_name, backend=backend,
+                              combine_blocks=fused_combine_blocks)
     else:
         xin = ref.quantize_fp8(x) if use_fp8 else x
         res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts,

@@ -3,10 +3,10 @@
 #   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [moe] [mp] [ucx] [example] [bench]
 #                        [bench-quick] [bench-gemm] [bench-moe] [bench-modes] [probe]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
-#   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM suite
-#   (tests/test_gpu_fused.py); leases: the call-site lease suite
+#   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
+#   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
 #   (tests/test_gpu_leases.py); timeouts: waits that give up cleanly (tests/test_gpu_timeouts.py);
-#   planted: builds with planted bugs 5 to 10 (csrc/transport/peer.cuh
+#   planted: builds with planted bugs 5 to 12 (csrc/transport/peer.cuh
 #   lists them), each against the tests that must catch it (PLANTED="M:TEST ..."; planted.log);
 #   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
@@ -77,7 +77,7 @@ if has gemm; then
      | tail -30) || rc=1
 fi
 if has fused; then
-  step "fused dispatch + grouped GEMM GPU suite"
+  step "fused kernels GPU suite"
   (cd /tmp && timeout 540 $PY -m pytest -q -p no:cacheprovider -m gpu \
      "$OLDPWD/tests/test_gpu_fused.py" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 \
      | tee "$OUT/fused_tests.log" | tail -30) || rc=1
@@ -95,7 +95,7 @@ if has timeouts; then
      | tail -15) || rc=1
 fi
 if has planted; then
-  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8, gather_gemm.cu 11) must fail its tests"
+  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8, gather_gemm.cu 11, gemm_combine.cu 12) must fail its tests"
   # MUTATION:TEST pairs, each test in a process of its own (table: planted.log)
   L=tests/test_gpu_leases.py
   pairs="${PLANTED:-5:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
@@ -106,7 +106,8 @@ if has planted; then
     8:tests/test_gpu_timeouts.py::test_a_wait_that_times_out_raises_and_keeps_the_context
     9:tests/test_multiprocess.py::test_a_process_compiling_an_extra_program_fails_every_compile_clearly
     10:tests/test_multiprocess.py::test_a_process_compiling_an_extra_program_fails_every_compile_clearly[remote]
-    11:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused}"
+    11:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused
+    12:tests/test_gpu_fused.py::test_fused_matmul_combine_matches_unfused}"
   : > "$OUT/planted.log"
   need_nvshmem4py
   built=" "
@@ -119,7 +120,7 @@ if has planted; then
       if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install -v --no-build-isolation --no-deps \
           --target "$dst" -C build-dir=/tmp/jax_ep_mutation_build$m \
           -C cmake.define.JAX_EP_MUTATION=$m \
-          -C cmake.define.JAX_EP_WITH_GEMM=$([ "$m" = 11 ] && echo ON || echo OFF) \
+          -C cmake.define.JAX_EP_WITH_GEMM=$([ "$m" -ge 11 ] && echo ON || echo OFF) \
           . > "$OUT/build_mutation$m.log" 2>&1; then
         echo "  mutation $m: BUILD FAILED" | tee -a "$OUT/planted.log"; rc=1; continue
       fi

@@ -62,10 +62,15 @@ def test_the_extension_owns_its_sizes_and_trace_marks():
     assert ext.ht_stage_bytes([]) == 256
     assert ext.ht_stage_bytes([1, 256, 257]) == 256 + 256 + 512
     assert set(ext.ht_staged_operands) == {"jax_ep_ht_dispatch", "jax_ep_ht_gather",
-                                           "jax_ep_ht_combine", "jax_ep_ht_gather_gemm"}
-    # every communication target is registered and stages its operands in per-process mode
+                                           "jax_ep_ht_combine", "jax_ep_ht_gather_gemm",
+                                           "jax_ep_ht_gemm_combine"}
+    # every pull target is registered and says what it stages in per-process mode (the fused
+    # GEMM + combine runs in one process only: nothing)
     assert set(ext.ht_staged_operands) <= set(ext.registrations())
+    assert ext.ht_staged_operands["jax_ep_ht_gemm_combine"] == 0
     assert ext.fused_block_rows % 64 == 0    # whole tiles of the fused GEMM
+    rows = ext.fused_block_rows      # a counter per row block, then 3 words
+    assert [ext.fused_counter_words(c) for c in (1, rows, rows + 1)] == [4, 4, 5]
     marks = ext.trace_marks
     assert marks[0] == "layout start" and len(marks) >= 20
     assert max(marks) < ext.trace_slots and max(ext.diag_marks) < ext.trace_slots

@@ -1,7 +1,8 @@
-"""GPU suite of the fused dispatch + first grouped GEMM (`moe_ffn(fused=True)`): the fused
-kernel against the unfused CUDA ops (the expert-major rows bit-exact, the GEMM within float32
-accumulation) and the reference backend, over R ranks (R GPUs, or R virtual ranks on one GPU:
-jax_ep.testing), on random, masked, skewed, empty-expert and invalid routing, and in a long scan.
+"""GPU suite of the fused kernels of `moe_ffn(fused=True)`: the dispatch + first grouped GEMM
+and the second grouped GEMM + combine, against the unfused CUDA ops (the expert-major rows and
+the combine's sums bit-exact, the GEMMs within float32 accumulation) and the reference backend,
+over R ranks (R GPUs, or R virtual ranks on one GPU: jax_ep.testing), on random, masked,
+skewed, empty-expert and invalid routing, and in a long scan.
 
 Marked `gpu` (skipped without CUDA GPUs). Run: scripts/gpu_check.sh fused, or
 `pytest -m gpu tests/test_gpu_fused.py`.
@@ -15,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_ep
-from jax_ep.high_throughput import dispatch_matmul
+from jax_ep import high_throughput as ht
+from jax_ep.high_throughput import dispatch_matmul, matmul_combine
 from helpers import gpu_devices, gpu_ranks, moe_layer_and_grads, poison_gpu_memory
 
 pytestmark = pytest.mark.gpu
@@ -87,6 +89,66 @@ def test_fused_dispatch_matmul_matches_unfused(R, kind):
         tail = slice(r * C + int(count[r]), (r + 1) * C)
         assert not np.any(np.asarray(xe[tail], np.float32)), r
         assert not np.any(np.asarray(h[tail], np.float32)), r
+
+
+def _gemm_combine_outputs(E, K, weighted, combine_blocks=0):
+    """Per shard: the fused GEMM + combine's (ye, out), combine of its ye, the unfused
+    grouped_matmul and combine, the public op, and recv_count."""
+    def run(x, idx, w, wgu, wd):
+        res, a = dispatch_matmul(x, idx, w if weighted else None, wgu, num_experts=E,
+                                 backend="cuda")
+        handle = res.handle
+        ccfg = ht._CombineConfig(ht._Config(0, handle.rank.recv_src.shape[0], "ep", "cuda"),
+                                 K, combine_blocks)
+        ye, out = ht._gemm_combine_call(a, wd, handle.weights, res.expert_sizes, handle.row_of,
+                                        handle.rank, ccfg)
+        y = jax_ep.grouped_matmul(a, wd, res.expert_sizes, backend="cuda")
+        public = matmul_combine(a, wd, res, backend="cuda", combine_blocks=combine_blocks)
+        return (ye, out, jax_ep.combine(ye, handle, backend="cuda"), y,
+                jax_ep.combine(y, handle, backend="cuda"), public, res.recv_count)
+    return run
+
+
+def _check_gemm_combine(got, R):
+    ye, out, out_from_ye, y, out_unfused, public, count = got
+    # the combine's arithmetic is the unfused combine's, rounding for rounding
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
+                                  np.asarray(out_from_ye).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(public).view(np.uint16),
+                                  np.asarray(out).view(np.uint16))
+    assert _rel(ye, y) < 1e-2, _rel(ye, y)
+    assert _rel(out, out_unfused) < 1e-2, _rel(out, out_unfused)
+    C = ye.shape[0] // R
+    for r in range(R):          # past the last segment ye is zero
+        assert not np.any(np.asarray(ye[r * C + int(count[r]):(r + 1) * C], np.float32)), r
+
+
+@pytest.mark.parametrize("kind", ["random", "masked", "skewed", "empty", "invalid"])
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+def test_fused_matmul_combine_matches_unfused(R, kind):
+    """The fused GEMM + combine against grouped_matmul + combine on one expert-major dispatch:
+    its output bit-exact against combine of its own GEMM rows, those rows within float32
+    accumulation of grouped_matmul's, zero past the last segment."""
+    T, H, I, K, L = (37 if R > 1 else 300), 384, 256, 4, 4
+    x, idx, w, wgu, E = _setup(R, T, H, I, K, L, kind, 200 * R + len(kind))
+    rng = np.random.default_rng(R)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    poison_gpu_memory()
+    got = jax.device_get(gpu_ranks(_gemm_combine_outputs(E, K, True), R)(x, idx, w, wgu, wd))
+    _check_gemm_combine(got, R)
+
+
+@pytest.mark.parametrize("combine_blocks,weighted", [(1, False), (3, True), (24, True)])
+def test_fused_matmul_combine_blocks_and_no_weights(combine_blocks, weighted):
+    """Many tokens per combine warp (few combine-only blocks) or many combine-only blocks;
+    without routing weights each (token, expert) pair weighs 1."""
+    R, T, H, I, K, L = 2, 700, 256, 128, 4, 4
+    x, idx, w, wgu, E = _setup(R, T, H, I, K, L, "masked", 9)
+    rng = np.random.default_rng(10)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    poison_gpu_memory()
+    run = _gemm_combine_outputs(E, K, weighted, combine_blocks)
+    _check_gemm_combine(jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu, wd)), R)
 
 
 @pytest.mark.parametrize("R", [1, 2, 4, 8])

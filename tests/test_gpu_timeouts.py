@@ -27,11 +27,11 @@ CHILD = pathlib.Path(__file__).with_name("timeout_child.py")
 
 
 @pytest.mark.parametrize("op", ["ll_dispatch", "ll_combine", "ht_dispatch", "ht_combine",
-                                "ht_gather_gemm"])
+                                "ht_gather_gemm", "ht_gemm_combine"])
 def test_a_wait_that_times_out_raises_and_keeps_the_context(op):
     if not gpu_devices():
         pytest.skip("needs a GPU")
-    if op == "ht_gather_gemm" and not jax_ep.runtime.extension().gemm_built():
+    if op in ("ht_gather_gemm", "ht_gemm_combine") and not jax_ep.runtime.extension().gemm_built():
         pytest.skip("a build without the CUTLASS GEMMs has no fused kernel")
     env = dict(os.environ, JAX_EP_TIMEOUT_S=str(TIMEOUT_S), JAX_EP_VIRTUAL_RANKS="1")
     p = subprocess.run([sys.executable, str(CHILD), op], env=env, capture_output=True, text=True,

@@ -104,6 +104,10 @@ def test_moe_ffn_bad_arguments(mesh4):
         call(fused=True, mode="low_latency", max_tokens_per_rank=T)
     with pytest.raises(ValueError, match="fused=True: the fused dispatch"):
         call(fused=True, use_fp8=True)
+    with pytest.raises(ValueError, match="fused_combine_blocks must be >= 0, got -1"):
+        call(fused=True, fused_combine_blocks=-1)
+    with pytest.raises(TypeError, match="fused_copy_blocks must be a static Python int"):
+        call(fused=True, fused_copy_blocks=1.5)
 
 
 def test_moe_ffn_fused_on_the_reference_backend_is_the_layer(mesh4):

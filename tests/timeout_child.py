@@ -49,6 +49,15 @@ def ht_gather_gemm(x, rows_src, sizes, wgu):
     return ht._gather_matmul(x, wgu, rows_src, sizes, unused, unused, unused, fcfg)[1]
 
 
+def ht_gemm_combine(a, sizes, wd, row_of, weights, send_rows):
+    """The fused GEMM + combine kernel alone."""
+    import types
+    from jax_ep import high_throughput as ht
+    ccfg = ht._CombineConfig(ht._Config(0, row_of.shape[0], "ep", "cuda"), K, 0)
+    rank = types.SimpleNamespace(send_rows=send_rows)
+    return ht._gemm_combine_call(a, wd, weights, sizes, row_of, rank, ccfg)[1]
+
+
 run = lambda fn: jax.jit(testing.virtual_ranks(fn, R))  # noqa: E731
 if op == "ll_dispatch":
     f, args = run(ll_dispatch), (x, idx)
@@ -69,6 +78,18 @@ elif op == "ht_gather_gemm":
     sizes = jnp.asarray(np.tile([rows, rows] + [0] * (L - 2), (R, 1)), jnp.int32)
     wgu = jnp.asarray(rng.standard_normal((R, L, H, 128)) / 16, jnp.bfloat16)
     f, args = run(ht_gather_gemm), (x, rows_src, sizes, wgu)
+elif op == "ht_gemm_combine":
+    rows = jax_ep.runtime.extension().fused_block_rows
+    C, L, Cr = 2 * rows, E // R, R * T
+    a = jnp.asarray(rng.standard_normal((R, C, 128)) / 16, jnp.bfloat16)
+    sizes = jnp.asarray(np.tile([rows, rows] + [0] * (L - 2), (R, 1)), jnp.int32)
+    wd = jnp.asarray(rng.standard_normal((R, L, 128, H)) / 16, jnp.bfloat16)
+    # every received slot names a row; token t of rank q is row q * T + t on every rank
+    row_of = jnp.asarray(np.tile(np.arange(Cr * K).reshape(Cr, K) % C, (R, 1, 1)), jnp.int32)
+    weights = jnp.ones((R, Cr, K), jnp.float32)
+    send_rows = jnp.asarray(np.stack([np.tile((q * T + np.arange(T))[:, None], (1, R))
+                                      for q in range(R)]), jnp.int32)
+    f, args = run(ht_gemm_combine), (a, sizes, wd, row_of, weights, send_rows)
 else:
     raise SystemExit(f"unknown op {op}")
 

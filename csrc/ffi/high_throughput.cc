@@ -15,6 +15,7 @@
 #include "ffi/site_state.h"
 #include "ffi/virtual_ranks.h"
 #include "kernels/fused/gather_gemm.h"
+#include "kernels/fused/gemm_combine.h"
 #include "kernels/high_throughput.cuh"
 #include "runtime/device.h"
 #include "runtime/virtual_ranks.h"
@@ -52,6 +53,37 @@ ffi::Error read_sm_count(const char* op, int32_t device, int* sms) {
   return ffi::Error::Internal(std::string(op) +
                               ": cannot read the multiprocessor count of device " +
                               std::to_string(device));
+}
+
+// The GEMM shapes of a fused kernel: K (named `k_name`) and N multiples of 8, L in range.
+ffi::Error fused_gemm_checks(const char* op, const char* k_name, int64_t K, int64_t N, int64_t L) {
+  if (K % 8 != 0 || N % 8 != 0)
+    return jax_ep::op_error(op, std::string(k_name) + " (" + std::to_string(K) + ") and N (" +
+                                    std::to_string(N) +
+                                    ") must be multiples of 8 (16-byte rows for the TMA)");
+  if (L < 1 || L > jax_ep::fused::kMaxExperts)
+    return jax_ep::op_error(op, "the local experts (" + std::to_string(L) + ") must be in [1, " +
+                                    std::to_string(jax_ep::fused::kMaxExperts) + "]");
+  return ffi::Error::Success();
+}
+
+// The grid of a fused kernel: one block per SM (its rank's share of them in the one-GPU
+// multi-rank mode), `requested` of them (the attribute `attr`; 0: auto(share)) in the role
+// beside the GEMM tiles, *gemm the rest.
+ffi::Error fused_split(const char* op, int32_t device, int64_t requested, const char* attr,
+                       int (*automatic)(int), int* other, int* gemm) {
+  int sms = 0;
+  JAX_EP_RETURN_IF_ERROR(read_sm_count(op, device, &sms));
+  const jax_ep::VirtualRank* vr = jax_ep::virtual_rank();
+  const int share = vr != nullptr ? sms / vr->num_ranks : sms;
+  const int64_t n = requested > 0 ? requested : automatic(share);
+  if (n < 1 || n >= share)
+    return jax_ep::op_error(op, std::string(attr) + " (" + std::to_string(n) +
+                                    ") must leave at least one of the " + std::to_string(share) +
+                                    " blocks (one per SM) to the GEMM tiles");
+  *other = static_cast<int>(n);
+  *gemm = share - *other;
+  return ffi::Error::Success();
 }
 
 // Per-process mode (the call site's lease names a staging buffer per rank, aligned with
@@ -115,6 +147,18 @@ ffi::Error run_pulled(const char* op, const jax_ep::GroupInfo& gi, size_t staged
     return ffi::Error::Internal(std::string("jax_ep: ") + op +
                                 " (remote peers): " + cudaGetErrorString(e));
   return ffi::Error::Success();
+}
+
+// Launches a fused kernel (kernels/fused/, its Args) through run_pulled; a launch error is named
+// by the op.
+template <class Args>
+ffi::Error run_fused(const char* op, const jax_ep::GroupInfo& gi, size_t staged, int64_t timeout_ns,
+                     cudaStream_t stream, const Args& a) {
+  std::string err;
+  ffi::Error e = run_pulled(op, gi, staged, timeout_ns, stream,
+                            [&] { err = jax_ep::fused::launch(a, stream); });
+  if (!err.empty()) return ffi::Error::Internal(std::string(op) + ": " + err);
+  return e;
 }
 
 #define JAX_EP_CHECK_SHAPE(buf, op, name, ...) \
@@ -375,24 +419,10 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   JAX_EP_CHECK_SHAPE(*counters, op, "counters", blocks);
   if (group_size * T > kMaxInt || C > kMaxInt || H > kMaxInt || N > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
-  if (H % 8 != 0 || N % 8 != 0)
-    return jax_ep::op_error(op, "H (" + std::to_string(H) + ") and N (" + std::to_string(N) +
-                                    ") must be multiples of 8 (16-byte rows for the TMA)");
-  if (L < 1 || L > jax_ep::fused::kMaxExperts)
-    return jax_ep::op_error(op, "the local experts (" + std::to_string(L) + ") must be in [1, " +
-                                    std::to_string(jax_ep::fused::kMaxExperts) + "]");
-  int sms = 0;
-  JAX_EP_RETURN_IF_ERROR(read_sm_count(op, device, &sms));
-  // One block per SM (its ranks' share of them in the one-GPU multi-rank mode); the copy blocks
-  // (copy_blocks, 0: automatic) come out of the same grid.
-  const jax_ep::VirtualRank* vr = jax_ep::virtual_rank();
-  const int share = vr != nullptr ? sms / vr->num_ranks : sms;
-  const int copy =
-      copy_blocks > 0 ? static_cast<int>(copy_blocks) : jax_ep::fused::auto_copy_blocks(share);
-  if (copy < 1 || copy >= share)
-    return jax_ep::op_error(op, "copy_blocks (" + std::to_string(copy) +
-                                    ") must leave at least one of the " + std::to_string(share) +
-                                    " blocks (one per SM) to the GEMM tiles");
+  JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "H", H, N, L));
+  int copy = 0, gemm = 0;
+  JAX_EP_RETURN_IF_ERROR(fused_split(op, device, copy_blocks, "copy_blocks",
+                                     jax_ep::fused::auto_copy_blocks, &copy, &gemm));
 
   size_t staged = 0;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, groups, &gi,
@@ -414,12 +444,89 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.h = h->untyped_data();
   a.counters = counters->typed_data();
   a.copy_blocks = copy;
-  a.gemm_blocks = share - copy;
-  std::string err;
-  ffi::Error e = run_pulled(op, gi, staged, timeout_ns, stream,
-                            [&] { err = jax_ep::fused::launch(a, stream); });
-  if (!err.empty()) return ffi::Error::Internal(std::string(op) + ": " + err);
-  return e;
+  a.gemm_blocks = gemm;
+  return run_fused(op, gi, staged, timeout_ns, stream, a);
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+ffi::Error HtGemmCombineImpl(
+    cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::S32> sizes,
+    ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
+    ffi::Buffer<ffi::S32> send_rows, ffi::Result<ffi::Buffer<ffi::BF16>> ye,
+    ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::S32>> counters,
+    ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ns,
+    int64_t num_blocks, int64_t combine_blocks, int64_t stage_bytes, jax_ep::SiteState* st) {
+  const char* op = "jax_ep_ht_gemm_combine";
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
+#if !JAX_EP_WITH_GEMM
+  return jax_ep::op_error(op,
+                          "this build has no CUTLASS GEMMs (the nvidia-cutlass headers were "
+                          "not found when it was built)");
+#else
+  jax_ep::GroupInfo gi;
+  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
+  // Peers read ye while this kernel writes it: only one process's buffers allow that.
+  if (!st->lease->bufs.empty() || gi.peers.remote != 0)
+    return jax_ep::op_error(op,
+                            "the fused grouped GEMM + combine runs with one process over the "
+                            "group's GPUs (peers read the rows as they are computed); per-process "
+                            "groups run it unfused");
+  const auto da = a.dimensions();
+  if (da.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": a must be [C, I] bfloat16, got " +
+                                       dims_str(da));
+  const int64_t C = da[0], I = da[1];
+  const auto dw = w.dimensions();
+  if (dw.size() != 3 || dw[1] != I)
+    return ffi::Error::InvalidArgument(std::string(op) + ": w must be [L, I=" + std::to_string(I) +
+                                       ", N] bfloat16, got " + dims_str(dw));
+  const int64_t L = dw[0], N = dw[2];
+  const auto dr = row_of.dimensions();
+  if (dr.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": row_of must be [Cr, K], got " +
+                                       dims_str(dr));
+  const int64_t Cr = dr[0], K = dr[1];
+  const auto ds = send_rows.dimensions();
+  if (ds.size() != 2 || ds[1] != group_size)
+    return ffi::Error::InvalidArgument(std::string(op) + ": send_rows must be [T, R=" +
+                                       std::to_string(group_size) + "], got " + dims_str(ds));
+  const int64_t T = ds[0];
+  JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
+  JAX_EP_CHECK_SHAPE(weights, op, "weights", Cr, K);
+  JAX_EP_CHECK_SHAPE(*ye, op, "ye", C, N);
+  JAX_EP_CHECK_SHAPE(*out, op, "out", T, N);
+  JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::counter_words(C));
+  if (group_size * T > kMaxInt || C > kMaxInt || Cr * K > kMaxInt || I > kMaxInt || N > kMaxInt)
+    return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
+  JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "I", I, N, L));
+  int combine = 0, gemm = 0;
+  JAX_EP_RETURN_IF_ERROR(fused_split(op, device, combine_blocks, "combine_blocks",
+                                     jax_ep::fused::auto_combine_blocks, &combine, &gemm));
+
+  cudaMemsetAsync(counters->untyped_data(), 0, counters->size_bytes(), stream);
+  jax_ep::fused::GemmCombineArgs g{};
+  g.ps = gi.peers;
+  g.timeout_ns = timeout_ns;
+  g.a = a.untyped_data();
+  g.sizes = sizes.typed_data();
+  g.w = w.untyped_data();
+  g.row_of = row_of.typed_data();
+  g.weights = weights.typed_data();
+  g.send_rows = send_rows.typed_data();
+  g.T = static_cast<int>(T);
+  g.C = static_cast<int>(C);
+  g.Cr = static_cast<int>(Cr);
+  g.K = static_cast<int>(K);
+  g.L = static_cast<int>(L);
+  g.I = I;
+  g.N = N;
+  g.ye = ye->untyped_data();
+  g.out = out->untyped_data();
+  g.counters = counters->typed_data();
+  g.combine_blocks = combine;
+  g.gemm_blocks = gemm;
+  return run_fused(op, gi, 0, timeout_ns, stream, g);
 #endif
 }
 
@@ -484,3 +591,17 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBI
       .Ret<ffi::Buffer<ffi::S32>>()  /* counters [C / 128] */ \
       JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("copy_blocks") JAX_EP_HT_STAGE_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT_GATHER_GEMM);
+
+#define JAX_EP_BIND_HT_GEMM_COMBINE                                    \
+  JAX_EP_HT_BIND                                                       \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* a [C, I] */                    \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                   \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, I, N] */                 \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* row_of [Cr, K] */              \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* weights [Cr, K] */             \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */            \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* ye [C, N] */                   \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* out [T, N] */                  \
+      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [counter_words(C)] */ \
+      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("combine_blocks") JAX_EP_HT_STAGE_AND_STATE
+JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGemmCombine, HtGemmCombineImpl, JAX_EP_BIND_HT_GEMM_COMBINE);

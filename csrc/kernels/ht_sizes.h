@@ -12,10 +12,11 @@ inline int64_t ht_scratch_words(int64_t R, int64_t T) { return R * T + R * R + 6
 // Per-process mode: the operands peers read are copied into a symmetric staging buffer, each
 // at a 256-byte-aligned offset. How many leading operands each op stages, and the buffer size
 // for given operand sizes: exported as jax_ep._C.ht_staged_operands / ht_stage_bytes.
-constexpr int kStagedDispatch = 4;    // x, x_scales, topk_idx, topk_weights
-constexpr int kStagedGather = 1;      // rows
-constexpr int kStagedCombine = 1;     // y
-constexpr int kStagedGatherGemm = 1;  // x (fused gather + grouped GEMM)
+constexpr int kStagedDispatch = 4;     // x, x_scales, topk_idx, topk_weights
+constexpr int kStagedGather = 1;       // rows
+constexpr int kStagedCombine = 1;      // y
+constexpr int kStagedGatherGemm = 1;   // x (fused gather + grouped GEMM)
+constexpr int kStagedGemmCombine = 0;  // one process only (fused grouped GEMM + combine)
 inline int64_t stage_aligned(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 template <typename Sizes>
 int64_t stage_bytes(const Sizes& operand_bytes) {

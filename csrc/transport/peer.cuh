@@ -16,7 +16,9 @@
 // combine: a row of y named by a tampered handle is read without the bound (combine_send_item);
 // 8, a wait that timed out traps (give_up), which ends the CUDA context; 10, the per-process
 // lease ledger skips the peers that loads do not reach (nvshmem/symmetric.cc); 11, the fused
-// gather + grouped GEMM: a tile does not wait for its rows (kernels/fused/gather_gemm.cu).
+// gather + grouped GEMM: a tile does not wait for its rows (kernels/fused/gather_gemm.cu); 12,
+// the fused grouped GEMM + combine: a token's rows are read without waiting for their tiles
+// (kernels/fused/gemm_combine.cu).
 // 0 (every real build) changes no code.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0

@@ -17,84 +17,25 @@
 #define JAX_EP_WAITS_INLINE  // transport/peer.cuh: no function calls beside the wgmma
 #include "kernels/fused/gather_gemm.h"
 
-#include <cuda_bf16.h>
-
-#include "cute/tensor.hpp"
-#include "cutlass/arch/reg_reconfig.h"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/pipeline/pipeline.hpp"
-#include "kernels/ht_common.cuh"
-#include "runtime/virtual_ranks.h"
+#include "kernels/fused/tiles.cuh"
 
 namespace jax_ep {
 namespace fused {
 namespace {
 
 using namespace cute;
-using Element = cutlass::bfloat16_t;
-using Tile = Shape<Int<kBlockM>, _256, _64>;
-using Cluster = Shape<_1, _1, _1>;
-using StrideA = Stride<int64_t, _1, _0>;       // rows [C, H], shared by every expert
-using StrideB = Stride<_1, int64_t, int64_t>;  // w [L, H, N]: (N, K, L) with N contiguous
-using StrideD = Stride<int64_t, _1, _0>;       // h [C, N]
+using namespace tiles;
 constexpr int kChunkRows = 8;  // rows a copy warp moves per arrival update (divides kBlockM)
 static_assert(kBlockM % kChunkRows == 0, "a chunk never straddles two row blocks");
-constexpr int kExtraSmem = static_cast<int>(sizeof(int)) * (kMaxExperts + 1);
-
-using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, StrideD, 8, Element,
-    StrideD, 8, cutlass::epilogue::TmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
-using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, StrideA, 8, Element, StrideB, 8,
-    float, Tile, Cluster,
-    cutlass::gemm::collective::StageCountAutoCarveout<
-        static_cast<int>(sizeof(typename Epilogue::SharedStorage)) + kExtraSmem + 1024>,
-    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-using TiledMma = typename Mainloop::TiledMma;
-using MainloopPipeline = typename Mainloop::MainloopPipeline;
-using PipelineState = typename Mainloop::PipelineState;
-using EpiLoadPipeline = typename Epilogue::LoadPipeline;
-using EpiStorePipeline = typename Epilogue::StorePipeline;
-static_assert(size(TiledMma{}) == 256, "two consumer warpgroups");
-static_assert(kThreads == 384, "one producer and two consumer warpgroups");
-
-struct SharedStorage {
-  struct Tensors : cute::aligned_struct<128, _1> {
-    typename Mainloop::TensorStorage mainloop;
-    typename Epilogue::TensorStorage epilogue;
-  } tensors;
-  struct Pipelines : cute::aligned_struct<16, _1> {
-    alignas(16) typename Mainloop::PipelineStorage mainloop;
-    alignas(16) typename Epilogue::PipelineStorage epi_load;
-  } pipelines;
-  int block_start[kMaxExperts + 1];  // first row block of each segment; [L]: blocks in all
-};
-// The dynamic allocation is aligned to 1 KiB by hand (128-byte swizzled TMA tiles need it, and
-// the copy role's static shared memory comes first).
-constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;
 
 struct Params {
-  typename Mainloop::Params mainloop;
-  typename Epilogue::Params epilogue;
+  TileParams tiles;
   GatherGemmArgs a;
 };
 
 constexpr const char* kPhasePeers = "ht_gather_gemm: wait for peers";
 constexpr const char* kPhaseRows = "ht_gather_gemm: wait for a row block's rows";
 constexpr const char* kPhaseEnd = "ht_gather_gemm: end barrier";
-
-// Rows in all segments (clipped to C), summed by one warp.
-__device__ __forceinline__ int rows_in_segments(const GatherGemmArgs& a, int lane) {
-  int s = 0;
-  for (int l = lane; l < a.L; l += 32) s += max(0, a.sizes[l]);
-  s = ht::warp_sum(s);
-  return min(s, a.C);
-}
 
 // ------------------------------------------------------------------------------------------
 // Copy role: a warp per chunk of kChunkRows rows, chunks in row order (early row blocks
@@ -116,7 +57,7 @@ __device__ void copy_rows(const GatherGemmArgs& a) {
   bool vec = Hb % 16 == 0 && ht::aligned16(xe);
   for (int s = 0; s < R; ++s) vec = vec && ht::aligned16(s_x[s]);
   const bool vec_h = Nb % 16 == 0 && ht::aligned16(h);
-  const int recv = rows_in_segments(a, lane);
+  const int recv = rows_in_segments(a.sizes, a.L, a.C, lane);
   // A warp takes kChunkRows consecutive rows (inside one row block) at a time, chunks in row
   // order over all copy warps, and publishes their arrival with one release.
   const int warps = kThreads / 32;
@@ -163,182 +104,48 @@ __device__ __forceinline__ bool wait_rows(Waiter me, const int* counter, int tar
   return true;
 }
 
-// The expert whose segment holds row block b: the largest l with block_start[l] <= b (an empty
-// segment shares its start with the next one, which wins).
-__device__ __forceinline__ int expert_of(const int* block_start, int L, int b) {
-  int lo = 0, hi = L - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (block_start[mid] <= b)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 // ------------------------------------------------------------------------------------------
-// Tile role.
+// Tile role: the producer waits (bounded) until row block b's rows have arrived before loading
+// it; `fence.proxy.async.global` orders that acquire before the TMA reads.
 // ------------------------------------------------------------------------------------------
-__device__ void compute_tiles(const Params& p, SharedStorage& ss) {
-#if defined(__CUDA_ARCH__)  // CUTLASS's epilogue visitors are device-only: not in the host pass
-  const GatherGemmArgs& a = p.a;
-  const int thread_idx = threadIdx.x;
-  const int warp_idx = cutlass::canonical_warp_idx_sync();
-  const int warp_group = cutlass::canonical_warp_group_idx();
-  const int lane = thread_idx & 31;
-
-  // Segment starts in row blocks (rounded up: a segment clipped to nothing starts at the end).
-  if (warp_idx == 0) {
-    int carry = 0;
-    for (int base = 0; base < a.L; base += 32) {
-      const int l = base + lane;
-      const int v = l < a.L ? max(0, a.sizes[l]) : 0;
-      int incl = v;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(ht::kFull, incl, o);
-        if (lane >= o) incl += n;
-      }
-      const int start = min(carry + incl - v, a.C);
-      if (l < a.L) ss.block_start[l] = (start + kBlockM - 1) / kBlockM;
-      carry = min(carry + __shfl_sync(ht::kFull, incl, 31), a.C);
-    }
-    if (lane == 0) ss.block_start[a.L] = (carry + kBlockM - 1) / kBlockM;
-  }
-  if (warp_idx == 0 && cute::elect_one_sync()) {
-    Mainloop::prefetch_tma_descriptors(p.mainloop);
-    Epilogue::prefetch_tma_descriptors(p.epilogue);
-  }
-
-  typename MainloopPipeline::Params mp;
-  if (warp_group == 0 && warp_idx == 0) mp.role = MainloopPipeline::ThreadCategory::Producer;
-  if (warp_group > 0) mp.role = MainloopPipeline::ThreadCategory::Consumer;
-  mp.is_leader = thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
-  mp.num_consumers = size(TiledMma{});
-  mp.transaction_bytes = p.mainloop.tma_transaction_bytes;
-  MainloopPipeline pipeline(ss.pipelines.mainloop, mp, Cluster{});
-
-  typename EpiLoadPipeline::Params ep;
-  if (warp_group > 0) ep.role = EpiLoadPipeline::ThreadCategory::Consumer;
-  ep.dst_blockid = 0;
-  ep.producer_arv_count = cutlass::NumThreadsPerWarp;
-  ep.consumer_arv_count = size(TiledMma{});
-  ep.transaction_bytes = p.epilogue.tma_transaction_bytes;
-  EpiLoadPipeline epi_load(ss.pipelines.epi_load, ep);
-  typename EpiStorePipeline::Params sp;
-  sp.always_wait = true;
-  EpiStorePipeline epi_store(sp);
-  __syncthreads();  // barrier init and block starts visible to the whole block
-
-  const int L = a.L;
-  const int blocks = ss.block_start[L];
-  const int col_blocks = static_cast<int>((a.N + size<1>(Tile{}) - 1) / size<1>(Tile{}));
-  const int tiles = blocks * col_blocks;
-  const int first = static_cast<int>(blockIdx.x) - a.copy_blocks;
-  const int stride = a.gemm_blocks;
-  const int recv_rows = min(blocks * kBlockM, a.C);
-  auto mnkl = make_shape(a.C, static_cast<int>(a.N), static_cast<int>(a.H), L);
-
-  Mainloop mainloop;
-  auto load_inputs = mainloop.load_init(mnkl, p.mainloop);
-  const int k_tiles = static_cast<int>(size<3>(get<0>(load_inputs)));
-
-  if (warp_group == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (warp_idx != 0) return;
-    PipelineState state = cutlass::make_producer_start_state<MainloopPipeline>();
-    const Waiter me = waiter(a.ps);
-    bool failed = false;
-    for (int i = first; i < tiles; i += stride) {
-      const int b = i / col_blocks, n = i % col_blocks;
-      const int target = min(kBlockM, recv_rows - b * kBlockM);
-#if JAX_EP_MUTATION == 11  // planted bug 11: a tile does not wait for its rows
-      failed = true;
-#endif
-      if (lane == 0 && !failed) {
-        const int* c = a.counters + b;
-        if (ld_acquire_gpu(c) < target) failed = !wait_rows(me, c, target, a.timeout_ns);
-      }
-      failed = __shfl_sync(ht::kFull, failed, 0);
-      fence_proxy_async_global();
-      auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
-      mainloop.load(p.mainloop, pipeline, state, load_inputs,
-                    make_coord(b, n, _, expert_of(ss.block_start, L, b)), k_iter, k_tiles, lane, 0u,
-                    ss.tensors.mainloop);
-      state.advance(k_tiles);
-    }
-    mainloop.load_tail(pipeline, state);
-    return;
-  }
-
-  cutlass::arch::warpgroup_reg_alloc<232>();
-  TiledMma tiled_mma;
-  Epilogue epilogue(p.epilogue, ss.tensors.epilogue);
-  const int mma_thread = thread_idx - cutlass::NumThreadsPerWarpGroup;
-  PipelineState read_state;
-  typename Epilogue::LoadPipelineState epi_load_state;
-  auto epi_store_state = cutlass::make_producer_start_state<EpiStorePipeline>();
-  bool stored = false;
-  for (int i = first; i < tiles; i += stride) {
-    const int b = i / col_blocks, n = i % col_blocks;
-    auto acc = partition_fragment_C(tiled_mma, take<0, 2>(Tile{}));
-    mainloop.mma(pipeline, read_state, acc, k_tiles, mma_thread, ss.tensors.mainloop, p.mainloop);
-    mainloop.mma_tail(pipeline, read_state, k_tiles);
-    read_state.advance(k_tiles);
-    auto [load_next, store_next] =
-        epilogue.store(epi_load, epi_load_state, epi_store, epi_store_state, mnkl, Tile{},
-                       make_coord(b, n, _, expert_of(ss.block_start, L, b)), acc, tiled_mma,
-                       mma_thread, ss.tensors.epilogue);
-    epi_load_state = load_next;
-    epi_store_state = store_next;
-    stored = true;
-  }
-  if (stored) epilogue.store_tail(epi_load, epi_load_state, epi_store, epi_store_state);
-#endif
-}
-
 __global__ void __launch_bounds__(kThreads, 1)
     gather_gemm_kernel(const __grid_constant__ Params p) {
-  if (static_cast<int>(blockIdx.x) < p.a.copy_blocks) {
-    copy_rows(p.a);
+  const GatherGemmArgs& a = p.a;
+  if (static_cast<int>(blockIdx.x) < a.copy_blocks) {
+    copy_rows(a);
     return;
   }
   extern __shared__ uint8_t smem_raw[];
-  auto* ss = reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                              ~static_cast<uintptr_t>(1023));
-  compute_tiles(p, *ss);
+  SharedStorage& ss = shared_storage(smem_raw);
+  const Waiter me = waiter(a.ps);
+  const int lane = threadIdx.x & 31;
+  bool failed = false;  // a wait gave up: the tiles compute whatever the rows hold
+  auto wait_for_rows = [&](int b) {
+    const int target = min(kBlockM, min(ss.block_start[a.L] * kBlockM, a.C) - b * kBlockM);
+#if JAX_EP_MUTATION == 11  // planted bug 11: a tile does not wait for its rows
+    failed = true;
+#endif
+    if (lane == 0 && !failed) {
+      const int* c = a.counters + b;
+      if (ld_acquire_gpu(c) < target) failed = !wait_rows(me, c, target, a.timeout_ns);
+    }
+    failed = __shfl_sync(ht::kFull, failed, 0);
+    fence_proxy_async_global();
+  };
+  const TileProblem t{a.sizes, a.C, a.L, a.H, a.N};
+  run_tiles(
+      p.tiles, ss, t, static_cast<int>(blockIdx.x) - a.copy_blocks, a.gemm_blocks, wait_for_rows,
+      [](const TileSeq&, SharedStorage&) {}, [](bool) {});
 }
 
 }  // namespace
 
 std::string launch(const GatherGemmArgs& a, cudaStream_t stream) {
-  cudaError_t e =
-      cudaFuncSetAttribute(gather_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(kSmemBytes));
-  if (e != cudaSuccess) return std::string("shared memory attribute: ") + cudaGetErrorString(e);
-  const int grid = a.copy_blocks + a.gemm_blocks;
-  if (!may_launch(reinterpret_cast<const void*>(&gather_gemm_kernel), "fused gather + GEMM", grid,
-                  kThreads, kSmemBytes))
-    return {};
   Params p{};
   p.a = a;
-  auto mnkl = make_shape(a.C, static_cast<int>(a.N), static_cast<int>(a.H), a.L);
-  typename Mainloop::Arguments ma{static_cast<const Element*>(a.xe), StrideA{a.H, _1{}, _0{}},
-                                  static_cast<const Element*>(a.w), StrideB{_1{}, a.N, a.H * a.N}};
-  p.mainloop = Mainloop::to_underlying_arguments(mnkl, ma, nullptr);
-  typename Epilogue::Arguments ea{};
-  ea.thread.alpha = 1.0f;
-  ea.thread.beta = 0.0f;
-  ea.ptr_C = nullptr;
-  ea.dC = StrideD{a.N, _1{}, _0{}};
-  ea.ptr_D = static_cast<Element*>(a.h);
-  ea.dD = StrideD{a.N, _1{}, _0{}};
-  p.epilogue = Epilogue::to_underlying_arguments(mnkl, ea, nullptr);
-  gather_gemm_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
-  return {};
+  p.tiles = tile_params(TileProblem{a.sizes, a.C, a.L, a.H, a.N}, a.xe, a.w, a.h);
+  return launch_kernel(&gather_gemm_kernel, "fused gather + GEMM", a.copy_blocks + a.gemm_blocks, p,
+                       stream);
 }
 
 }  // namespace fused

@@ -22,5 +22,18 @@ inline int auto_copy_blocks(int share) {
   return c < 1 ? 1 : c;
 }
 
+// Words of the fused GEMM + combine's counters result for C expert-major rows: one per row block
+// (its column tiles stored), then the token queue, the tokens combined and the tile blocks
+// started (exported as jax_ep._C.fused_counter_words).
+inline long long counter_words(long long C) { return (C + kBlockM - 1) / kBlockM + 3; }
+
+// The automatic number of blocks that only combine, out of `share`: one (it also ends the call);
+// the tile blocks join the combine once their tiles are done, so at R = 1 the GEMM keeps every
+// other SM (docs/kernels.md#fused-gemm-combine).
+inline int auto_combine_blocks(int share) {
+  (void)share;
+  return 1;
+}
+
 }  // namespace fused
 }  // namespace jax_ep

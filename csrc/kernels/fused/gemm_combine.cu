@@ -1,0 +1,357 @@
+// The fused grouped GEMM + combine (gemm_combine.h, docs/kernels.md#fused-gemm-combine).
+//
+// One grid, all blocks co-resident (one per SM). Every block first publishes this rank's ye, the
+// received slots' rows and weights, and the counters (the pull protocol of transport/pull.cuh).
+// - Tile blocks (the last gemm_blocks) compute ye = a @ w per segment with CUTLASS's SM90
+//   collectives in a loop of our own (kernels/fused/tiles.cuh; TMA-store epilogue). The warp
+//   that issues a tile's TMA stores waits for their completion one tile later (by then they are
+//   done) and counts the tile in shared memory (release); warp 1, otherwise idle, waits for that
+//   count and adds 1 to the tile's row-block counter (system-scope release: peers on other GPUs
+//   read it).
+// - The combine runs per token of this rank, taken 4 at a time from one queue (an atomic
+//   counter) in token order: for each rank s holding the token, for each of its slots there,
+//   wait until the row block of the slot's expert-major row has all its column tiles on s, then
+//   pull the rows and sum w * row in float32, rounded once per rank (as combine rounds the
+//   rank's pre-reduced row), then over ranks in rank order, in float32.
+//   The first combine_blocks blocks do only this (and zero ye past the last segment); the tile
+//   blocks' consumer warps join once their tiles are done. The combine-only blocks then wait
+//   until every token is combined and every tile block has started (read the call's epoch), and
+//   end the call (end barrier), so no peer reads this rank's buffers after it.
+// Tile blocks never wait for the combine, and every block is resident, so the waits end.
+#define JAX_EP_WAITS_INLINE  // transport/peer.cuh: no function calls beside the wgmma
+#include "kernels/fused/gemm_combine.h"
+
+#include "kernels/fused/tiles.cuh"
+
+namespace jax_ep {
+namespace fused {
+namespace {
+
+using namespace cute;
+using namespace tiles;
+constexpr int kTokensPerTask = 4;  // tokens a warp takes from the queue at once
+constexpr int kUnroll = 2;         // int4 loads per lane and row, per pass over a token's rows
+constexpr int kGroup = 8;          // rows loaded at once (kGroup * kUnroll loads in flight)
+
+struct Params {
+  TileParams tiles;
+  GemmCombineArgs a;
+};
+
+// What every rank published, for each rank.
+struct PeerView {
+  const uint8_t* ye[kMaxRanks];
+  const int32_t* row_of[kMaxRanks];
+  const float* weights[kMaxRanks];
+  const int* counters[kMaxRanks];
+};
+
+constexpr const char* kPhasePeers = "ht_gemm_combine: wait for peers";
+constexpr const char* kPhaseTiles = "ht_gemm_combine: wait for a row block's tiles";
+constexpr const char* kPhaseStored = "ht_gemm_combine: wait for a tile's stores";
+constexpr const char* kPhaseTokens = "ht_gemm_combine: wait for every token's combine";
+constexpr const char* kPhaseStarted = "ht_gemm_combine: wait for every tile block's start";
+constexpr const char* kPhaseEnd = "ht_gemm_combine: end barrier";
+
+__device__ __forceinline__ int row_blocks(int C) { return (C + kBlockM - 1) / kBlockM; }
+
+// Rows of ye written in this kernel (no .nc: the read-only path may not see them), L1 bypassed.
+__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void red_release_cta_shared_add(unsigned int* p, unsigned int v) {
+  asm volatile("red.release.cta.shared::cta.add.u32 [%0], %1;" ::"r"(
+                   static_cast<unsigned int>(__cvta_generic_to_shared(p))),
+               "r"(v)
+               : "memory");
+}
+__device__ __forceinline__ unsigned int ld_acquire_cta_shared(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
+               : "=r"(v)
+               : "r"(static_cast<unsigned int>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return v;
+}
+// Every bulk (TMA) store this thread issued has completed, its writes visible to the thread;
+// then ordered before its later generic-proxy accesses (the release that publishes them).
+__device__ __forceinline__ void bulk_stores_complete() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  fence_proxy_async_global();
+}
+__device__ __forceinline__ void red_release_sys_add(int* p, int v) {
+  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Bounded wait until *p >= target (acquire at `sys` scope when true, else GPU scope).
+template <bool sys>
+__device__ __forceinline__ bool wait_geq(Waiter me, const int* p, int target, int64_t timeout_ns,
+                                         const char* phase, int peer) {
+  auto load = [p] { return sys ? ld_acquire_sys_s32(p) : ld_acquire_gpu(p); };
+  int v = load();
+  if (v >= target) return true;
+  Patience wait;
+  while ((v = load()) < target)
+    if (wait.gives_up(me, timeout_ns,
+                      WaitSite{phase, peer, static_cast<unsigned long long>(target),
+                               static_cast<unsigned long long>(v)}))
+      return false;
+  return true;
+}
+
+// acc[0..8) += w * the 8 bfloat16 of v, product then sum rounded apart (no contraction: the
+// unfused combine's weighting multiplies, then sums).
+__device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
+    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
+  }
+}
+
+// One slot of token t: lane-held entry e = base + lane of the token's (rank, slot) list, in rank
+// then slot order. j: its expert-major row on rank s (-1: none).
+struct Entry {
+  int s, j;
+  float w;
+};
+__device__ __forceinline__ Entry entry(const GemmCombineArgs& a, const PeerView& pv, int my_row,
+                                       int e) {
+  Entry x{-1, -1, 0.f};
+  const int R = a.ps.num_ranks, K = a.K;
+  const int s = e < R * K ? e / K : 0;
+  const int r = __shfl_sync(ht::kFull, my_row, s);
+  if (e >= R * K || r < 0) return x;
+  x.s = s;
+  const int64_t slot = static_cast<int64_t>(r) * K + e % K;
+  x.j = ht::ld_nc_s32(pv.row_of[s] + slot);
+  x.w = ht::ld_nc_f32(pv.weights[s] + slot);
+  if (x.j >= a.C) x.j = -1;  // a tampered handle names no row
+  return x;
+}
+
+// The combine loop of one warp: tasks of kTokensPerTask tokens from the queue until none is
+// left; then the warp adds the tokens it combined to the done counter (release). False when a
+// wait gave up.
+__device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int col_blocks,
+                               int lane) {
+  const int R = a.ps.num_ranks, K = a.K;
+  const int64_t N = a.N, n16 = N / 8;  // int4 per row (the handler checks N % 8 == 0)
+  const int nb = row_blocks(a.C);
+  int* queue = a.counters + nb;
+  const Waiter me = waiter(a.ps);
+  const int entries = R * K;
+  int done = 0;
+  bool ok = true;
+  for (;;) {
+    int task = 0;
+    if (lane == 0) task = atomicAdd(queue, 1);
+    task = __shfl_sync(ht::kFull, task, 0);
+    const int64_t t0 = static_cast<int64_t>(task) * kTokensPerTask;
+    if (t0 >= a.T || !ok) break;
+    const int64_t t1 = min(t0 + kTokensPerTask, static_cast<int64_t>(a.T));
+    for (int64_t t = t0; t < t1; ++t) {
+      int my_row = lane < R ? ht::ld_nc_s32(a.send_rows + t * R + lane) : -1;
+      if (my_row >= a.Cr) my_row = -1;
+      // Wait until every row of the token is stored, on every rank.
+      for (int base = 0; base < entries; base += 32) {
+        const Entry x = entry(a, pv, my_row, base + lane);
+        bool good = true;
+#if JAX_EP_MUTATION == 12  // planted bug 12: a token's rows are read without their tiles' wait
+        if (false)
+#else
+        if (x.j >= 0)
+#endif
+          good = wait_geq<true>(me, pv.counters[x.s] + x.j / kBlockM, col_blocks, a.timeout_ns,
+                                kPhaseTiles, x.s);
+        ok = __all_sync(ht::kFull, good) && ok;
+      }
+      if (!ok) break;
+      uint8_t* dst = static_cast<uint8_t*>(a.out) + t * N * 2;
+      for (int64_t chunk = 0; chunk < n16; chunk += 32 * kUnroll) {
+        const int64_t c0 = chunk + lane;
+        float total[kUnroll][8], part[kUnroll][8];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) total[u][i] = part[u][i] = 0.f;
+        int cur = -1;  // the rank part[] sums
+        auto flush = [&] {
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              total[u][i] =
+                  __fadd_rn(total[u][i], __bfloat162float(__float2bfloat16_rn(part[u][i])));
+              part[u][i] = 0.f;
+            }
+        };
+        for (int base = 0; base < entries; base += 32) {
+          const Entry mine = entry(a, pv, my_row, base + lane);
+          const int n = min(32, entries - base);
+          // kGroup entries' rows in flight at once, summed in entry order.
+          for (int q0 = 0; q0 < n; q0 += kGroup) {  // warp-uniform
+            int s[kGroup];
+            float w[kGroup];
+            int4 v[kGroup][kUnroll];
+#pragma unroll
+            for (int g = 0; g < kGroup; ++g) {
+              const int q = min(q0 + g, 31);
+              s[g] = __shfl_sync(ht::kFull, mine.s, q);
+              const int j = __shfl_sync(ht::kFull, mine.j, q);
+              w[g] = __shfl_sync(ht::kFull, mine.w, q);
+              if (q0 + g >= n || j < 0) s[g] = -1;
+              if (s[g] < 0) continue;
+              const int4* row =
+                  reinterpret_cast<const int4*>(pv.ye[s[g]] + static_cast<int64_t>(j) * N * 2);
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u)
+                if (c0 + u * 32 < n16) v[g][u] = ld_cg_v4(row + c0 + u * 32);
+            }
+#pragma unroll
+            for (int g = 0; g < kGroup; ++g) {
+              if (s[g] < 0) continue;
+              if (s[g] != cur) {
+                if (cur >= 0) flush();
+                cur = s[g];
+              }
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u)
+                if (c0 + u * 32 < n16) add_weighted(part[u], w[g], v[g][u]);
+            }
+          }
+        }
+        if (cur >= 0) flush();
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + u * 32 >= n16) continue;
+          int4 o;
+          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            h[i] = __floats2bfloat162_rn(total[u][2 * i], total[u][2 * i + 1]);
+          reinterpret_cast<int4*>(dst)[c0 + u * 32] = o;
+        }
+      }
+      ++done;
+    }
+  }
+  __syncwarp();  // every lane's stores before lane 0's release
+  if (lane == 0 && done > 0) red_release_gpu_add(a.counters + nb + 1, done);
+  return ok;
+}
+
+// ------------------------------------------------------------------------------------------
+// Combine-only blocks: zero ye past the last segment, combine, then end the call.
+// ------------------------------------------------------------------------------------------
+__device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, int col_blocks,
+                             unsigned long long e) {
+  const int tid = threadIdx.x, lane = tid & 31, warps = kThreads / 32;
+  const int recv = rows_in_segments(a.sizes, a.L, a.C, lane);
+  const int64_t Nb = a.N * 2;
+  auto* ye = static_cast<uint8_t*>(a.ye);
+  const int64_t nw = static_cast<int64_t>(a.combine_blocks) * warps;
+  for (int64_t j = recv + static_cast<int64_t>(blockIdx.x) * warps + (tid >> 5); j < a.C; j += nw)
+    ht::zero_row(ye + j * Nb, Nb, true, lane);
+  combine_tokens(a, pv, col_blocks, lane);
+  __syncthreads();
+  // Every token combined, and every tile block past its start (it reads the call's epoch there,
+  // which the end barrier advances).
+  if (tid == 0) {
+    const int* c = a.counters + row_blocks(a.C);
+    if (wait_geq<false>(waiter(a.ps), c + 1, a.T, a.timeout_ns, kPhaseTokens, -1))
+      wait_geq<false>(waiter(a.ps), c + 2, a.gemm_blocks, a.timeout_ns, kPhaseStarted, -1);
+  }
+  end_barrier(
+      a.ps, e, a.timeout_ns, kPhaseEnd, [] {}, -1, static_cast<unsigned int>(a.combine_blocks));
+}
+
+// ------------------------------------------------------------------------------------------
+// Tile blocks: the tiles, then the combine in the consumer warps.
+// ------------------------------------------------------------------------------------------
+__device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv) {
+  const GemmCombineArgs& a = p.a;
+  const int lane = threadIdx.x & 31;
+  // Warp 1: each tile's row-block counter once its stores are complete.
+  auto signal = [&a, lane](const TileSeq& seq, SharedStorage& ss) {
+    if (lane != 0) return;
+    const Waiter me = waiter(a.ps);
+    unsigned int k = 0;
+    for (int i = seq.first; i < seq.count; i += seq.stride) {
+      ++k;
+      if (ld_acquire_cta_shared(&ss.stored) < k) {
+        Patience wait;
+        unsigned int v;
+        bool gave_up = false;
+        while ((v = ld_acquire_cta_shared(&ss.stored)) < k)
+          if (wait.gives_up(me, a.timeout_ns, WaitSite{kPhaseStored, -1, k, v})) {
+            gave_up = true;
+            break;
+          }
+        if (gave_up) break;
+      }
+      // Cumulative: the stores, seen complete through the shared count, are ordered before
+      // the counter's release to every GPU.
+      red_release_sys_add(a.counters + i / seq.col_blocks, 1);
+    }
+  };
+  // Consumer warp 0 issues a tile's TMA stores; once they are complete it counts the tile
+  // (release), one tile late: by then they are, and nothing waits.
+  auto count_stored = [&ss, lane](bool stored) {
+    if (!stored || threadIdx.x >= cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp)
+      return;
+    bulk_stores_complete();
+    __syncwarp();
+    if (lane == 0) red_release_cta_shared_add(&ss.stored, 1u);
+  };
+  const TileProblem t{a.sizes, a.C, a.L, a.I, a.N};
+  if (run_tiles(
+          p.tiles, ss, t, static_cast<int>(blockIdx.x) - a.combine_blocks, a.gemm_blocks,
+          [](int) {}, signal, count_stored))
+    combine_tokens(a, pv, column_blocks(a.N), lane);
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_combine_kernel(const __grid_constant__ Params p) {
+  const GemmCombineArgs& a = p.a;
+  const unsigned long long e = call_epoch(a.ps);
+  __shared__ PeerView pv;
+  const void* ptrs[4] = {a.ye, a.row_of, a.weights, a.counters};
+  const bool ok = ht::publish_and_wait(a.ps, ptrs, 4, e, a.timeout_ns, kPhasePeers);
+  const int R = a.ps.num_ranks, tid = threadIdx.x;
+  const bool tile_block = static_cast<int>(blockIdx.x) >= a.combine_blocks;
+  if (tile_block && tid == 0) red_release_gpu_add(a.counters + row_blocks(a.C) + 2, 1);
+  if (!ok) return;
+  if (tid < R) {
+    pv.ye[tid] = peer_ptr<const uint8_t>(a.ps, tid, 0);
+    pv.row_of[tid] = peer_ptr<const int32_t>(a.ps, tid, 1);
+    pv.weights[tid] = peer_ptr<const float>(a.ps, tid, 2);
+    pv.counters[tid] = peer_ptr<const int>(a.ps, tid, 3);
+  }
+  __syncthreads();
+  if (!tile_block) {
+    combine_role(a, pv, column_blocks(a.N), e);
+    return;
+  }
+  extern __shared__ uint8_t smem_raw[];
+  tile_role(p, shared_storage(smem_raw), pv);
+}
+
+}  // namespace
+
+std::string launch(const GemmCombineArgs& a, cudaStream_t stream) {
+  Params p{};
+  p.a = a;
+  p.tiles = tile_params(TileProblem{a.sizes, a.C, a.L, a.I, a.N}, a.a, a.w, a.ye);
+  return launch_kernel(&gemm_combine_kernel, "fused GEMM + combine",
+                       a.combine_blocks + a.gemm_blocks, p, stream);
+}
+
+}  // namespace fused
+}  // namespace jax_ep

@@ -1,0 +1,41 @@
+// The fused grouped GEMM + combine of the high-throughput MoE layer (kernels/fused/gemm_combine.cu,
+// docs/kernels.md#fused-gemm-combine): one launch multiplies each expert's rows by that expert's
+// weights and sums every token's output rows on the token's own rank, a token starting as soon
+// as the row blocks holding its rows are computed, on every rank. Host declarations only.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/fused/sizes.h"
+#include "transport/peer.cuh"
+
+namespace jax_ep {
+namespace fused {
+
+struct GemmCombineArgs {
+  PeerSlots ps;
+  int64_t timeout_ns;
+  const void* a;             // [C, I] expert-major rows
+  const int32_t* sizes;      // [L] segment lengths, multiples of kBlockM (the last clipped to C)
+  const void* w;             // [L, I, N]
+  const int32_t* row_of;     // [Cr, K] published: the expert-major row of each received slot, or -1
+  const float* weights;      // [Cr, K] published: the slot's routing weight
+  const int32_t* send_rows;  // [T, R] the received row of each own token on each rank, or -1
+  int T, C, Cr, K, L;
+  int64_t I, N;
+  void* ye;            // [C, N] published: a @ w per segment; zero past the last segment
+  void* out;           // [T, N] per token: the sum over ranks of the rank's weighted sum of rows
+  int32_t* counters;   // [counter_words(C)] zeroed before the launch (published)
+  int combine_blocks;  // blocks that only combine; the others compute tiles, then combine too
+  int gemm_blocks;
+};
+
+// Enqueue on `stream` (bfloat16 operands, shapes checked by the handler; CUTLASS builds only); an
+// error message, empty on success. In the one-GPU multi-rank mode's dry run it checks the residency
+// and launches nothing.
+std::string launch(const GemmCombineArgs& a, cudaStream_t stream);
+
+}  // namespace fused
+}  // namespace jax_ep

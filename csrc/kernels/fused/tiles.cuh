@@ -1,0 +1,293 @@
+// The GEMM tiles of the fused kernels (kernels/fused/gather_gemm.cu, gemm_combine.cu,
+// docs/kernels.md#fused-gather-gemm): CUTLASS's SM90 collectives of one expert-major grouped
+// GEMM (TMA loads into a shared-memory pipeline, two consumer warpgroups of wgmma, TMA-store
+// epilogue) in a tile loop of our own, with hooks for what each kernel adds.
+//
+// A is one [C, K] tensor of expert-major rows for every expert (its batch stride is a static 0),
+// B is w [L, K, N] with N contiguous, D is [C, N] like A. Expert segments start at multiples of
+// kBlockM, so a 128-row block never straddles two experts: tile (b, n) multiplies rows
+// [b * kBlockM, (b + 1) * kBlockM) by columns [n * 256, (n + 1) * 256) of w[expert_of(b)].
+#pragma once
+#include <cuda_bf16.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "kernels/fused/sizes.h"
+#include "kernels/ht_common.cuh"
+#include "runtime/virtual_ranks.h"
+
+namespace jax_ep {
+namespace fused {
+namespace tiles {
+
+using namespace cute;
+using Element = cutlass::bfloat16_t;
+using Tile = Shape<Int<kBlockM>, _256, _64>;
+using Cluster = Shape<_1, _1, _1>;
+using StrideA = Stride<int64_t, _1, _0>;       // rows [C, K], shared by every expert
+using StrideB = Stride<_1, int64_t, int64_t>;  // w [L, K, N]: (N, K, L) with N contiguous
+using StrideD = Stride<int64_t, _1, _0>;       // [C, N]
+constexpr int kTileN = size<1>(Tile{});
+// Column blocks of an N-column output: the tiles that make one row block.
+__host__ __device__ __forceinline__ int column_blocks(int64_t N) {
+  return static_cast<int>((N + kTileN - 1) / kTileN);
+}
+
+// The epilogue of a schedule (TMA stores, or stores from registers: its builder wants the
+// fusion's source type void, like C), D bfloat16, alpha = 1.
+template <class Schedule, class Source = Element>
+using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, StrideD, 8, Element,
+    StrideD, 8, Schedule,
+    cutlass::epilogue::fusion::LinearCombination<Element, float, Source, float>>::CollectiveOp;
+
+// The mainloop (TMA loads into a shared-memory pipeline, two consumer warpgroups), its stage
+// count leaving `reserved` bytes of shared memory to the rest of the kernel.
+template <int reserved>
+using MainloopFor = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, StrideA, 8, Element, StrideB, 8,
+    float, Tile, Cluster, cutlass::gemm::collective::StageCountAutoCarveout<reserved>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+
+using Epilogue = EpilogueFor<cutlass::epilogue::TmaWarpSpecializedCooperative>;
+// Shared memory beside the collectives' (SharedStorage below).
+constexpr int kExtraSmem = static_cast<int>(sizeof(int)) * (kMaxExperts + 2);
+using Mainloop =
+    MainloopFor<static_cast<int>(sizeof(typename Epilogue::SharedStorage)) + kExtraSmem + 1024>;
+using TiledMma = typename Mainloop::TiledMma;
+using MainloopPipeline = typename Mainloop::MainloopPipeline;
+using PipelineState = typename Mainloop::PipelineState;
+using EpiLoadPipeline = typename Epilogue::LoadPipeline;
+using EpiStorePipeline = typename Epilogue::StorePipeline;
+static_assert(size(TiledMma{}) == 256, "two consumer warpgroups");
+static_assert(kThreads == 384, "one producer and two consumer warpgroups");
+
+// A tile block's dynamic shared memory.
+struct SharedStorage {
+  struct Tensors : cute::aligned_struct<128, _1> {
+    typename Mainloop::TensorStorage mainloop;
+    typename Epilogue::TensorStorage epilogue;
+  } tensors;
+  struct Pipelines : cute::aligned_struct<16, _1> {
+    alignas(16) typename Mainloop::PipelineStorage mainloop;
+    alignas(16) typename Epilogue::PipelineStorage epi_load;
+  } pipelines;
+  int block_start[kMaxExperts + 1];  // first row block of each segment; [L]: blocks in all
+  unsigned int stored;               // zeroed before the tiles: the hooks' count
+};
+// The dynamic allocation, aligned to 1 KiB by hand (128-byte swizzled TMA tiles need it, and a
+// kernel's static shared memory comes first).
+constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;
+__device__ __forceinline__ SharedStorage& shared_storage(uint8_t* raw) {
+  return *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                           ~static_cast<uintptr_t>(1023));
+}
+
+struct TileParams {
+  typename Mainloop::Params mainloop;
+  typename Epilogue::Params epilogue;
+};
+
+// What one GEMM computes: d [C, N] = a [C, K] @ w[l] [K, N] on the rows of segment l (segment
+// lengths `sizes`, multiples of kBlockM but for one clipped to C), bfloat16.
+struct TileProblem {
+  const int32_t* sizes;
+  int C, L;
+  int64_t K, N;
+};
+
+// Host: the collectives' parameters (TMA descriptors) of a problem.
+inline TileParams tile_params(const TileProblem& t, const void* a, const void* w, void* d) {
+  TileParams p{};
+  auto mnkl = make_shape(t.C, static_cast<int>(t.N), static_cast<int>(t.K), t.L);
+  typename Mainloop::Arguments ma{static_cast<const Element*>(a), StrideA{t.K, _1{}, _0{}},
+                                  static_cast<const Element*>(w), StrideB{_1{}, t.N, t.K * t.N}};
+  p.mainloop = Mainloop::to_underlying_arguments(mnkl, ma, nullptr);
+  typename Epilogue::Arguments ea{};
+  ea.thread.alpha = 1.0f;
+  ea.thread.beta = 0.0f;
+  ea.ptr_C = nullptr;
+  ea.dC = StrideD{t.N, _1{}, _0{}};
+  ea.ptr_D = static_cast<Element*>(d);
+  ea.dD = StrideD{t.N, _1{}, _0{}};
+  p.epilogue = Epilogue::to_underlying_arguments(mnkl, ea, nullptr);
+  return p;
+}
+
+// Host: launch a fused kernel of `grid` tile-sized blocks (kThreads threads, kSmemBytes of
+// dynamic shared memory); an error message, empty on success. In the one-GPU multi-rank mode's
+// dry run it checks the residency and launches nothing.
+template <class Params>
+std::string launch_kernel(void (*kernel)(Params), const char* name, int grid, const Params& p,
+                          cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kSmemBytes));
+  if (e != cudaSuccess) return std::string("shared memory attribute: ") + cudaGetErrorString(e);
+  if (!may_launch(reinterpret_cast<const void*>(kernel), name, grid, kThreads, kSmemBytes))
+    return {};
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
+  return {};
+}
+
+// The tiles of one block: first, first + stride, ... below count; tile i is row block
+// i / col_blocks and column block i % col_blocks.
+struct TileSeq {
+  int first, stride, count, col_blocks;
+};
+
+// Rows in all segments (clipped to C), summed by one warp.
+__device__ __forceinline__ int rows_in_segments(const int32_t* sizes, int L, int C, int lane) {
+  int s = 0;
+  for (int l = lane; l < L; l += 32) s += max(0, sizes[l]);
+  s = ht::warp_sum(s);
+  return min(s, C);
+}
+
+// One warp: block_start[l] = the first row block of segment l (rounded up: a segment clipped to
+// nothing starts at the end), block_start[L] = the row blocks of all segments.
+__device__ __forceinline__ void segment_starts(const int32_t* sizes, int L, int C, int* block_start,
+                                               int lane) {
+  int carry = 0;
+  for (int base = 0; base < L; base += 32) {
+    const int l = base + lane;
+    const int v = l < L ? max(0, sizes[l]) : 0;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(ht::kFull, incl, o);
+      if (lane >= o) incl += n;
+    }
+    const int start = min(carry + incl - v, C);
+    if (l < L) block_start[l] = (start + kBlockM - 1) / kBlockM;
+    carry = min(carry + __shfl_sync(ht::kFull, incl, 31), C);
+  }
+  if (lane == 0) block_start[L] = (carry + kBlockM - 1) / kBlockM;
+}
+
+// The expert whose segment holds row block b: the largest l with block_start[l] <= b (an empty
+// segment shares its start with the next one, which wins).
+__device__ __forceinline__ int expert_of(const int* block_start, int L, int b) {
+  int lo = 0, hi = L - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (block_start[mid] <= b)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// The tile loop of one block (all kThreads threads): tiles first, first + stride, ... of the
+// problem. Hooks:
+// - before_load(b): the producer warp (all lanes), before it loads row block b;
+// - warp_one(seq, ss): warp 1 of the producer warpgroup (all lanes), otherwise idle;
+// - after_mma(stored): the consumer threads after each tile's MMAs, before its epilogue
+//   (stored: an earlier tile's stores were issued), and once after the last epilogue.
+// True in the consumer threads (232 registers each, free once this returns), false in the
+// producer warpgroup's (40 registers).
+template <class BeforeLoad, class WarpOne, class AfterMma>
+__device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss,
+                                          const TileProblem& t, int first, int stride,
+                                          BeforeLoad&& before_load, WarpOne&& warp_one,
+                                          AfterMma&& after_mma) {
+#if defined(__CUDA_ARCH__)  // CUTLASS's epilogue visitors are device-only: not in the host pass
+  const int thread_idx = threadIdx.x;
+  const int warp_idx = cutlass::canonical_warp_idx_sync();
+  const int warp_group = cutlass::canonical_warp_group_idx();
+  const int lane = thread_idx & 31;
+
+  if (warp_idx == 0) segment_starts(t.sizes, t.L, t.C, ss.block_start, lane);
+  if (thread_idx == 0) ss.stored = 0;
+  if (warp_idx == 0 && cute::elect_one_sync()) {
+    Mainloop::prefetch_tma_descriptors(p.mainloop);
+    Epilogue::prefetch_tma_descriptors(p.epilogue);
+  }
+  typename MainloopPipeline::Params mp;
+  if (warp_group == 0 && warp_idx == 0) mp.role = MainloopPipeline::ThreadCategory::Producer;
+  if (warp_group > 0) mp.role = MainloopPipeline::ThreadCategory::Consumer;
+  mp.is_leader = thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
+  mp.num_consumers = size(TiledMma{});
+  mp.transaction_bytes = p.mainloop.tma_transaction_bytes;
+  MainloopPipeline pipeline(ss.pipelines.mainloop, mp, Cluster{});
+  typename EpiLoadPipeline::Params ep;
+  if (warp_group > 0) ep.role = EpiLoadPipeline::ThreadCategory::Consumer;
+  ep.dst_blockid = 0;
+  ep.producer_arv_count = cutlass::NumThreadsPerWarp;
+  ep.consumer_arv_count = size(TiledMma{});
+  ep.transaction_bytes = p.epilogue.tma_transaction_bytes;
+  EpiLoadPipeline epi_load(ss.pipelines.epi_load, ep);
+  typename EpiStorePipeline::Params sp;
+  sp.always_wait = true;
+  EpiStorePipeline epi_store(sp);
+  __syncthreads();  // barrier init, block starts and the count visible to the whole block
+
+  const int col_blocks = column_blocks(t.N);
+  const TileSeq seq{first, stride, ss.block_start[t.L] * col_blocks, col_blocks};
+  auto mnkl = make_shape(t.C, static_cast<int>(t.N), static_cast<int>(t.K), t.L);
+  Mainloop mainloop;
+  auto load_inputs = mainloop.load_init(mnkl, p.mainloop);
+  const int k_tiles = static_cast<int>(size<3>(get<0>(load_inputs)));
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (warp_idx == 0) {
+      PipelineState state = cutlass::make_producer_start_state<MainloopPipeline>();
+      for (int i = first; i < seq.count; i += stride) {
+        const int b = i / col_blocks, n = i % col_blocks;
+        before_load(b);
+        auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
+        mainloop.load(p.mainloop, pipeline, state, load_inputs,
+                      make_coord(b, n, _, expert_of(ss.block_start, t.L, b)), k_iter, k_tiles, lane,
+                      0u, ss.tensors.mainloop);
+        state.advance(k_tiles);
+      }
+      mainloop.load_tail(pipeline, state);
+    } else if (warp_idx == 1) {
+      warp_one(seq, ss);
+    }
+    return false;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  TiledMma tiled_mma;
+  Epilogue epilogue(p.epilogue, ss.tensors.epilogue);
+  const int mma_thread = thread_idx - cutlass::NumThreadsPerWarpGroup;
+  PipelineState read_state;
+  typename Epilogue::LoadPipelineState epi_load_state;
+  auto epi_store_state = cutlass::make_producer_start_state<EpiStorePipeline>();
+  bool stored = false;
+  for (int i = first; i < seq.count; i += stride) {
+    const int b = i / col_blocks, n = i % col_blocks;
+    auto acc = partition_fragment_C(tiled_mma, take<0, 2>(Tile{}));
+    mainloop.mma(pipeline, read_state, acc, k_tiles, mma_thread, ss.tensors.mainloop, p.mainloop);
+    mainloop.mma_tail(pipeline, read_state, k_tiles);
+    read_state.advance(k_tiles);
+    after_mma(stored);
+    auto [load_next, store_next] =
+        epilogue.store(epi_load, epi_load_state, epi_store, epi_store_state, mnkl, Tile{},
+                       make_coord(b, n, _, expert_of(ss.block_start, t.L, b)), acc, tiled_mma,
+                       mma_thread, ss.tensors.epilogue);
+    epi_load_state = load_next;
+    epi_store_state = store_next;
+    stored = true;
+  }
+  if (stored) epilogue.store_tail(epi_load, epi_load_state, epi_store, epi_store_state);
+  after_mma(stored);
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace tiles
+}  // namespace fused
+}  // namespace jax_ep
