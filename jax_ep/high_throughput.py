@@ -365,7 +365,10 @@ def _gather_matmul(x, w, rows_src, sizes, src, row_first, handle, fcfg):
 
 
 def _gather_matmul_fwd(x, w, rows_src, sizes, src, row_first, handle, fcfg):
-    xe, h = _gather_matmul(x, w, rows_src, sizes, src, row_first, handle, fcfg)
+    # Named like dispatch's outputs: under jax.checkpoint(policy=jax_ep.remat_policy) the
+    # backward reuses them instead of running the kernel again.
+    xe, h = remat.named(_gather_matmul(x, w, rows_src, sizes, src, row_first, handle, fcfg),
+                        remat.DISPATCH)
     return (xe, h), (xe, w, sizes, src, row_first, handle)
 
 
@@ -465,7 +468,9 @@ def _matmul_combine(a, w, weights, sizes, row_of, src, rank, ccfg):
 
 
 def _matmul_combine_fwd(a, w, weights, sizes, row_of, src, rank, ccfg):
-    ye, out = _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg)
+    # Named like combine's outputs (the backward's ye too: see _gather_matmul_fwd).
+    ye, out = remat.named(_gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg),
+                          remat.COMBINE)
     return out, (a, w, ye, weights, sizes, row_of, src, rank)
 
 
@@ -487,15 +492,24 @@ def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=
     """`combine(grouped_matmul(a, w, res.expert_sizes), res.handle)` fused in one launch.
 
     a: `[capacity, I]` expert-major rows of the `ExpertDispatchResult` res of `dispatch_matmul`
-    (on the CUDA backend bfloat16, one process over the group's GPUs, segments starting at
-    multiples of `jax_ep._C.fused_block_rows` rows); w: `[L, I, N]`. Returns `[T, N]` in a's
-    dtype. Elsewhere (the reference backend, per-process groups) it runs the two ops.
+    (on the CUDA backend bfloat16, one process over the group's GPUs; its segments start at
+    multiples of `jax_ep._C.fused_block_rows` rows, which the kernel relies on: a result of
+    `dispatch(layout="expert")` needs that `expert_alignment`); w: `[L, I, N]`. Returns
+    `[T, N]` in a's dtype. Elsewhere (the reference backend, per-process groups) it runs the
+    two ops.
     Differentiable in a, w and the routing weights. combine_blocks: blocks of the launch that
     only combine (0: automatic, docs/kernels.md#fused-gemm-combine).
     """
+    if not isinstance(res, ExpertDispatchResult):
+        raise TypeError(f"res: expected the ExpertDispatchResult of dispatch_matmul, got "
+                        f"{type(res).__name__}")
     handle = res.handle
     rank = handle.rank
     combine_blocks = _checks.static_int("combine_blocks", combine_blocks, 0)
+    _checks.expect_rank("a", a, 2, "[capacity, I]")
+    if a.shape[0] != handle.src.shape[0]:
+        raise ValueError(f"a: has {a.shape[0]} rows, expected capacity={handle.src.shape[0]} "
+                         "(one per expert-major row of the dispatch)")
     be = _checks.resolve_backend(backend, empty=rank.send_rows.shape[0] == 0)
     if be == "reference" or runtime.per_process():
         y = grouped_gemm.grouped_matmul(a, w, res.expert_sizes, backend=be)

@@ -106,6 +106,8 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
     if gu_shape[1] != H or gu_shape[2] % 2:
         raise ValueError(f"w_gate_up: shape {gu_shape}, expected [L, H={H}, 2I]")
     I = gu_shape[2] // 2
+    if fused and I == 0:
+        raise ValueError(f"w_gate_up: shape {gu_shape}; fused=True needs 2I > 0")
     if tuple(w_down.shape[1:]) != (I, H):
         raise ValueError(f"w_down: shape {tuple(w_down.shape)}, expected [L, I={I}, H={H}]")
     want = jnp.dtype(jnp.bfloat16) if use_fp8 or mode == "low_latency" else jnp.dtype(x.dtype)

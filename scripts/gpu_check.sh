@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
 #   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [moe] [mp] [ucx] [example] [bench]
-#                        [bench-quick] [bench-gemm] [bench-moe] [bench-modes] [probe]
+#                        [bench-quick] [bench-gemm] [bench-moe] [bench-moe-ranks] [bench-modes]
+#                        [probe]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
 #   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
 #   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
@@ -16,7 +17,9 @@
 #   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS), with
 #   CUTLASS's example 57 in the same run when benchmarks/cutlass_example57.sh built it into
 #   .cutlass/bin;
-#   bench-moe: the MoE layer benchmark (benchmarks/bench_moe.py; MOE_BENCH_ARGS). The GPU
+#   bench-moe: the MoE layer benchmark (benchmarks/bench_moe.py; MOE_BENCH_ARGS);
+#   bench-moe-ranks: the layer over the machine's GPUs, fused against communication and GEMMs
+#   alone (benchmarks/bench_moe_ranks.py; MOE_RANKS, default all GPUs; MOE_RANKS_ARGS). The GPU
 #   machines have no package index: the build takes CUTLASS's headers from .cutlass/ (include/
 #   and tools/util/include/ of the nvidia-cutlass package) when that folder is there. mp: the per-process (one GPU per process,
 #   NVSHMEM) suite, 2 and 4 processes, also with every peer forced remote (NVSHMEM puts / gets),
@@ -256,6 +259,12 @@ if has bench-moe; then
   step "MoE layer benchmark (one GPU)"
   (cd /tmp && timeout ${MOE_BENCH_TIMEOUT:-580} $PY "$OLDPWD/benchmarks/bench_moe.py" --out "$OUT" \
      ${MOE_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_moe.log" | tail -30) || rc=1
+fi
+if has bench-moe-ranks; then
+  step "MoE layer benchmark over the GPUs (fused vs communication and GEMMs)"
+  (cd /tmp && timeout ${MOE_BENCH_TIMEOUT:-580} $PY "$OLDPWD/benchmarks/bench_moe_ranks.py" \
+     --ranks ${MOE_RANKS:-$(nvidia-smi -L | wc -l)} --out "$OUT" ${MOE_RANKS_ARGS:-} 2>&1 \
+     | tee "$OUT/bench_moe_ranks.log" | tail -12) || rc=1
 fi
 if has bench-modes; then
   step "benchmark: one process vs one process per GPU"

@@ -171,6 +171,54 @@ def test_moe_ffn_fused_matches_unfused_and_reference(R):
         assert _rel(a, c) < 2e-2, (name, "reference", _rel(a, c))
 
 
+def test_fused_matmul_combine_rows_past_the_segments_read_as_zero():
+    """A handle naming rows past the last segment (no tile computes them) reads them as the
+    zero rows they are, as the unfused combine would, instead of waiting for tiles."""
+    import types
+    rows = _rows(None)
+    T, K, L, I, N = 64, 4, 2, 128, 256
+    C = 4 * rows                                  # segments [rows, rows]; 2 row blocks past them
+    rng = np.random.default_rng(11)
+    a = jnp.asarray(rng.standard_normal((C, I)), jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((L, I, N)) / 16, jnp.bfloat16)
+    sizes = jnp.asarray([rows, rows], jnp.int32)
+    row_of = rng.integers(0, 2 * rows, (T, K)).astype(np.int32)
+    past = rng.random((T, K)) < 0.3
+    weights = jnp.asarray(rng.random((T, K)), jnp.float32)
+    send_rows = jnp.arange(T, dtype=jnp.int32)[:, None]
+
+    def run(row_of):
+        def body(a, wd, sizes, row_of, weights, send_rows):
+            ccfg = ht._CombineConfig(ht._Config(0, T, "ep", "cuda"), K, 0)
+            return ht._gemm_combine_call(a, wd, weights, sizes, row_of,
+                                         types.SimpleNamespace(send_rows=send_rows), ccfg)
+        return jax.device_get(gpu_ranks(body, 1)(a, wd, sizes, jnp.asarray(row_of), weights,
+                                                 send_rows))
+    poison_gpu_memory()
+    ye, out = run(np.where(past, 2 * rows + 1 + row_of % (2 * rows - 1), row_of))
+    _, want = run(np.where(past, -1, row_of))
+    assert not np.any(np.asarray(ye[2 * rows:], np.float32))
+    np.testing.assert_array_equal(np.abs(np.asarray(out, np.float32)),
+                                  np.abs(np.asarray(want, np.float32)))
+
+
+def test_moe_ffn_fused_runs_both_fused_kernels():
+    """moe_ffn(fused=True) on the CUDA backend lowers to the two fused kernels (not to a
+    fallback that the comparisons above could not tell apart)."""
+    if not gpu_devices():
+        pytest.skip("needs a GPU")
+    R, T, H, I, K, L = 2, 16, 256, 128, 2, 2
+    x, idx, w, wgu, E = _setup(R, T, H, 2 * I, K, L, "random", 3)
+    wd = jnp.zeros((E, I, H), jnp.bfloat16)
+
+    def layer(x, idx, w, wgu, wd):
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=True, backend="cuda")
+    hlo = jax_ep.testing.run_ranks(layer, R).lower(
+        *(a.reshape((R, -1) + a.shape[1:]) for a in (x, idx, w, wgu, wd))).as_text()
+    for target in ("jax_ep_ht_gather_gemm", "jax_ep_ht_gemm_combine"):
+        assert target in hlo, target
+
+
 def test_fused_in_a_long_scan():
     """200 fused layers in one scan with fresh routing each step (R = 4)."""
     R, T, H, I, K, L, steps = 4, 16, 256, 128, 2, 2, 200

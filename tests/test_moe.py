@@ -108,6 +108,11 @@ def test_moe_ffn_bad_arguments(mesh4):
         call(fused=True, fused_combine_blocks=-1)
     with pytest.raises(TypeError, match="fused_copy_blocks must be a static Python int"):
         call(fused=True, fused_copy_blocks=1.5)
+    f = lambda x, i, w, a, b: jax_ep.moe_ffn(x, i, w, a, b, num_experts=E,  # noqa: E731
+                                             fused=True, backend="reference")
+    with pytest.raises(ValueError, match="fused=True needs 2I > 0"):
+        jax.shard_map(f, mesh=mesh4, in_specs=P("ep"), out_specs=P("ep"))(
+            x, idx, w, wgu[:, :, :0], wd[:, :0])
 
 
 def test_moe_ffn_fused_on_the_reference_backend_is_the_layer(mesh4):

@@ -55,8 +55,15 @@ ffi::Error read_sm_count(const char* op, int32_t device, int* sms) {
                               std::to_string(device));
 }
 
-// The GEMM shapes of a fused kernel: K (named `k_name`) and N multiples of 8, L in range.
-ffi::Error fused_gemm_checks(const char* op, const char* k_name, int64_t K, int64_t N, int64_t L) {
+#if JAX_EP_WITH_GEMM
+// The GEMM shapes of a fused kernel: C rows, K (named `k_name`) and N positive, K and N
+// multiples of 8, L in range.
+ffi::Error fused_gemm_checks(const char* op, const char* k_name, int64_t C, int64_t K, int64_t N,
+                             int64_t L) {
+  if (C < 1 || K < 1 || N < 1)
+    return jax_ep::op_error(op, "C (" + std::to_string(C) + "), " + k_name + " (" +
+                                    std::to_string(K) + ") and N (" + std::to_string(N) +
+                                    ") must be positive");
   if (K % 8 != 0 || N % 8 != 0)
     return jax_ep::op_error(op, std::string(k_name) + " (" + std::to_string(K) + ") and N (" +
                                     std::to_string(N) +
@@ -85,6 +92,7 @@ ffi::Error fused_split(const char* op, int32_t device, int64_t requested, const 
   *gemm = share - *other;
   return ffi::Error::Success();
 }
+#endif
 
 // Per-process mode (the call site's lease names a staging buffer per rank, aligned with
 // `groups`; its size is the `stage_bytes` attribute, kernels/ht_sizes.h): peers
@@ -419,7 +427,7 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   JAX_EP_CHECK_SHAPE(*counters, op, "counters", blocks);
   if (group_size * T > kMaxInt || C > kMaxInt || H > kMaxInt || N > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
-  JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "H", H, N, L));
+  JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "H", C, H, N, L));
   int copy = 0, gemm = 0;
   JAX_EP_RETURN_IF_ERROR(fused_split(op, device, copy_blocks, "copy_blocks",
                                      jax_ep::fused::auto_copy_blocks, &copy, &gemm));
@@ -499,7 +507,7 @@ ffi::Error HtGemmCombineImpl(
   JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::counter_words(C));
   if (group_size * T > kMaxInt || C > kMaxInt || Cr * K > kMaxInt || I > kMaxInt || N > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
-  JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "I", I, N, L));
+  JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "I", C, I, N, L));
   int combine = 0, gemm = 0;
   JAX_EP_RETURN_IF_ERROR(fused_split(op, device, combine_blocks, "combine_blocks",
                                      jax_ep::fused::auto_combine_blocks, &combine, &gemm));

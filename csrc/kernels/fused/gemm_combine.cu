@@ -17,7 +17,9 @@
 //   blocks' consumer warps join once their tiles are done. The combine-only blocks then wait
 //   until every token is combined and every tile block has started (read the call's epoch), and
 //   end the call (end barrier), so no peer reads this rank's buffers after it.
-// Tile blocks never wait for the combine, and every block is resident, so the waits end.
+// Tile blocks never wait for the combine; the waits end because every block of every rank runs
+// at once (one block per SM of the rank's share, launched on otherwise idle SMs: a kernel that
+// held some of them would delay the waits until it ends, or until their timeout).
 #define JAX_EP_WAITS_INLINE  // transport/peer.cuh: no function calls beside the wgmma
 #include "kernels/fused/gemm_combine.h"
 
@@ -172,6 +174,7 @@ __device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int
                                 kPhaseTiles, x.s);
         ok = __all_sync(ht::kFull, good) && ok;
       }
+      __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
       if (!ok) break;
       uint8_t* dst = static_cast<uint8_t*>(a.out) + t * N * 2;
       for (int64_t chunk = 0; chunk < n16; chunk += 32 * kUnroll) {
@@ -256,9 +259,18 @@ __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, int c
   const int recv = rows_in_segments(a.sizes, a.L, a.C, lane);
   const int64_t Nb = a.N * 2;
   auto* ye = static_cast<uint8_t*>(a.ye);
-  const int64_t nw = static_cast<int64_t>(a.combine_blocks) * warps;
-  for (int64_t j = recv + static_cast<int64_t>(blockIdx.x) * warps + (tid >> 5); j < a.C; j += nw)
-    ht::zero_row(ye + j * Nb, Nb, true, lane);
+  // A warp per row block past the segments: zero its rows, then mark it ready like a computed
+  // one, so that a handle naming such a row reads zeros (as the unfused combine would) instead
+  // of waiting for tiles that never come.
+  const int nb = row_blocks(a.C), nw = a.combine_blocks * warps;
+  for (int b = row_blocks(recv) + static_cast<int>(blockIdx.x) * warps + (tid >> 5); b < nb;
+       b += nw) {
+    const int64_t end = min(static_cast<int64_t>(b + 1) * kBlockM, static_cast<int64_t>(a.C));
+    for (int64_t j = static_cast<int64_t>(b) * kBlockM; j < end; ++j)
+      ht::zero_row(ye + j * Nb, Nb, true, lane);
+    __syncwarp();
+    if (lane == 0) red_release_sys_add(a.counters + b, col_blocks);
+  }
   combine_tokens(a, pv, col_blocks, lane);
   __syncthreads();
   // Every token combined, and every tile block past its start (it reads the call's epoch there,
@@ -289,11 +301,13 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
         Patience wait;
         unsigned int v;
         bool gave_up = false;
-        while ((v = ld_acquire_cta_shared(&ss.stored)) < k)
+        while ((v = ld_acquire_cta_shared(&ss.stored)) < k) {
+          __nanosleep(64);  // leave the issue slots to the MMA warps
           if (wait.gives_up(me, a.timeout_ns, WaitSite{kPhaseStored, -1, k, v})) {
             gave_up = true;
             break;
           }
+        }
         if (gave_up) break;
       }
       // Cumulative: the stores, seen complete through the shared count, are ordered before

@@ -28,8 +28,8 @@ inline int auto_copy_blocks(int share) {
 inline long long counter_words(long long C) { return (C + kBlockM - 1) / kBlockM + 3; }
 
 // The automatic number of blocks that only combine, out of `share`: one (it also ends the call);
-// the tile blocks join the combine once their tiles are done, so at R = 1 the GEMM keeps every
-// other SM (docs/kernels.md#fused-gemm-combine).
+// the tile blocks join the combine once their tiles are done, so at R = 1 the GEMM keeps all the
+// other SMs (docs/kernels.md#fused-gemm-combine).
 inline int auto_combine_blocks(int share) {
   (void)share;
   return 1;

@@ -143,33 +143,36 @@ struct TileSeq {
   int first, stride, count, col_blocks;
 };
 
-// Rows in all segments (clipped to C), summed by one warp.
+// Rows in all segments (clipped to C: the sum never overflows, whatever the sizes), summed by
+// one warp.
 __device__ __forceinline__ int rows_in_segments(const int32_t* sizes, int L, int C, int lane) {
-  int s = 0;
-  for (int l = lane; l < L; l += 32) s += max(0, sizes[l]);
-  s = ht::warp_sum(s);
-  return min(s, C);
+  long long s = 0;
+  for (int l = lane; l < L; l += 32) s = min(s + max(0, sizes[l]), static_cast<long long>(C));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    s = min(s + __shfl_xor_sync(ht::kFull, s, o), static_cast<long long>(C));
+  return static_cast<int>(s);
 }
 
 // One warp: block_start[l] = the first row block of segment l (rounded up: a segment clipped to
 // nothing starts at the end), block_start[L] = the row blocks of all segments.
 __device__ __forceinline__ void segment_starts(const int32_t* sizes, int L, int C, int* block_start,
                                                int lane) {
-  int carry = 0;
+  long long carry = 0;  // 64-bit, sizes clipped to C: no overflow whatever the sizes
   for (int base = 0; base < L; base += 32) {
     const int l = base + lane;
-    const int v = l < L ? max(0, sizes[l]) : 0;
-    int incl = v;
+    const long long v = l < L ? min(max(0, sizes[l]), C) : 0;
+    long long incl = v;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(ht::kFull, incl, o);
+      const long long n = __shfl_up_sync(ht::kFull, incl, o);
       if (lane >= o) incl += n;
     }
-    const int start = min(carry + incl - v, C);
+    const int start = static_cast<int>(min(carry + incl - v, static_cast<long long>(C)));
     if (l < L) block_start[l] = (start + kBlockM - 1) / kBlockM;
-    carry = min(carry + __shfl_sync(ht::kFull, incl, 31), C);
+    carry = min(carry + __shfl_sync(ht::kFull, incl, 31), static_cast<long long>(C));
   }
-  if (lane == 0) block_start[L] = (carry + kBlockM - 1) / kBlockM;
+  if (lane == 0) block_start[L] = static_cast<int>((carry + kBlockM - 1) / kBlockM);
 }
 
 // The expert whose segment holds row block b: the largest l with block_start[l] <= b (an empty

@@ -1,0 +1,125 @@
+"""MoE layer benchmark over R GPUs: fused and unfused moe_ffn against communication and GEMMs.
+
+The fused layer hides its token traffic behind the expert GEMMs when its forward stays close to
+the larger of the two alone. Per rank: T tokens, hidden H, intermediate I, L experts (E = R * L),
+top-K, bf16, uniform routing. In one run, after warm-up, median over repetitions, each figure the
+slope between a jit-compiled scan of 2 calls and one of 8 (benchmarks/harness.py):
+- moe_ffn forward, fused=False and fused=True;
+- communication alone: dispatch and the combine of its rows (the token traffic, no GEMMs);
+- GEMMs alone: the two grouped GEMMs on the rows a rank receives.
+Prints a table and fused / max(communication, GEMMs), writes bench_moe_ranks.json and a plot.
+
+  python benchmarks/bench_moe_ranks.py --ranks 4 --out DIR
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+      python benchmarks/bench_moe_ranks.py --ranks 4 --backend reference --tokens 16 \
+      --hidden 256 --inter 128 --experts 2 --topk 2 --out DIR   (checks the script on a CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_ep
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import barh_plot, scan_fn, time_slope  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--ranks", type=int, default=4, help="GPUs of the EP group (the first R)")
+    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=32, help="per rank")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
+    args = ap.parse_args()
+    R, T, H, I, L, K = args.ranks, args.tokens, args.hidden, args.inter, args.experts, args.topk
+    E, be = R * L, args.backend
+    devs = jax.devices()
+    if len(devs) < R:
+        raise SystemExit(f"--ranks {R}: only {len(devs)} devices")
+    mesh = Mesh(np.array(devs[:R]), ("ep",))
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"R={R} T={T} H={H} I={I} L={L} K={K}"
+    print(f"device: {devs[0].device_kind} x {R}, jax {jax.__version__}, backend {be}\n== {tag}")
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((R * T, E)), jnp.float32)
+    w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(logits)
+    w = w.astype(jnp.bfloat16)
+    wgu = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    rows = T * K  # (token, expert) rows a rank receives on average (uniform routing)
+    sizes = jnp.tile(jnp.full((L,), rows // L, jnp.int32), R)
+    xr = jnp.asarray(rng.standard_normal((R * rows, H)), jnp.bfloat16)
+    results = []
+
+    def record(name, fn, args_, **extra):
+        f_short, f_long = scan_fn(mesh, fn, 2), scan_fn(mesh, fn, 8)
+        med, lo, hi, _ = time_slope(f_short, f_long, 2, 8, args_, args.reps)
+        r = dict(name=name, shape=tag, ms=med * 1e3, ms_min=lo * 1e3, ms_max=hi * 1e3, **extra)
+        results.append(r)
+        print(f"  {name:<44} {r['ms']:9.3f} ms  [{r['ms_min']:.3f}, {r['ms_max']:.3f}]",
+              flush=True)
+        return r["ms"]
+
+    def layer(fused):
+        def f(x, idx, w, wgu, wd):
+            return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=fused, backend=be)
+        return f
+
+    def comm(x, idx, w):
+        # the token traffic: each token to its ranks once, and back
+        res = jax_ep.dispatch(x, idx, w, num_experts=E, backend=be)
+        return jax_ep.combine(res.recv_x, res.handle, backend=be)
+
+    def gemms(xr, sizes, wgu, wd):
+        # chained into one output (the harness keeps only a call's smallest output, so XLA
+        # would drop an unchained GEMM)
+        gm = functools.partial(jax_ep.grouped_matmul, backend=be)
+        return gm(gm(xr, wgu, sizes)[:, :I], wd, sizes)
+
+    lay = (x, idx, w, wgu, wd)
+    check = jax.jit(jax.shard_map(lambda *a: (layer(False)(*a), layer(True)(*a)), mesh=mesh,
+                                  in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+    unf, fus = (np.asarray(a, np.float64) for a in check(*lay))
+    err = float(np.linalg.norm(fus - unf) / max(np.linalg.norm(unf), 1e-30))
+    print(f"  check: fused vs unfused rel err {err:.2e}")
+    assert err < 1e-2, err
+    t_unf = record("moe_ffn forward", layer(False), lay, impl="ours", op="fwd")
+    t_fus = record("moe_ffn(fused=True) forward", layer(True), lay, impl="ours-fused",
+                   op="fwd", rel_err=err)
+    t_comm = record("communication alone (dispatch + combine)", comm, (x, idx, w),
+                    impl="ours", op="comm")
+    t_gemm = record("GEMMs alone (gate/up, then down)", gemms, (xr, sizes, wgu, wd),
+                    impl="ours", op="gemm")
+    ratios = dict(fused_vs_unfused=t_fus / t_unf,
+                  fused_vs_max_comm_gemm=t_fus / max(t_comm, t_gemm),
+                  unfused_vs_max_comm_gemm=t_unf / max(t_comm, t_gemm),
+                  hidden_share_fused=(t_comm + t_gemm - t_fus) / min(t_comm, t_gemm))
+    print("  same-run ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    with open(os.path.join(args.out, "bench_moe_ranks.json"), "w") as f:
+        json.dump(dict(device=devs[0].device_kind, jax=jax.__version__, shape=tag, ranks=R,
+                       ratios=ratios, results=results), f, indent=1)
+    barh_plot(os.path.join(args.out, "bench_moe_ranks.png"), [r["name"] for r in results],
+              [r["ms"] for r in results], f"ms per layer, {tag}, {devs[0].device_kind}",
+              figsize=(10, 3))
+    print("\nwrote", os.path.join(args.out, "bench_moe_ranks.json"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
