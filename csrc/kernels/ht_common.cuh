@@ -22,6 +22,15 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
                : "l"(p));
   return v;
 }
+// Rows a peer writes during the running kernel (no .nc: the read-only path may not see them),
+// L1 bypassed.
+__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
 __device__ __forceinline__ int ld_nc_s32(const int32_t* p) {
   int v;
   asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));

@@ -1,6 +1,6 @@
 // Memory-ordering primitives of the device protocols (transport/peer.cuh, pull.cuh,
-// push.cuh, the arrival counters of kernels/fused/gather_gemm.cu): system- and GPU-scope
-// acquire / release, relaxed accesses, the async-proxy fence, and the global timer.
+// push.cuh, the counters of kernels/fused/): system-, GPU- and CTA-scope acquire / release,
+// relaxed accesses, the async-proxy fence and bulk-store completion, and the global timer.
 #pragma once
 #include <cstdint>
 
@@ -35,6 +35,31 @@ __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
 // same thread: an acquire before the TMA loads of what it guards.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+// A counter that kernels on other GPUs read.
+__device__ __forceinline__ void red_release_sys_add(int* p, int v) {
+  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// CTA scope, shared memory: a count that warps of one block share.
+__device__ __forceinline__ void red_release_cta_shared_add(unsigned int* p, unsigned int v) {
+  asm volatile("red.release.cta.shared::cta.add.u32 [%0], %1;" ::"r"(
+                   static_cast<unsigned int>(__cvta_generic_to_shared(p))),
+               "r"(v)
+               : "memory");
+}
+__device__ __forceinline__ unsigned int ld_acquire_cta_shared(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
+               : "=r"(v)
+               : "r"(static_cast<unsigned int>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return v;
+}
+// Every bulk (TMA) store this thread issued has completed, its writes visible to the thread;
+// then ordered before its later generic-proxy accesses (a release that publishes them).
+__device__ __forceinline__ void bulk_stores_complete() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  fence_proxy_async_global();
 }
 
 // Relaxed system-scope accesses: for words that carry their own epoch (no data behind them).

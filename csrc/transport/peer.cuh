@@ -181,6 +181,23 @@ struct Patience {
   }
 };
 
+// Wait until load() >= target, for a counter of the running call (it carries no epoch; WaitSite
+// reports the target as the epoch); false when the wait gave up. Inline: the fused kernels'
+// counters (kernels/fused/).
+template <class Load>
+__device__ __forceinline__ bool wait_count_geq(Waiter me, int64_t timeout_ns, const char* phase,
+                                               int peer, long long target, Load&& load) {
+  long long v = load();
+  if (v >= target) return true;
+  Patience wait;
+  while ((v = load()) < target)
+    if (wait.gives_up(me, timeout_ns,
+                      WaitSite{phase, peer, static_cast<unsigned long long>(target),
+                               static_cast<unsigned long long>(v)}))
+      return false;
+  return true;
+}
+
 // The polling part of wait_flag_geq, out of line: the callers keep their registers.
 static __device__ JAX_EP_WAIT_FN bool wait_flag_slow(Waiter me, const unsigned long long* flag,
                                                      unsigned long long target, int64_t timeout_ns,

@@ -90,20 +90,6 @@ __device__ void copy_rows(const GatherGemmArgs& a) {
   end_barrier(ps, e, a.timeout_ns, kPhaseEnd, [] {}, -1, static_cast<unsigned int>(a.copy_blocks));
 }
 
-// The producer's wait for row block b: false when it gave up (the tile then computes whatever
-// the rows hold; the op fails on the host).
-__device__ __forceinline__ bool wait_rows(Waiter me, const int* counter, int target,
-                                          int64_t timeout_ns) {
-  Patience wait;
-  int v;
-  while ((v = ld_acquire_gpu(counter)) < target)
-    if (wait.gives_up(me, timeout_ns,
-                      WaitSite{kPhaseRows, -1, static_cast<unsigned long long>(target),
-                               static_cast<unsigned long long>(v)}))
-      return false;
-  return true;
-}
-
 // ------------------------------------------------------------------------------------------
 // Tile role: the producer waits (bounded) until row block b's rows have arrived before loading
 // it; `fence.proxy.async.global` orders that acquire before the TMA reads.
@@ -127,7 +113,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
     if (lane == 0 && !failed) {
       const int* c = a.counters + b;
-      if (ld_acquire_gpu(c) < target) failed = !wait_rows(me, c, target, a.timeout_ns);
+      failed = !wait_count_geq(me, a.timeout_ns, kPhaseRows, -1, target,
+                               [c] { return ld_acquire_gpu(c); });
     }
     failed = __shfl_sync(ht::kFull, failed, 0);
     fence_proxy_async_global();

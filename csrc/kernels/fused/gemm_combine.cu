@@ -57,54 +57,6 @@ constexpr const char* kPhaseEnd = "ht_gemm_combine: end barrier";
 
 __device__ __forceinline__ int row_blocks(int C) { return (C + kBlockM - 1) / kBlockM; }
 
-// Rows of ye written in this kernel (no .nc: the read-only path may not see them), L1 bypassed.
-__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void red_release_cta_shared_add(unsigned int* p, unsigned int v) {
-  asm volatile("red.release.cta.shared::cta.add.u32 [%0], %1;" ::"r"(
-                   static_cast<unsigned int>(__cvta_generic_to_shared(p))),
-               "r"(v)
-               : "memory");
-}
-__device__ __forceinline__ unsigned int ld_acquire_cta_shared(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
-               : "=r"(v)
-               : "r"(static_cast<unsigned int>(__cvta_generic_to_shared(p)))
-               : "memory");
-  return v;
-}
-// Every bulk (TMA) store this thread issued has completed, its writes visible to the thread;
-// then ordered before its later generic-proxy accesses (the release that publishes them).
-__device__ __forceinline__ void bulk_stores_complete() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-  fence_proxy_async_global();
-}
-__device__ __forceinline__ void red_release_sys_add(int* p, int v) {
-  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// Bounded wait until *p >= target (acquire at `sys` scope when true, else GPU scope).
-template <bool sys>
-__device__ __forceinline__ bool wait_geq(Waiter me, const int* p, int target, int64_t timeout_ns,
-                                         const char* phase, int peer) {
-  auto load = [p] { return sys ? ld_acquire_sys_s32(p) : ld_acquire_gpu(p); };
-  int v = load();
-  if (v >= target) return true;
-  Patience wait;
-  while ((v = load()) < target)
-    if (wait.gives_up(me, timeout_ns,
-                      WaitSite{phase, peer, static_cast<unsigned long long>(target),
-                               static_cast<unsigned long long>(v)}))
-      return false;
-  return true;
-}
-
 // acc[0..8) += w * the 8 bfloat16 of v, product then sum rounded apart (no contraction: the
 // unfused combine's weighting multiplies, then sums).
 __device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
@@ -170,8 +122,9 @@ __device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int
 #else
         if (x.j >= 0)
 #endif
-          good = wait_geq<true>(me, pv.counters[x.s] + x.j / kBlockM, col_blocks, a.timeout_ns,
-                                kPhaseTiles, x.s);
+          good = wait_count_geq(
+              me, a.timeout_ns, kPhaseTiles, x.s, col_blocks,
+              [c = pv.counters[x.s] + x.j / kBlockM] { return ld_acquire_sys_s32(c); });
         ok = __all_sync(ht::kFull, good) && ok;
       }
       __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
@@ -215,7 +168,7 @@ __device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int
                   reinterpret_cast<const int4*>(pv.ye[s[g]] + static_cast<int64_t>(j) * N * 2);
 #pragma unroll
               for (int u = 0; u < kUnroll; ++u)
-                if (c0 + u * 32 < n16) v[g][u] = ld_cg_v4(row + c0 + u * 32);
+                if (c0 + u * 32 < n16) v[g][u] = ht::ld_cg_v4(row + c0 + u * 32);
             }
 #pragma unroll
             for (int g = 0; g < kGroup; ++g) {
@@ -277,8 +230,10 @@ __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, int c
   // which the end barrier advances).
   if (tid == 0) {
     const int* c = a.counters + row_blocks(a.C);
-    if (wait_geq<false>(waiter(a.ps), c + 1, a.T, a.timeout_ns, kPhaseTokens, -1))
-      wait_geq<false>(waiter(a.ps), c + 2, a.gemm_blocks, a.timeout_ns, kPhaseStarted, -1);
+    if (wait_count_geq(waiter(a.ps), a.timeout_ns, kPhaseTokens, -1, a.T,
+                       [c] { return ld_acquire_gpu(c + 1); }))
+      wait_count_geq(waiter(a.ps), a.timeout_ns, kPhaseStarted, -1, a.gemm_blocks,
+                     [c] { return ld_acquire_gpu(c + 2); });
   }
   end_barrier(
       a.ps, e, a.timeout_ns, kPhaseEnd, [] {}, -1, static_cast<unsigned int>(a.combine_blocks));
@@ -296,20 +251,12 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
     const Waiter me = waiter(a.ps);
     unsigned int k = 0;
     for (int i = seq.first; i < seq.count; i += seq.stride) {
-      ++k;
-      if (ld_acquire_cta_shared(&ss.stored) < k) {
-        Patience wait;
-        unsigned int v;
-        bool gave_up = false;
-        while ((v = ld_acquire_cta_shared(&ss.stored)) < k) {
-          __nanosleep(64);  // leave the issue slots to the MMA warps
-          if (wait.gives_up(me, a.timeout_ns, WaitSite{kPhaseStored, -1, k, v})) {
-            gave_up = true;
-            break;
-          }
-        }
-        if (gave_up) break;
-      }
+      // the poll backs off: its issue slots belong to the MMA warps
+      if (!wait_count_geq(me, a.timeout_ns, kPhaseStored, -1, ++k, [&ss] {
+            __nanosleep(64);
+            return ld_acquire_cta_shared(&ss.stored);
+          }))
+        break;
       // Cumulative: the stores, seen complete through the shared count, are ordered before
       // the counter's release to every GPU.
       red_release_sys_add(a.counters + i / seq.col_blocks, 1);
