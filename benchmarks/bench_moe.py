@@ -4,7 +4,8 @@ Shapes (per rank): T tokens, hidden H, intermediate I, L experts, top-K, bf16. I
 after warm-up, median over repetitions:
 - moe_ffn forward and forward + backward (the gradients of x, topk_weights, w_gate_up and
   w_down), unfused and fused (fused=True), the fused layer with only its first half fused,
-  the time split of both halves, and optionally a sweep of fused_combine_blocks;
+  the time split of both halves, and optionally sweeps of fused_copy_blocks and
+  fused_combine_blocks;
 - its own grouped GEMMs alone, at the layer's group sizes: forward (gate/up and down) and
   backward (d lhs and d rhs of each);
 - its forward's other parts, each alone: dispatch, the expert-major order and rows, the
@@ -14,7 +15,7 @@ after warm-up, median over repetitions:
 Each figure is the slope between a jit-compiled scan of n_short calls and one of n_long calls.
 Prints a table and the same-run ratios, writes bench_moe.json and bench_moe.png.
 
-  python benchmarks/bench_moe.py --out DIR [--quick] [--combine-blocks 1,8,16]
+  python benchmarks/bench_moe.py --out DIR [--quick] [--copy-blocks 8,32] [--combine-blocks 1,8]
                                 [--backend reference --tokens 64 ...]
 """
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
     ap.add_argument("--skip-ragged-dot", action="store_true")
+    ap.add_argument("--copy-blocks", default="",
+                    help="comma-separated fused_copy_blocks values to time the fused layer with")
     ap.add_argument("--combine-blocks", default="",
                     help="comma-separated fused_combine_blocks values to time the fused layer "
                          "with, beside the automatic one")
@@ -150,6 +153,14 @@ def main():
     fwd_f1 = record("moe_ffn, fused dispatch + GEMM only, forward",
                     time_op(layer_fused_first, lay_args, reps=reps), flops_fwd,
                     impl="ours-fused-first", op="fwd")
+    copy_sweep = {}
+    for c in [int(v) for v in args.copy_blocks.split(",") if v.strip()]:
+        def layer_cp(x, idx, w, wgu, wd, c=c):
+            return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, fused=True,
+                                  fused_copy_blocks=c, backend=be)
+        copy_sweep[c] = record(f"moe_ffn(fused=True, fused_copy_blocks={c}) forward",
+                               time_op(layer_cp, lay_args, reps=reps), flops_fwd,
+                               impl="ours-fused", op="fwd-sweep")["ms"]
     sweep = {}
     for c in [int(v) for v in args.combine_blocks.split(",") if v.strip()]:
         def layer_c(x, idx, w, wgu, wd, c=c):
@@ -277,7 +288,8 @@ def main():
     with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
         json.dump(dict(device=dev.device_kind, jax=jax.__version__, shape=tag, ranks=1,
                        gemm_fwd_ms=gemm_fwd_ms, gemm_fwd_bwd_ms=gemm_fb_ms, ratios=ratios,
-                       fused_split=split, fused_combine_blocks_sweep=sweep,
+                       fused_split=split, fused_copy_blocks_sweep=copy_sweep,
+                       fused_combine_blocks_sweep=sweep,
                        results=results), f, indent=1)
     rs = [r for r in results if r["op"] in ("fwd", "fwd+bwd")]
     barh_plot(os.path.join(args.out, "bench_moe.png"), [r["name"] for r in rs],

@@ -236,7 +236,7 @@ NB_MODULE(_C, m) {
         "int32 words of jax_ep_ht_dispatch's scratch result (csrc/kernels/high_throughput.cuh).");
   m.attr("fused_block_rows") = jax_ep::fused::kBlockM;
   m.def("fused_counter_words", &jax_ep::fused::counter_words, nb::arg("C"),
-        "int32 words of jax_ep_ht_gemm_combine's counters result for C expert-major rows "
+        "int32 words of the fused kernels' counters result for C expert-major rows "
         "(csrc/kernels/fused/sizes.h).");
   m.def("gemm_built", &jax_ep::gemm::built,
         "True when the CUTLASS grouped-GEMM kernels are compiled in.");

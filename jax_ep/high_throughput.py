@@ -356,9 +356,9 @@ def _gather_matmul(x, w, rows_src, sizes, src, row_first, handle, fcfg):
     sizes), in one launch."""
     del src, row_first, handle
     C, H, N = rows_src.shape[0], x.shape[1], w.shape[2]
-    blocks = -(-C // runtime.extension().fused_block_rows)
+    words = runtime.extension().fused_counter_words(C)
     xe, h, _ = _ffi.call("jax_ep_ht_gather_gemm", [x, rows_src, sizes, w],
-                         [((C, H), x.dtype), ((C, N), x.dtype), ((blocks,), jnp.int32)],
+                         [((C, H), x.dtype), ((C, N), x.dtype), ((words,), jnp.int32)],
                          axis_name=fcfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
                          copy_blocks=fcfg.copy_blocks)
     return xe, h

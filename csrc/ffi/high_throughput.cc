@@ -423,8 +423,7 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
   JAX_EP_CHECK_SHAPE(*xe, op, "xe", C, H);
   JAX_EP_CHECK_SHAPE(*h, op, "h", C, N);
-  const int64_t blocks = (C + jax_ep::fused::kBlockM - 1) / jax_ep::fused::kBlockM;
-  JAX_EP_CHECK_SHAPE(*counters, op, "counters", blocks);
+  JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::counter_words(C));
   if (group_size * T > kMaxInt || C > kMaxInt || H > kMaxInt || N > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
   JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "H", C, H, N, L));
@@ -588,15 +587,15 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER)
       JAX_EP_HT_GROUP_ATTRS JAX_EP_HT_STAGE_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE);
 
-#define JAX_EP_BIND_HT_GATHER_GEMM                            \
-  JAX_EP_HT_BIND                                              \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* x [T, H] */           \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* rows_src [C] */       \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */          \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, H, N] */        \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* xe [C, H] */          \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* h [C, N] */           \
-      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [C / 128] */ \
+#define JAX_EP_BIND_HT_GATHER_GEMM                                     \
+  JAX_EP_HT_BIND                                                       \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* x [T, H] */                    \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* rows_src [C] */                \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                   \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, H, N] */                 \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* xe [C, H] */                   \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* h [C, N] */                    \
+      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [counter_words(C)] */ \
       JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("copy_blocks") JAX_EP_HT_STAGE_AND_STATE
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT_GATHER_GEMM);
 

@@ -87,7 +87,14 @@ __device__ __forceinline__ void grid_barrier_reset(const PeerSlots& ps) {
 template <typename LastFn>
 __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
                                             int64_t timeout_ns, const char* phase, LastFn&& last_fn,
-                                            int trace = -1, unsigned int blocks = 0) {
+                                            int trace = -1, unsigned int blocks = 0);
+
+// end_barrier in two steps, for blocks with work of their own after their reads of peers'
+// buffers: end_arrive (whole block, every calling block) is true in the last block to arrive,
+// which has then signalled done to all peers; that block calls end_wait (whole block) once its
+// own work is done: it waits for the peers' done flags and closes the epoch.
+__device__ __forceinline__ bool end_arrive(const PeerSlots& ps, unsigned long long e,
+                                           int trace = -1, unsigned int blocks = 0) {
   __syncthreads();
   __shared__ bool is_last;
   if (threadIdx.x == 0) {
@@ -102,27 +109,40 @@ __device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long l
     }
   }
   __syncthreads();
-  if (is_last) {
+  const bool last = is_last;
+  if (last && threadIdx.x < 32) {
     Slot* me = ps.slot[ps.rank];
-    if (threadIdx.x < 32) {
-      if (threadIdx.x == 0) me->block_counter = 0;
-      if ((int)threadIdx.x < ps.num_ranks && !is_remote(ps, threadIdx.x)) {
-        __threadfence_system();
-        st_release_sys(&ps.slot[threadIdx.x]->done[ps.rank], e);
-      }
+    if (threadIdx.x == 0) me->block_counter = 0;
+    if ((int)threadIdx.x < ps.num_ranks && !is_remote(ps, threadIdx.x)) {
+      __threadfence_system();
+      st_release_sys(&ps.slot[threadIdx.x]->done[ps.rank], e);
     }
+  }
+  return last;
+}
+__device__ __forceinline__ void end_wait(const PeerSlots& ps, unsigned long long e,
+                                         int64_t timeout_ns, const char* phase, int trace = -1) {
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    Slot* me = ps.slot[ps.rank];
+    if ((int)threadIdx.x < ps.num_ranks && !is_remote(ps, threadIdx.x))
+      wait_flag_geq(ps, &me->done[threadIdx.x], e, timeout_ns, threadIdx.x, phase);
+    __syncwarp();
+    if (threadIdx.x == 0) {
+      if (trace >= 0) trace_mark_last(ps, trace + 1);
+      me->epoch = e;
+      __threadfence_system();
+    }
+  }
+}
+
+template <typename LastFn>
+__device__ __forceinline__ void end_barrier(const PeerSlots& ps, unsigned long long e,
+                                            int64_t timeout_ns, const char* phase, LastFn&& last_fn,
+                                            int trace, unsigned int blocks) {
+  if (end_arrive(ps, e, trace, blocks)) {
     last_fn();
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      if ((int)threadIdx.x < ps.num_ranks && !is_remote(ps, threadIdx.x))
-        wait_flag_geq(ps, &me->done[threadIdx.x], e, timeout_ns, threadIdx.x, phase);
-      __syncwarp();
-      if (threadIdx.x == 0) {
-        if (trace >= 0) trace_mark_last(ps, trace + 1);
-        me->epoch = e;
-        __threadfence_system();
-      }
-    }
+    end_wait(ps, e, timeout_ns, phase, trace);
   }
   __syncthreads();
 }

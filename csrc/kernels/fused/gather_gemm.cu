@@ -1,19 +1,22 @@
 // The fused gather + grouped GEMM (gather_gemm.h, docs/kernels.md#fused-gather-gemm).
 //
-// One grid, two roles, all blocks co-resident (one per SM):
-// - blocks [0, copy_blocks) pull rows: they follow the pull protocol of the high-throughput ops
-//   (transport/pull.cuh) with x as the published operand, copy expert-major row j from the rank
-//   holding its token (or zero it), a warp 8 rows at a time, and then add them to the arrival
-//   counter of their row block (release). Rows past the last segment (and their GEMM output
-//   rows) come last in that order, and are zeroed.
-// - the other blocks compute tiles with CUTLASS's SM90 collectives (TMA loads into a smem
-//   pipeline, warpgroup MMAs, TMA-store epilogue), in a loop of our own: tile i is row block
-//   b = i / nN and column block i % nN, of the expert whose segment holds b. The producer warp
-//   waits (bounded) until the counter of b reaches the rows of b before loading it.
+// One grid, all blocks co-resident (one per SM), every block computing GEMM tiles:
+// - the first copy_blocks blocks first pull rows: they follow the pull protocol of the
+//   high-throughput ops (transport/pull.cuh) with x as the published operand; each warp takes
+//   chunks of kChunkRows expert-major rows from the copy queue (an atomic counter, chunks in row
+//   order), copies each row from the rank holding its token (or zeroes it), and adds the chunk
+//   to the arrival counter of its row block (release). Rows past the last segment (and their
+//   GEMM output rows) come last in that order, and are zeroed. Once the queue is empty the block
+//   tells its peers it is done reading (the end barrier's first step) and joins the tiles.
+// - tiles come from one tile queue shared by every block (kernels/fused/tiles.cuh), in row-block
+//   order: tile i is row block b = i / nN and column block i % nN, of the expert whose segment
+//   holds b, computed with CUTLASS's SM90 collectives (TMA loads into a smem pipeline, warpgroup
+//   MMAs, TMA-store epilogue). The producer warp waits (bounded) until the counter of b reaches
+//   the rows of b before loading it.
 // Segments start at multiples of kBlockM, so a row block never straddles two experts, and A
 // (the rows) is one [C, H] tensor for every expert: its batch stride is a static 0.
-// Copy blocks never wait for tile blocks, and have the lowest indices (the hardware starts blocks
-// in index order), so the tile blocks' waits always end.
+// Copy warps never wait for tiles, and a block takes tiles only once its copies are done, so the
+// tiles' waits always end.
 #define JAX_EP_WAITS_INLINE  // transport/peer.cuh: no function calls beside the wgmma
 #include "kernels/fused/gather_gemm.h"
 
@@ -38,16 +41,16 @@ constexpr const char* kPhaseRows = "ht_gather_gemm: wait for a row block's rows"
 constexpr const char* kPhaseEnd = "ht_gather_gemm: end barrier";
 
 // ------------------------------------------------------------------------------------------
-// Copy role: a warp per chunk of kChunkRows rows, chunks in row order (early row blocks
-// arrive first).
+// Copy role: a warp per chunk of kChunkRows rows from the copy queue, chunks in row order (early
+// row blocks arrive first). True in the block that must end the call (end_wait) once its tiles
+// are done.
 // ------------------------------------------------------------------------------------------
-__device__ void copy_rows(const GatherGemmArgs& a) {
+__device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
   const PeerSlots& ps = a.ps;
   const int R = ps.num_ranks, tid = threadIdx.x, lane = tid & 31;
-  const unsigned long long e = call_epoch(ps);
   __shared__ const uint8_t* s_x[kMaxRanks];
   const void* ptrs[1] = {a.x};
-  if (!ht::publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, kPhasePeers)) return;
+  if (!ht::publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, kPhasePeers)) return false;
   if (tid < R) s_x[tid] = peer_ptr<const uint8_t>(ps, tid, 0);
   __syncthreads();
   const int64_t Hb = a.H * static_cast<int64_t>(sizeof(Element));
@@ -58,14 +61,16 @@ __device__ void copy_rows(const GatherGemmArgs& a) {
   for (int s = 0; s < R; ++s) vec = vec && ht::aligned16(s_x[s]);
   const bool vec_h = Nb % 16 == 0 && ht::aligned16(h);
   const int recv = rows_in_segments(a.sizes, a.L, a.C, lane);
-  // A warp takes kChunkRows consecutive rows (inside one row block) at a time, chunks in row
-  // order over all copy warps, and publishes their arrival with one release.
-  const int warps = kThreads / 32;
-  const int64_t nw = static_cast<int64_t>(a.copy_blocks) * warps;
+  int* queue = a.counters + (a.C + kBlockM - 1) / kBlockM + kTaskQueue;
   const int64_t chunks = (static_cast<int64_t>(a.C) + kChunkRows - 1) / kChunkRows;
   const int64_t T = a.T;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * warps + (tid >> 5); c < chunks; c += nw) {
-    const int64_t j0 = c * kChunkRows, j1 = min(j0 + kChunkRows, static_cast<int64_t>(a.C));
+  for (;;) {
+    int c = 0;
+    if (lane == 0) c = atomicAdd(queue, 1);
+    c = __shfl_sync(ht::kFull, c, 0);
+    if (c >= chunks) break;
+    const int64_t j0 = static_cast<int64_t>(c) * kChunkRows;
+    const int64_t j1 = min(j0 + kChunkRows, static_cast<int64_t>(a.C));
     // the chunk's sources, one load per lane up front
     const int my_src = lane < j1 - j0 && j0 + lane < recv ? a.rows_src[j0 + lane] : -1;
     int arrived = 0;
@@ -87,20 +92,20 @@ __device__ void copy_rows(const GatherGemmArgs& a) {
     __syncwarp();  // every lane's stores before lane 0's release
     if (lane == 0 && arrived > 0) red_release_gpu_add(a.counters + j0 / kBlockM, arrived);
   }
-  end_barrier(ps, e, a.timeout_ns, kPhaseEnd, [] {}, -1, static_cast<unsigned int>(a.copy_blocks));
+  return end_arrive(ps, e, -1, static_cast<unsigned int>(a.copy_blocks));
 }
 
 // ------------------------------------------------------------------------------------------
-// Tile role: the producer waits (bounded) until row block b's rows have arrived before loading
-// it; `fence.proxy.async.global` orders that acquire before the TMA reads.
+// Every block: copies first in the copy blocks, then tiles. The producer waits (bounded) until
+// row block b's rows have arrived before loading it; `fence.proxy.async.global` orders that
+// acquire before the TMA reads.
 // ------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kThreads, 1)
     gather_gemm_kernel(const __grid_constant__ Params p) {
   const GatherGemmArgs& a = p.a;
-  if (static_cast<int>(blockIdx.x) < a.copy_blocks) {
-    copy_rows(a);
-    return;
-  }
+  const bool copier = static_cast<int>(blockIdx.x) < a.copy_blocks;
+  const unsigned long long e = copier ? call_epoch(a.ps) : 0;
+  const bool ends_call = copier && copy_rows(a, e);
   extern __shared__ uint8_t smem_raw[];
   SharedStorage& ss = shared_storage(smem_raw);
   const Waiter me = waiter(a.ps);
@@ -121,8 +126,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   const TileProblem t{a.sizes, a.C, a.L, a.H, a.N};
   run_tiles(
-      p.tiles, ss, t, static_cast<int>(blockIdx.x) - a.copy_blocks, a.gemm_blocks, wait_for_rows,
-      [](const TileSeq&, SharedStorage&) {}, [](bool) {});
+      p.tiles, ss, t, a.counters + (a.C + kBlockM - 1) / kBlockM + kTileQueue, wait_for_rows,
+      [lane](TileRing& ring) {
+        while (ring.next(lane) >= 0) {
+        }
+      },
+      [](bool) {});
+  if (ends_call) end_wait(a.ps, e, a.timeout_ns, kPhaseEnd);
 }
 
 }  // namespace

@@ -25,9 +25,10 @@ struct GatherGemmArgs {
   int64_t H, N;
   void* xe;           // [C, H] the expert-major rows
   void* h;            // [C, N] xe @ w per segment; zero past the last segment
-  int32_t* counters;  // [ceil(C / kBlockM)] zeroed before the launch: rows arrived per block
-  int copy_blocks;    // blocks that pull rows; the others compute tiles
-  int gemm_blocks;
+  int32_t* counters;  // [counter_words(C)] zeroed before the launch: rows arrived per block, then
+                      // the queues (sizes.h)
+  int copy_blocks;    // blocks that pull rows before they compute tiles
+  int gemm_blocks;    // blocks that only compute tiles
 };
 
 // Enqueue on `stream` (bfloat16 operands, shapes checked by the handler; CUTLASS builds only); an

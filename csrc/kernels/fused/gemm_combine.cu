@@ -98,7 +98,7 @@ __device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int
   const int R = a.ps.num_ranks, K = a.K;
   const int64_t N = a.N, n16 = N / 8;  // int4 per row (the handler checks N % 8 == 0)
   const int nb = row_blocks(a.C);
-  int* queue = a.counters + nb;
+  int* queue = a.counters + nb + kTaskQueue;
   const Waiter me = waiter(a.ps);
   const int entries = R * K;
   int done = 0;
@@ -199,7 +199,7 @@ __device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int
     }
   }
   __syncwarp();  // every lane's stores before lane 0's release
-  if (lane == 0 && done > 0) red_release_gpu_add(a.counters + nb + 1, done);
+  if (lane == 0 && done > 0) red_release_gpu_add(a.counters + nb + kTokensDone, done);
   return ok;
 }
 
@@ -231,9 +231,9 @@ __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, int c
   if (tid == 0) {
     const int* c = a.counters + row_blocks(a.C);
     if (wait_count_geq(waiter(a.ps), a.timeout_ns, kPhaseTokens, -1, a.T,
-                       [c] { return ld_acquire_gpu(c + 1); }))
+                       [c] { return ld_acquire_gpu(c + kTokensDone); }))
       wait_count_geq(waiter(a.ps), a.timeout_ns, kPhaseStarted, -1, a.gemm_blocks,
-                     [c] { return ld_acquire_gpu(c + 2); });
+                     [c] { return ld_acquire_gpu(c + kTilesStarted); });
   }
   end_barrier(
       a.ps, e, a.timeout_ns, kPhaseEnd, [] {}, -1, static_cast<unsigned int>(a.combine_blocks));
@@ -246,20 +246,20 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
   const GemmCombineArgs& a = p.a;
   const int lane = threadIdx.x & 31;
   // Warp 1: each tile's row-block counter once its stores are complete.
-  auto signal = [&a, lane](const TileSeq& seq, SharedStorage& ss) {
-    if (lane != 0) return;
+  auto signal = [&a, &ss, lane](TileRing& ring) {
     const Waiter me = waiter(a.ps);
     unsigned int k = 0;
-    for (int i = seq.first; i < seq.count; i += seq.stride) {
+    bool ok = true;
+    for (int i; (i = ring.next(lane)) >= 0;) {
+      if (lane != 0 || !ok) continue;
       // the poll backs off: its issue slots belong to the MMA warps
-      if (!wait_count_geq(me, a.timeout_ns, kPhaseStored, -1, ++k, [&ss] {
-            __nanosleep(64);
-            return ld_acquire_cta_shared(&ss.stored);
-          }))
-        break;
+      ok = wait_count_geq(me, a.timeout_ns, kPhaseStored, -1, ++k, [&ss] {
+        __nanosleep(64);
+        return ld_acquire_cta_shared(&ss.stored);
+      });
       // Cumulative: the stores, seen complete through the shared count, are ordered before
       // the counter's release to every GPU.
-      red_release_sys_add(a.counters + i / seq.col_blocks, 1);
+      if (ok) red_release_sys_add(a.counters + i / ring.col_blocks, 1);
     }
   };
   // Consumer warp 0 issues a tile's TMA stores; once they are complete it counts the tile
@@ -273,8 +273,8 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
   };
   const TileProblem t{a.sizes, a.C, a.L, a.I, a.N};
   if (run_tiles(
-          p.tiles, ss, t, static_cast<int>(blockIdx.x) - a.combine_blocks, a.gemm_blocks,
-          [](int) {}, signal, count_stored))
+          p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, [](int) {}, signal,
+          count_stored))
     combine_tokens(a, pv, column_blocks(a.N), lane);
 }
 
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool ok = ht::publish_and_wait(a.ps, ptrs, 4, e, a.timeout_ns, kPhasePeers);
   const int R = a.ps.num_ranks, tid = threadIdx.x;
   const bool tile_block = static_cast<int>(blockIdx.x) >= a.combine_blocks;
-  if (tile_block && tid == 0) red_release_gpu_add(a.counters + row_blocks(a.C) + 2, 1);
+  if (tile_block && tid == 0) red_release_gpu_add(a.counters + row_blocks(a.C) + kTilesStarted, 1);
   if (!ok) return;
   if (tid < R) {
     pv.ye[tid] = peer_ptr<const uint8_t>(a.ps, tid, 0);

@@ -1,5 +1,5 @@
-// Sizes and settings of the fused gather + grouped GEMM (kernels/fused/gather_gemm.h) that the
-// handler and the Python side share (exported as jax_ep._C.fused_block_rows). Plain C++.
+// Sizes and settings of the fused kernels (kernels/fused/) that the handler and the Python side
+// share (exported as jax_ep._C.fused_block_rows and fused_counter_words). Plain C++.
 #pragma once
 
 namespace jax_ep {
@@ -14,18 +14,24 @@ constexpr int kThreads = 384;
 constexpr int kMaxExperts = 1024;
 
 // The automatic number of copy blocks out of `share` blocks (one per SM): an eighth of them
-// (16 of an H200's 132). A copy block moves rows through registers at about 60 GB/s, so fewer
-// leave the tiles waiting for rows (measured at R = 1: 8 blocks 1.3x slower, 2 blocks 3.9x;
-// docs/kernels.md#fused-gather-gemm).
+// (16 of an H200's 132). They take tiles too once the rows are copied, so more copy blocks cost
+// the GEMM only while rows are still arriving (docs/kernels.md#fused-gather-gemm).
 inline int auto_copy_blocks(int share) {
   const int c = share / 8;
   return c < 1 ? 1 : c;
 }
 
-// Words of the fused GEMM + combine's counters result for C expert-major rows: one per row block
-// (its column tiles stored), then the token queue, the tokens combined and the tile blocks
-// started (exported as jax_ep._C.fused_counter_words).
-inline long long counter_words(long long C) { return (C + kBlockM - 1) / kBlockM + 3; }
+// Words of a fused kernel's counters result for C expert-major rows (exported as
+// jax_ep._C.fused_counter_words): one per row block (its rows arrived, or its column tiles
+// stored), then the words below, at the row blocks' count plus their index.
+enum CounterWord : int {
+  kTileQueue = 0,     // the GEMM tiles' queue: every block takes its tiles from it
+  kTaskQueue = 1,     // the copy chunks' queue (gather + GEMM) or the tokens' (GEMM + combine)
+  kTokensDone = 2,    // GEMM + combine: tokens combined
+  kTilesStarted = 3,  // GEMM + combine: tile blocks started
+  kCounterTail = 4,
+};
+inline long long counter_words(long long C) { return (C + kBlockM - 1) / kBlockM + kCounterTail; }
 
 // The automatic number of blocks that only combine, out of `share`: one (it also ends the call);
 // the tile blocks join the combine once their tiles are done, so at R = 1 the GEMM keeps all the

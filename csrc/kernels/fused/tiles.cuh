@@ -56,8 +56,13 @@ using MainloopFor = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
 using Epilogue = EpilogueFor<cutlass::epilogue::TmaWarpSpecializedCooperative>;
+// Tile ids in flight from the producer warp, which takes them from the tile queue, to the warps
+// that follow it (the consumer warps and warp 1, one arrival each).
+constexpr int kRing = 4;
+constexpr int kRingReaders = 2 * cutlass::NumWarpsPerWarpGroup + 1;
 // Shared memory beside the collectives' (SharedStorage below).
-constexpr int kExtraSmem = static_cast<int>(sizeof(int)) * (kMaxExperts + 2);
+constexpr int kExtraSmem = static_cast<int>(2 * kRing * sizeof(uint64_t) + kRing * sizeof(int) +
+                                            sizeof(int) * (kMaxExperts + 2));
 using Mainloop =
     MainloopFor<static_cast<int>(sizeof(typename Epilogue::SharedStorage)) + kExtraSmem + 1024>;
 using TiledMma = typename Mainloop::TiledMma;
@@ -78,12 +83,15 @@ struct SharedStorage {
     alignas(16) typename Mainloop::PipelineStorage mainloop;
     alignas(16) typename Epilogue::PipelineStorage epi_load;
   } pipelines;
+  uint64_t ring_full[kRing], ring_empty[kRing];  // mbarriers of the tile-id ring
+  int ring[kRing];                               // tile ids, -1: no tile is left
   int block_start[kMaxExperts + 1];  // first row block of each segment; [L]: blocks in all
   unsigned int stored;               // zeroed before the tiles: the hooks' count
 };
 // The dynamic allocation, aligned to 1 KiB by hand (128-byte swizzled TMA tiles need it, and a
 // kernel's static shared memory comes first).
 constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "a Hopper block's shared memory");
 __device__ __forceinline__ SharedStorage& shared_storage(uint8_t* raw) {
   return *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
                                            ~static_cast<uintptr_t>(1023));
@@ -137,10 +145,22 @@ std::string launch_kernel(void (*kernel)(Params), const char* name, int grid, co
   return {};
 }
 
-// The tiles of one block: first, first + stride, ... below count; tile i is row block
-// i / col_blocks and column block i % col_blocks.
-struct TileSeq {
-  int first, stride, count, col_blocks;
+// The tile ids a warp reads from the ring (all lanes call next(), in order): tile i is row block
+// i / col_blocks and column block i % col_blocks; -1 once no tile is left, after which the warp
+// calls next() no more.
+struct TileRing {
+  SharedStorage& ss;
+  int col_blocks;
+  int k = 0;
+  __device__ __forceinline__ int next(int lane) {
+    const int slot = k % kRing;
+    cutlass::arch::ClusterBarrier::wait(&ss.ring_full[slot], (k / kRing) & 1);
+    const int i = ss.ring[slot];
+    ++k;
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.ring_empty[slot]);
+    return i;
+  }
 };
 
 // Rows in all segments (clipped to C: the sum never overflows, whatever the sizes), summed by
@@ -189,27 +209,38 @@ __device__ __forceinline__ int expert_of(const int* block_start, int L, int b) {
   return lo;
 }
 
-// The tile loop of one block (all kThreads threads): tiles first, first + stride, ... of the
-// problem. Hooks:
+// The tile loop of one block (all kThreads threads): the producer warp takes tiles from
+// `queue` (an int zeroed before the launch, shared by every block that computes tiles: the tiles
+// go out in row-block order to whichever block is free) and passes their ids on through the
+// ring. Hooks:
 // - before_load(b): the producer warp (all lanes), before it loads row block b;
-// - warp_one(seq, ss): warp 1 of the producer warpgroup (all lanes), otherwise idle;
+// - warp_one(ring): warp 1 of the producer warpgroup (all lanes), otherwise idle: it must read
+//   the ring up to its -1;
 // - after_mma(stored): the consumer threads after each tile's MMAs, before its epilogue
 //   (stored: an earlier tile's stores were issued), and once after the last epilogue.
 // True in the consumer threads (232 registers each, free once this returns), false in the
 // producer warpgroup's (40 registers).
 template <class BeforeLoad, class WarpOne, class AfterMma>
 __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss,
-                                          const TileProblem& t, int first, int stride,
+                                          const TileProblem& t, int* queue,
                                           BeforeLoad&& before_load, WarpOne&& warp_one,
                                           AfterMma&& after_mma) {
 #if defined(__CUDA_ARCH__)  // CUTLASS's epilogue visitors are device-only: not in the host pass
+  using Barrier = cutlass::arch::ClusterBarrier;
   const int thread_idx = threadIdx.x;
   const int warp_idx = cutlass::canonical_warp_idx_sync();
   const int warp_group = cutlass::canonical_warp_group_idx();
   const int lane = thread_idx & 31;
 
   if (warp_idx == 0) segment_starts(t.sizes, t.L, t.C, ss.block_start, lane);
-  if (thread_idx == 0) ss.stored = 0;
+  if (thread_idx == 0) {
+    ss.stored = 0;
+    for (int s = 0; s < kRing; ++s) {
+      Barrier::init(&ss.ring_full[s], 1);
+      Barrier::init(&ss.ring_empty[s], kRingReaders);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
   if (warp_idx == 0 && cute::elect_one_sync()) {
     Mainloop::prefetch_tma_descriptors(p.mainloop);
     Epilogue::prefetch_tma_descriptors(p.epilogue);
@@ -234,17 +265,33 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
   __syncthreads();  // barrier init, block starts and the count visible to the whole block
 
   const int col_blocks = column_blocks(t.N);
-  const TileSeq seq{first, stride, ss.block_start[t.L] * col_blocks, col_blocks};
+  const int count = ss.block_start[t.L] * col_blocks;
   auto mnkl = make_shape(t.C, static_cast<int>(t.N), static_cast<int>(t.K), t.L);
   Mainloop mainloop;
   auto load_inputs = mainloop.load_init(mnkl, p.mainloop);
   const int k_tiles = static_cast<int>(size<3>(get<0>(load_inputs)));
+  TileRing ring{ss, col_blocks};
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp_idx == 0) {
+      auto draw = [queue, count, lane] {
+        int i = 0;
+        if (lane == 0) i = atomicAdd(queue, 1);
+        i = __shfl_sync(ht::kFull, i, 0);
+        return i < count ? i : -1;
+      };
       PipelineState state = cutlass::make_producer_start_state<MainloopPipeline>();
-      for (int i = first; i < seq.count; i += stride) {
+      int i = draw();
+      for (int k = 0;; ++k) {
+        const int slot = k % kRing;
+        Barrier::wait(&ss.ring_empty[slot], ((k / kRing) & 1) ^ 1);
+        if (lane == 0) {
+          ss.ring[slot] = i;
+          Barrier::arrive(&ss.ring_full[slot]);
+        }
+        if (i < 0) break;
+        const int next = draw();  // in flight while this tile loads
         const int b = i / col_blocks, n = i % col_blocks;
         before_load(b);
         auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
@@ -252,10 +299,11 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
                       make_coord(b, n, _, expert_of(ss.block_start, t.L, b)), k_iter, k_tiles, lane,
                       0u, ss.tensors.mainloop);
         state.advance(k_tiles);
+        i = next;
       }
       mainloop.load_tail(pipeline, state);
     } else if (warp_idx == 1) {
-      warp_one(seq, ss);
+      warp_one(ring);
     }
     return false;
   }
@@ -268,7 +316,7 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
   typename Epilogue::LoadPipelineState epi_load_state;
   auto epi_store_state = cutlass::make_producer_start_state<EpiStorePipeline>();
   bool stored = false;
-  for (int i = first; i < seq.count; i += stride) {
+  for (int i; (i = ring.next(lane)) >= 0;) {
     const int b = i / col_blocks, n = i % col_blocks;
     auto acc = partition_fragment_C(tiled_mma, take<0, 2>(Tile{}));
     mainloop.mma(pipeline, read_state, acc, k_tiles, mma_thread, ss.tensors.mainloop, p.mainloop);
