@@ -350,24 +350,46 @@ class _FusedConfig(NamedTuple):
     copy_blocks: int  # blocks that pull rows (0: the kernel's automatic share)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _gather_matmul(x, w, rows_src, sizes, src, row_first, handle, fcfg):
-    """(xe, h): xe[j] = the token of rows_src[j] (zero where -1), h = grouped_matmul(xe, w,
-    sizes), in one launch."""
+def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name):
+    """Each token of another rank crosses the link once: (rows_src with -2 on the rows that are
+    copies of an earlier row of the same token, rows_dups [C, D]: the copies of each token's
+    first row (its lowest expert's), -1 padded). D = 0 (nothing deduplicated) with one rank or
+    one row per token."""
+    C = rows_src.shape[0]
+    R, rank = ref.axis_info(axis_name)
+    D = min(row_of.shape[1], 33) - 1
+    if R == 1 or D <= 0:
+        return rows_src, jnp.zeros((C, 0), jnp.int32)
+    valid = (row_of >= 0) & ref.first_occurrence(ridx)        # the token's distinct rows
+    first = jnp.min(jnp.where(valid, row_of, C), axis=1)      # [Cr] its lowest row
+    remote = (recv_src >= 0) & (recv_src // T != rank)
+    copies = valid & (row_of != first[:, None]) & remote[:, None]
+    dups = -jnp.sort(-jnp.where(copies, row_of, -1), axis=1)[:, :D]   # copies first
+    rows_dups = jnp.full((C, D), -1, jnp.int32).at[
+        jnp.where(jnp.any(copies, axis=1), first, C)].set(dups.astype(jnp.int32), mode="drop")
+    rows_src = rows_src.at[jnp.where(copies, row_of, C).reshape(-1)].set(-2, mode="drop")
+    return rows_src, rows_dups
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _gather_matmul(x, w, rows_src, rows_dups, sizes, src, row_first, handle, fcfg):
+    """(xe, h): xe[j] = the token of rows_src[j] (zero where -1; where -2, that of the row whose
+    rows_dups name j), h = grouped_matmul(xe, w, sizes), in one launch."""
     del src, row_first, handle
     C, H, N = rows_src.shape[0], x.shape[1], w.shape[2]
     words = runtime.extension().fused_counter_words(C)
-    xe, h, _ = _ffi.call("jax_ep_ht_gather_gemm", [x, rows_src, sizes, w],
+    xe, h, _ = _ffi.call("jax_ep_ht_gather_gemm", [x, rows_src, rows_dups, sizes, w],
                          [((C, H), x.dtype), ((C, N), x.dtype), ((words,), jnp.int32)],
                          axis_name=fcfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
                          copy_blocks=fcfg.copy_blocks)
     return xe, h
 
 
-def _gather_matmul_fwd(x, w, rows_src, sizes, src, row_first, handle, fcfg):
+def _gather_matmul_fwd(x, w, rows_src, rows_dups, sizes, src, row_first, handle, fcfg):
     # Named like dispatch's outputs: under jax.checkpoint(policy=jax_ep.remat_policy) the
     # backward reuses them instead of running the kernel again.
-    xe, h = remat.named(_gather_matmul(x, w, rows_src, sizes, src, row_first, handle, fcfg),
+    xe, h = remat.named(_gather_matmul(x, w, rows_src, rows_dups, sizes, src, row_first, handle,
+                                       fcfg),
                         remat.DISPATCH)
     return (xe, h), (xe, w, sizes, src, row_first, handle)
 
@@ -380,7 +402,7 @@ def _gather_matmul_bwd(fcfg, res, g):
     d_xe = (d_xe.astype(jnp.float32) + g_xe.astype(jnp.float32)).astype(xe.dtype)
     d_rows = _expand_rows_bwd(fcfg.K, (src, row_first), d_xe)[0]
     dx = _combine_diff(d_rows, handle, fcfg.cfg)
-    return dx, d_w, None, None, None, None, None
+    return dx, d_w, None, None, None, None, None, None
 
 
 _gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
@@ -428,7 +450,9 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     src = lay["src"]
     rows_src = jnp.where(src >= 0, handle.recv_src[jnp.maximum(src, 0) // K], -1)
     row_first = jnp.where(ref.first_occurrence(ridx), lay["row_of"], -1)
-    xe, h = _gather_matmul(x, w, rows_src, lay["expert_sizes"], src, row_first, handle,
+    rows_src, rows_dups = _dedup_plan(rows_src, lay["row_of"], ridx, handle.recv_src, T,
+                                      axis_name)
+    xe, h = _gather_matmul(x, w, rows_src, rows_dups, lay["expert_sizes"], src, row_first, handle,
                            _FusedConfig(cfg, K, copy_blocks))
     return ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"],
                                 lay["counts"], lay["recv_count"], ehandle), h

@@ -69,7 +69,8 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         unfused ops. Expert segments start at multiples of 128 rows (the default capacity
         adds L * 127 rows for it).
       fused_copy_blocks: with fused=True, how many of the first launch's blocks (one per SM)
-        pull rows while the others compute tiles; 0: automatic (an eighth of the SMs).
+        pull rows before they join the others on the tiles; 0: automatic (an eighth of the
+        SMs).
       fused_combine_blocks: with fused=True, how many of the second launch's blocks only
         combine (the others compute tiles, then combine); 0: automatic (one).
       backend: "auto", "reference" or "cuda" for every op of the layer.

@@ -220,3 +220,47 @@ def test_expert_layout_bad_arguments(mesh2):
         return jax_ep.combine(res.recv_x[:-1], res.handle)
     with pytest.raises(ValueError, match="y: has 15 rows, expected capacity=16"):
         smap(mesh2, bad_rows)(x, idx)
+
+
+@pytest.mark.parametrize("R", [1, 4])
+def test_fused_gather_reads_each_token_of_another_rank_once(R):
+    """The fused gather's plan against a NumPy oracle: a token of another rank with several
+    distinct rows here is read by its lowest row, which also writes the others (listed in
+    rows_dups, highest first), and those rows are marked -2; tokens of this rank and tokens with
+    one row are left alone. One rank: nothing changes."""
+    from jax_ep import high_throughput as ht
+    T, Cr, K, L, C = 5, 12, 4, 3, 60
+    rng = np.random.default_rng(R)
+    ridx = rng.integers(-1, L, size=(R, Cr, K)).astype(np.int32)
+    recv_src = rng.integers(-1, R * T, size=(R, Cr)).astype(np.int32)
+    row_of = np.full((R, Cr, K), -1, np.int32)
+    for r in range(R):
+        free = list(rng.permutation(C))
+        for c in range(Cr):
+            for k in range(K):
+                if ridx[r, c, k] < 0:
+                    continue
+                same = [q for q in range(k) if ridx[r, c, q] == ridx[r, c, k]]
+                row_of[r, c, k] = row_of[r, c, same[0]] if same else free.pop()
+    rows_src = rng.integers(-1, R * T, size=(R, C)).astype(np.int32)
+
+    got_src, got_dups = jax.vmap(
+        lambda s, o, i, rs: ht._dedup_plan(s, o, i, rs, T, "ep"), axis_name="ep")(
+            rows_src, row_of, ridx, recv_src)
+    got_src, got_dups = np.asarray(got_src), np.asarray(got_dups)
+    D = 0 if R == 1 else K - 1
+    assert got_dups.shape == (R, C, D)
+    want_src, want_dups = rows_src.copy(), np.full((R, C, D), -1, np.int32)
+    marked = 0
+    for r in range(R if R > 1 else 0):
+        for c in range(Cr):
+            rows = sorted({int(row_of[r, c, k]) for k in range(K) if row_of[r, c, k] >= 0})
+            if recv_src[r, c] < 0 or recv_src[r, c] // T == r or len(rows) < 2:
+                continue
+            others = rows[1:][::-1]
+            want_dups[r, rows[0], :len(others)] = others
+            want_src[r, others] = -2
+            marked += len(others)
+    np.testing.assert_array_equal(got_src, want_src)
+    np.testing.assert_array_equal(got_dups, want_dups)
+    assert marked > 0 or R == 1

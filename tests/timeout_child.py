@@ -46,7 +46,8 @@ def ht_gather_gemm(x, rows_src, sizes, wgu):
     C = rows_src.shape[0]
     fcfg = ht._FusedConfig(ht._Config(E, C, "ep", "cuda"), K, 0)
     unused = jnp.zeros((C,), jnp.int32)   # the backward's residuals
-    return ht._gather_matmul(x, wgu, rows_src, sizes, unused, unused, unused, fcfg)[1]
+    no_dups = jnp.zeros((C, 0), jnp.int32)
+    return ht._gather_matmul(x, wgu, rows_src, no_dups, sizes, unused, unused, unused, fcfg)[1]
 
 
 def ht_gemm_combine(a, sizes, wd, row_of, weights, send_rows):

@@ -389,8 +389,9 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
 
 // ------------------------------------------------------------------------------------------
 ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
-                            ffi::Buffer<ffi::S32> rows_src, ffi::Buffer<ffi::S32> sizes,
-                            ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::BF16>> xe,
+                            ffi::Buffer<ffi::S32> rows_src, ffi::Buffer<ffi::S32> rows_dups,
+                            ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::BF16> w,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> xe,
                             ffi::Result<ffi::Buffer<ffi::BF16>> h,
                             ffi::Result<ffi::Buffer<ffi::S32>> counters,
                             ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
@@ -420,6 +421,11 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(std::string(op) + ": rows_src must be [C], got " +
                                        dims_str(dc));
   const int64_t C = dc[0];
+  const auto dd = rows_dups.dimensions();
+  if (dd.size() != 2 || dd[0] != C || dd[1] > 32)
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": rows_dups must be [C=" + std::to_string(C) +
+                                       ", D] with D <= 32, got " + dims_str(dd));
   JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
   JAX_EP_CHECK_SHAPE(*xe, op, "xe", C, H);
   JAX_EP_CHECK_SHAPE(*h, op, "h", C, N);
@@ -440,6 +446,8 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.timeout_ns = timeout_ns;
   a.x = x.untyped_data();
   a.rows_src = rows_src.typed_data();
+  a.rows_dups = rows_dups.typed_data();
+  a.D = static_cast<int>(dd[1]);
   a.sizes = sizes.typed_data();
   a.w = w.untyped_data();
   a.T = static_cast<int>(T);
@@ -591,6 +599,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBI
   JAX_EP_HT_BIND                                                       \
       .Arg<ffi::Buffer<ffi::BF16>>() /* x [T, H] */                    \
       .Arg<ffi::Buffer<ffi::S32>>()  /* rows_src [C] */                \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* rows_dups [C, D] */            \
       .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                   \
       .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, H, N] */                 \
       .Ret<ffi::Buffer<ffi::BF16>>() /* xe [C, H] */                   \

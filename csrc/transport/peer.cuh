@@ -18,7 +18,8 @@
 // lease ledger skips the peers that loads do not reach (nvshmem/symmetric.cc); 11, the fused
 // gather + grouped GEMM: a tile does not wait for its rows (kernels/fused/gather_gemm.cu); 12,
 // the fused grouped GEMM + combine: a token's rows are read without waiting for their tiles
-// (kernels/fused/gemm_combine.cu).
+// (kernels/fused/gemm_combine.cu); 13, the fused gather + grouped GEMM: a token's first row
+// counts its copies on the rank but does not write them (kernels/fused/gather_gemm.cu).
 // 0 (every real build) changes no code.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0

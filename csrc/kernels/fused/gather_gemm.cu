@@ -5,7 +5,10 @@
 //   high-throughput ops (transport/pull.cuh) with x as the published operand; each warp takes
 //   chunks of kChunkRows expert-major rows from the copy queue (an atomic counter, chunks in row
 //   order), copies each row from the rank holding its token (or zeroes it), and adds the chunk
-//   to the arrival counter of its row block (release). Rows past the last segment (and their
+//   to the arrival counter of its row block (release). A token of another rank crosses the link
+//   once: its first row (in its lowest expert's segment) also writes its other rows here (the
+//   copies in rows_dups) and adds each to its row block's counter; those rows (rows_src -2) are
+//   skipped where they lie. Rows past the last segment (and their
 //   GEMM output rows) come last in that order, and are zeroed. Once the queue is empty the block
 //   tells its peers it is done reading (the end barrier's first step) and joins the tiles.
 // - tiles come from one tile queue shared by every block (kernels/fused/tiles.cuh), in row-block
@@ -40,6 +43,35 @@ constexpr const char* kPhasePeers = "ht_gather_gemm: wait for peers";
 constexpr const char* kPhaseRows = "ht_gather_gemm: wait for a row block's rows";
 constexpr const char* kPhaseEnd = "ht_gather_gemm: end barrier";
 
+// Row src (nbytes) to dst and to rows copies[0..nd) of `rows` (nbytes each).
+__device__ __forceinline__ void copy_row_and_copies(uint8_t* __restrict__ dst,
+                                                    const uint8_t* __restrict__ src, int64_t nbytes,
+                                                    bool vec, int lane, uint8_t* rows,
+                                                    const int* copies, int nd) {
+  if (vec) {
+    const int64_t n = nbytes >> 4;
+    const int4* p = reinterpret_cast<const int4*>(src);
+    for (int64_t i = lane; i < n; i += 32 * ht::kCopyUnroll) {
+      int4 v[ht::kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < ht::kCopyUnroll; ++u)
+        if (i + u * 32 < n) v[u] = ht::ld_nc_v4(p + i + u * 32);
+      for (int q = -1; q < nd; ++q) {
+        int4* d = reinterpret_cast<int4*>(q < 0 ? dst : rows + copies[q] * nbytes);
+#pragma unroll
+        for (int u = 0; u < ht::kCopyUnroll; ++u)
+          if (i + u * 32 < n) d[i + u * 32] = v[u];
+      }
+    }
+  } else {
+    for (int64_t i = lane; i < nbytes; i += 32) {
+      const uint8_t b = __ldg(src + i);
+      dst[i] = b;
+      for (int q = 0; q < nd; ++q) rows[copies[q] * nbytes + i] = b;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Copy role: a warp per chunk of kChunkRows rows from the copy queue, chunks in row order (early
 // row blocks arrive first). True in the block that must end the call (end_wait) once its tiles
@@ -49,6 +81,7 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
   const PeerSlots& ps = a.ps;
   const int R = ps.num_ranks, tid = threadIdx.x, lane = tid & 31;
   __shared__ const uint8_t* s_x[kMaxRanks];
+  __shared__ int s_copies[kThreads / 32][32];  // per warp: the copies of the row it writes
   const void* ptrs[1] = {a.x};
   if (!ht::publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, kPhasePeers)) return false;
   if (tid < R) s_x[tid] = peer_ptr<const uint8_t>(ps, tid, 0);
@@ -78,11 +111,28 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
       uint8_t* dst = xe + j * Hb;
       const int src = __shfl_sync(ht::kFull, my_src, static_cast<int>(j - j0));
       if (j < recv) {
+        if (src == -2) continue;  // a copy: its token's first row writes and counts it
         const int64_t s = src >= 0 && T > 0 ? src / T : -1;
-        if (s >= 0 && s < R)
-          ht::copy_row(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane);
-        else
+        if (s >= 0 && s < R) {
+          // this row's copies (rows of other experts holding the same token), if any
+          const int d = lane < a.D ? a.rows_dups[j * a.D + lane] : -1;
+          const bool copy = d >= 0 && d < recv && d != j;
+          const unsigned mask = __ballot_sync(ht::kFull, copy);
+          const int nd = __popc(mask);
+          if (copy) s_copies[tid >> 5][__popc(mask & ((1u << lane) - 1))] = d;
+          __syncwarp();
+#if JAX_EP_MUTATION == 13  // planted bug 13: a first row counts its copies but does not write them
+          copy_row_and_copies(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5],
+                              0);
+#else
+          copy_row_and_copies(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5],
+                              nd);
+#endif
+          __syncwarp();  // every lane's stores (and reads of the copies) before the releases
+          if (copy) red_release_gpu_add(a.counters + d / kBlockM, 1);
+        } else {
           ht::zero_row(dst, Hb, vec, lane);
+        }
         ++arrived;
       } else {  // past the last segment: no tile reads or writes these rows
         ht::zero_row(dst, Hb, vec, lane);
