@@ -7,7 +7,9 @@ process) and compares this process's shards: high-throughput layouts and copies 
 low-latency rows per (expert, source) exact (FP8 against the NumPy oracle), combines within
 float32-accumulation tolerance; random, skewed and masked routing, odd token counts, several
 hidden sizes and dtypes, FP8, capacity drops, the LL send / receive split, and back-to-back
-calls in a scan. Prints "PASS rank r" at the end and exits normally (NVSHMEM finalize and
+calls in a scan; and the fused MoE layer (its first half one kernel, x staged; the second half
+unfused in this mode) against the unfused one, both on the CUDA kernels, with the fused rows
+bit-exact. Prints "PASS rank r" at the end and exits normally (NVSHMEM finalize and
 jax.distributed shutdown run); any failure exits non-zero at once (no collective exit path that
 a failed peer could hang).
 
@@ -157,6 +159,44 @@ def scan_check(mesh, kind, steps=200):
                                rtol=2e-2, atol=5e-2)
 
 
+def fused_check(mesh, kind):
+    """moe_ffn(fused=True) against fused=False, and the fused dispatch + grouped GEMM's rows and
+    h against dispatch(layout="expert") + grouped_matmul, all on the CUDA backend."""
+    from jax_ep.high_throughput import dispatch_matmul
+    R = mesh.devices.size
+    rng = np.random.default_rng(seed(R, kind, "fused"))
+    T, H, I, K, E = 40, 512, 128, 4, 4 * R
+    A = jax_ep.runtime.extension().fused_block_rows
+    bf16 = jnp.bfloat16
+    x = np.asarray(jnp.asarray(rng.standard_normal((R * T, H)), bf16))
+    idx = _routing(kind, rng, R, T, K, E)
+    w = rng.random((R * T, K)).astype(np.float32)
+    wgu = np.asarray(jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), bf16))
+    wd = np.asarray(jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), bf16))
+
+    def body(x, idx, w, wgu, wd):
+        res, h = dispatch_matmul(x, idx, w, wgu, num_experts=E, backend="cuda")
+        u = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", expert_alignment=A,
+                            backend="cuda")
+        hu = jax_ep.grouped_matmul(u.recv_x, wgu, u.expert_sizes, backend="cuda")
+        yf = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=True, backend="cuda")
+        yu = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, backend="cuda")
+        return res.recv_x, h, u.recv_x, hu, yf, yu
+
+    spec = P("ep")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    xe, h, xu, hu, yf, yu = local(f(*(put(mesh, a, spec) for a in (x, idx, w, wgu, wd))))
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+    np.testing.assert_array_equal(np.asarray(xe).view(np.uint16), np.asarray(xu).view(np.uint16))
+    assert rel(h, hu) < 1e-2, rel(h, hu)
+    assert rel(yf, yu) < 2e-2, rel(yf, yu)
+    assert np.any(np.asarray(yu, np.float32)), "an all-zero layer output checks nothing"
+
+
 def main():
     global RANK
     kill = option("--kill-rank")
@@ -252,7 +292,7 @@ def main():
         except AssertionError as e:  # a mismatch: report and go on (same program everywhere)
             failures.append(name)
             print(f"rank {RANK}: FAIL {name}: {str(e)[:600]}", flush=True)
-    only = os.environ.get("JAX_EP_MP_ONLY", "ht,ll,scan").split(",")
+    only = os.environ.get("JAX_EP_MP_ONLY", "ht,ll,scan,fused").split(",")
     for kind in ("random", "skewed", "masked"):
         for T, H, dtype in [(64, 2048, np.float32), (33, 4096, np.float32), (1, 7168, None),
                             (77, 7168, None)]:
@@ -291,6 +331,10 @@ def main():
                         x, _routing(kind, rng, R, T, K, E),
                         rng.random((R * T, K)).astype(np.float32), E, M, use_fp8, round_scale,
                         split)
+            checks += 1
+    for kind in ("random", "masked"):
+        if "fused" in only and jax_ep.runtime.extension().gemm_built():
+            attempt(f"fused layer {kind}", fused_check, mesh, kind)
             checks += 1
     for kind in ("ht", "ll", "ll_split"):
         if "scan" in only or f"scan_{kind}" in only:
