@@ -364,10 +364,13 @@ def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name):
     first = jnp.min(jnp.where(valid, row_of, C), axis=1)      # [Cr] its lowest row
     remote = (recv_src >= 0) & (recv_src // T != rank)
     copies = valid & (row_of != first[:, None]) & remote[:, None]
-    dups = -jnp.sort(-jnp.where(copies, row_of, -1), axis=1)[:, :D]   # copies first
+    dups = -jnp.sort(-jnp.where(copies, row_of, -1), axis=1)[:, :D]   # highest D copies first
+    # only the copies listed are skipped where they lie (a token with more than D copies, top-k
+    # > 33, reads the rest itself)
+    listed = copies & (row_of >= dups[:, D - 1:D])
     rows_dups = jnp.full((C, D), -1, jnp.int32).at[
         jnp.where(jnp.any(copies, axis=1), first, C)].set(dups.astype(jnp.int32), mode="drop")
-    rows_src = rows_src.at[jnp.where(copies, row_of, C).reshape(-1)].set(-2, mode="drop")
+    rows_src = rows_src.at[jnp.where(listed, row_of, C).reshape(-1)].set(-2, mode="drop")
     return rows_src, rows_dups
 
 

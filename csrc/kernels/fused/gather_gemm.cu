@@ -8,9 +8,10 @@
 //   to the arrival counter of its row block (release). A token of another rank crosses the link
 //   once: its first row (in its lowest expert's segment) also writes its other rows here (the
 //   copies in rows_dups) and adds each to its row block's counter; those rows (rows_src -2) are
-//   skipped where they lie. Rows past the last segment (and their
-//   GEMM output rows) come last in that order, and are zeroed. Once the queue is empty the block
-//   tells its peers it is done reading (the end barrier's first step) and joins the tiles.
+//   skipped where they lie. Rows past the last segment (and their GEMM output rows) come last
+//   in that order, and are zeroed. Once the queue is empty the block tells its peers it is done
+//   arrives at the end barrier (its first step: the last copy block to arrive tells the peers
+//   this rank is done reading) and joins the tiles.
 // - tiles come from one tile queue shared by every block (kernels/fused/tiles.cuh), in row-block
 //   order: tile i is row block b = i / nN and column block i % nN, of the expert whose segment
 //   holds b, computed with CUTLASS's SM90 collectives (TMA loads into a smem pipeline, warpgroup
@@ -115,8 +116,11 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
         const int64_t s = src >= 0 && T > 0 ? src / T : -1;
         if (s >= 0 && s < R) {
           // this row's copies (rows of other experts holding the same token), if any
-          const int d = lane < a.D ? a.rows_dups[j * a.D + lane] : -1;
-          const bool copy = d >= 0 && d < recv && d != j;
+          // (only a row marked as a copy: a row written and counted twice would let its block's
+          // tiles start early)
+          int d = lane < a.D ? a.rows_dups[j * a.D + lane] : -1;
+          if (d >= 0 && (d >= recv || d == j || a.rows_src[d] != -2)) d = -1;
+          const bool copy = d >= 0;
           const unsigned mask = __ballot_sync(ht::kFull, copy);
           const int nd = __popc(mask);
           if (copy) s_copies[tid >> 5][__popc(mask & ((1u << lane) - 1))] = d;

@@ -91,7 +91,8 @@ struct SharedStorage {
 // The dynamic allocation, aligned to 1 KiB by hand (128-byte swizzled TMA tiles need it, and a
 // kernel's static shared memory comes first).
 constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;
-static_assert(kSmemBytes <= 227 * 1024, "a Hopper block's shared memory");
+// (with room for the kernels' static shared memory: 1.6 KiB in the gather + GEMM)
+static_assert(kSmemBytes + 4096 <= 227 * 1024, "a Hopper block's shared memory");
 __device__ __forceinline__ SharedStorage& shared_storage(uint8_t* raw) {
   return *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
                                            ~static_cast<uintptr_t>(1023));
@@ -155,6 +156,7 @@ struct TileRing {
   __device__ __forceinline__ int next(int lane) {
     const int slot = k % kRing;
     cutlass::arch::ClusterBarrier::wait(&ss.ring_full[slot], (k / kRing) & 1);
+    asm volatile("" ::: "memory");  // the slot's read stays after the wait
     const int i = ss.ring[slot];
     ++k;
     __syncwarp();
@@ -288,6 +290,7 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
         Barrier::wait(&ss.ring_empty[slot], ((k / kRing) & 1) ^ 1);
         if (lane == 0) {
           ss.ring[slot] = i;
+          asm volatile("" ::: "memory");  // the slot's write stays before the arrive
           Barrier::arrive(&ss.ring_full[slot]);
         }
         if (i < 0) break;
