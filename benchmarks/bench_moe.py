@@ -153,22 +153,21 @@ def main():
     fwd_f1 = record("moe_ffn, fused dispatch + GEMM only, forward",
                     time_op(layer_fused_first, lay_args, reps=reps), flops_fwd,
                     impl="ours-fused-first", op="fwd")
-    copy_sweep = {}
-    for c in [int(v) for v in args.copy_blocks.split(",") if v.strip()]:
-        def layer_cp(x, idx, w, wgu, wd, c=c):
-            return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, fused=True,
-                                  fused_copy_blocks=c, backend=be)
-        copy_sweep[c] = record(f"moe_ffn(fused=True, fused_copy_blocks={c}) forward",
-                               time_op(layer_cp, lay_args, reps=reps), flops_fwd,
-                               impl="ours-fused", op="fwd-sweep")["ms"]
-    sweep = {}
-    for c in [int(v) for v in args.combine_blocks.split(",") if v.strip()]:
-        def layer_c(x, idx, w, wgu, wd, c=c):
-            return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, fused=True,
-                                  fused_combine_blocks=c, backend=be)
-        sweep[c] = record(f"moe_ffn(fused=True, fused_combine_blocks={c}) forward",
-                          time_op(layer_c, lay_args, reps=reps), flops_fwd,
-                          impl="ours-fused", op="fwd-sweep")["ms"]
+
+    def block_sweep(setting, values):
+        """{value: fused forward ms} for each value of one fused_* setting."""
+        out = {}
+        for c in [int(v) for v in values.split(",") if v.strip()]:
+            def layer_c(x, idx, w, wgu, wd, c=c):
+                return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, fused=True,
+                                      backend=be, **{setting: c})
+            out[c] = record(f"moe_ffn(fused=True, {setting}={c}) forward",
+                            time_op(layer_c, lay_args, reps=reps), flops_fwd,
+                            impl="ours-fused", op="fwd-sweep")["ms"]
+        return out
+
+    copy_sweep = block_sweep("fused_copy_blocks", args.copy_blocks)
+    sweep = block_sweep("fused_combine_blocks", args.combine_blocks)
     align = jax_ep.runtime.extension().fused_block_rows if be == "cuda" else 1
 
     def half_unfused(x, idx, w, wgu):

@@ -55,7 +55,25 @@ ffi::Error read_sm_count(const char* op, int32_t device, int* sms) {
                               std::to_string(device));
 }
 
-#if JAX_EP_WITH_GEMM
+#if !JAX_EP_WITH_GEMM
+// What a fused op says in a build without CUTLASS.
+ffi::Error fused_unbuilt(const char* op) {
+  return jax_ep::op_error(op,
+                          "this build has no CUTLASS GEMMs (the nvidia-cutlass headers were "
+                          "not found when it was built)");
+}
+#else
+// The weights w [L, K, N] bfloat16 of a fused kernel, K (named `k_name`) given: *L and *N.
+ffi::Error fused_weights(const char* op, ffi::Span<const int64_t> dw, const char* k_name, int64_t K,
+                         int64_t* L, int64_t* N) {
+  if (dw.size() != 3 || dw[1] != K)
+    return ffi::Error::InvalidArgument(std::string(op) + ": w must be [L, " + k_name + "=" +
+                                       std::to_string(K) + ", N] bfloat16, got " + dims_str(dw));
+  *L = dw[0];
+  *N = dw[2];
+  return ffi::Error::Success();
+}
+
 // The GEMM shapes of a fused kernel: C rows, K (named `k_name`) and N positive, K and N
 // multiples of 8, L in range.
 ffi::Error fused_gemm_checks(const char* op, const char* k_name, int64_t C, int64_t K, int64_t N,
@@ -400,9 +418,7 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   const char* op = "jax_ep_ht_gather_gemm";
   JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
 #if !JAX_EP_WITH_GEMM
-  return jax_ep::op_error(op,
-                          "this build has no CUTLASS GEMMs (the nvidia-cutlass headers were "
-                          "not found when it was built)");
+  return fused_unbuilt(op);
 #else
   jax_ep::GroupInfo gi;
   JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
@@ -411,11 +427,8 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(std::string(op) + ": x must be [T, H] bfloat16, got " +
                                        dims_str(dx));
   const int64_t T = dx[0], H = dx[1];
-  const auto dw = w.dimensions();
-  if (dw.size() != 3 || dw[1] != H)
-    return ffi::Error::InvalidArgument(std::string(op) + ": w must be [L, H=" + std::to_string(H) +
-                                       ", N] bfloat16, got " + dims_str(dw));
-  const int64_t L = dw[0], N = dw[2];
+  int64_t L = 0, N = 0;
+  JAX_EP_RETURN_IF_ERROR(fused_weights(op, w.dimensions(), "H", H, &L, &N));
   const auto dc = rows_src.dimensions();
   if (dc.size() != 1)
     return ffi::Error::InvalidArgument(std::string(op) + ": rows_src must be [C], got " +
@@ -475,9 +488,7 @@ ffi::Error HtGemmCombineImpl(
   const char* op = "jax_ep_ht_gemm_combine";
   JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
 #if !JAX_EP_WITH_GEMM
-  return jax_ep::op_error(op,
-                          "this build has no CUTLASS GEMMs (the nvidia-cutlass headers were "
-                          "not found when it was built)");
+  return fused_unbuilt(op);
 #else
   jax_ep::GroupInfo gi;
   JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
@@ -492,11 +503,8 @@ ffi::Error HtGemmCombineImpl(
     return ffi::Error::InvalidArgument(std::string(op) + ": a must be [C, I] bfloat16, got " +
                                        dims_str(da));
   const int64_t C = da[0], I = da[1];
-  const auto dw = w.dimensions();
-  if (dw.size() != 3 || dw[1] != I)
-    return ffi::Error::InvalidArgument(std::string(op) + ": w must be [L, I=" + std::to_string(I) +
-                                       ", N] bfloat16, got " + dims_str(dw));
-  const int64_t L = dw[0], N = dw[2];
+  int64_t L = 0, N = 0;
+  JAX_EP_RETURN_IF_ERROR(fused_weights(op, w.dimensions(), "I", I, &L, &N));
   const auto dr = row_of.dimensions();
   if (dr.size() != 2)
     return ffi::Error::InvalidArgument(std::string(op) + ": row_of must be [Cr, K], got " +

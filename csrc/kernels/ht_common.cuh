@@ -85,24 +85,38 @@ __device__ __forceinline__ bool publish_and_wait(const PeerSlots& ps, const void
 // ------------------------------------------------------------------------------------------
 // Row copy (dispatch kernel 2, and gather): one warp per destination row, grid-stride.
 // ------------------------------------------------------------------------------------------
-__device__ __forceinline__ void copy_row(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
-                                         int64_t nbytes, bool vec, int lane) {
+// A warp copies row src (nbytes) to dst, and to the nd rows copies[0..nd) of `rows` (nbytes
+// each; the fused gather writes a token's other rows on the rank from one read).
+__device__ __forceinline__ void copy_row_to(uint8_t* __restrict__ dst,
+                                            const uint8_t* __restrict__ src, int64_t nbytes,
+                                            bool vec, int lane, uint8_t* rows, const int* copies,
+                                            int nd) {
   if (vec) {
     const int64_t n = nbytes >> 4;
-    int4* d = reinterpret_cast<int4*>(dst);
     const int4* p = reinterpret_cast<const int4*>(src);
     for (int64_t base = lane; base < n; base += 32 * kCopyUnroll) {
       int4 v[kCopyUnroll];
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u)
         if (base + u * 32 < n) v[u] = ld_nc_v4(p + base + u * 32);
+      for (int q = -1; q < nd; ++q) {
+        int4* d = reinterpret_cast<int4*>(q < 0 ? dst : rows + copies[q] * nbytes);
 #pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u)
-        if (base + u * 32 < n) d[base + u * 32] = v[u];
+        for (int u = 0; u < kCopyUnroll; ++u)
+          if (base + u * 32 < n) d[base + u * 32] = v[u];
+      }
     }
   } else {
-    for (int64_t i = lane; i < nbytes; i += 32) dst[i] = __ldg(src + i);
+    for (int64_t i = lane; i < nbytes; i += 32) {
+      const uint8_t b = __ldg(src + i);
+      dst[i] = b;
+      for (int q = 0; q < nd; ++q) rows[copies[q] * nbytes + i] = b;
+    }
   }
+}
+__device__ __forceinline__ void copy_row(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
+                                         int64_t nbytes, bool vec, int lane) {
+  copy_row_to(dst, src, nbytes, vec, lane, nullptr, nullptr, 0);
 }
 __device__ __forceinline__ void zero_row(uint8_t* dst, int64_t nbytes, bool vec, int lane) {
   if (vec) {

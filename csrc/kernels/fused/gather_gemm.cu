@@ -44,35 +44,6 @@ constexpr const char* kPhasePeers = "ht_gather_gemm: wait for peers";
 constexpr const char* kPhaseRows = "ht_gather_gemm: wait for a row block's rows";
 constexpr const char* kPhaseEnd = "ht_gather_gemm: end barrier";
 
-// Row src (nbytes) to dst and to rows copies[0..nd) of `rows` (nbytes each).
-__device__ __forceinline__ void copy_row_and_copies(uint8_t* __restrict__ dst,
-                                                    const uint8_t* __restrict__ src, int64_t nbytes,
-                                                    bool vec, int lane, uint8_t* rows,
-                                                    const int* copies, int nd) {
-  if (vec) {
-    const int64_t n = nbytes >> 4;
-    const int4* p = reinterpret_cast<const int4*>(src);
-    for (int64_t i = lane; i < n; i += 32 * ht::kCopyUnroll) {
-      int4 v[ht::kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < ht::kCopyUnroll; ++u)
-        if (i + u * 32 < n) v[u] = ht::ld_nc_v4(p + i + u * 32);
-      for (int q = -1; q < nd; ++q) {
-        int4* d = reinterpret_cast<int4*>(q < 0 ? dst : rows + copies[q] * nbytes);
-#pragma unroll
-        for (int u = 0; u < ht::kCopyUnroll; ++u)
-          if (i + u * 32 < n) d[i + u * 32] = v[u];
-      }
-    }
-  } else {
-    for (int64_t i = lane; i < nbytes; i += 32) {
-      const uint8_t b = __ldg(src + i);
-      dst[i] = b;
-      for (int q = 0; q < nd; ++q) rows[copies[q] * nbytes + i] = b;
-    }
-  }
-}
-
 // ------------------------------------------------------------------------------------------
 // Copy role: a warp per chunk of kChunkRows rows from the copy queue, chunks in row order (early
 // row blocks arrive first). True in the block that must end the call (end_wait) once its tiles
@@ -126,11 +97,9 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
           if (copy) s_copies[tid >> 5][__popc(mask & ((1u << lane) - 1))] = d;
           __syncwarp();
 #if JAX_EP_MUTATION == 13  // planted bug 13: a first row counts its copies but does not write them
-          copy_row_and_copies(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5],
-                              0);
+          ht::copy_row_to(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5], 0);
 #else
-          copy_row_and_copies(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5],
-                              nd);
+          ht::copy_row_to(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5], nd);
 #endif
           __syncwarp();  // every lane's stores (and reads of the copies) before the releases
           if (copy) red_release_gpu_add(a.counters + d / kBlockM, 1);
