@@ -7,7 +7,7 @@
 #   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
 #   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
 #   (tests/test_gpu_leases.py); timeouts: waits that give up cleanly (tests/test_gpu_timeouts.py);
-#   planted: builds with planted bugs 5 to 13 (csrc/transport/peer.cuh
+#   planted: builds with planted bugs 5 to 14 (csrc/transport/peer.cuh
 #   lists them), each against the tests that must catch it (PLANTED="M:TEST ..."; planted.log);
 #   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
@@ -98,7 +98,7 @@ if has timeouts; then
      | tail -15) || rc=1
 fi
 if has planted; then
-  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8, gather_gemm.cu 11 and 13, gemm_combine.cu 12) must fail its tests"
+  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8, gather_gemm.cu 11 and 13, gemm_combine.cu 12, fp8_mainloop.cuh 14) must fail its tests"
   # MUTATION:TEST pairs, each test in a process of its own (table: planted.log)
   L=tests/test_gpu_leases.py
   pairs="${PLANTED:-5:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
@@ -111,7 +111,8 @@ if has planted; then
     10:tests/test_multiprocess.py::test_a_process_compiling_an_extra_program_fails_every_compile_clearly[remote]
     11:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused
     12:tests/test_gpu_fused.py::test_fused_matmul_combine_matches_unfused
-    13:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused}"
+    13:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused
+    14:tests/test_gpu_gemm.py::test_fp8_matches_reference}"
   : > "$OUT/planted.log"
   need_nvshmem4py
   built=" "

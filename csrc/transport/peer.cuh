@@ -19,7 +19,9 @@
 // gather + grouped GEMM: a tile does not wait for its rows (kernels/fused/gather_gemm.cu); 12,
 // the fused grouped GEMM + combine: a token's rows are read without waiting for their tiles
 // (kernels/fused/gemm_combine.cu); 13, the fused gather + grouped GEMM: a token's first row
-// counts its copies on the rank but does not write them (kernels/fused/gather_gemm.cu).
+// counts its copies on the rank but does not write them (kernels/fused/gather_gemm.cu); 14, the
+// FP8 grouped GEMM: the last of an even number of K tiles is promoted with the scales of the one
+// before it (kernels/gemm/fp8_mainloop.cuh).
 // 0 (every real build) changes no code.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0

@@ -21,6 +21,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "kernels/gemm/fp8_mainloop.cuh"
 #include "kernels/gemm/grouped_gemm.h"
 #include "kernels/gemm/workspace.h"
 
@@ -73,13 +74,13 @@ struct CfgFp8 {
   using ElementB = cutlass::float_e4m3_t;
   using ElementD = cutlass::bfloat16_t;
   using Epilogue = EpilogueFor<Tile, Cluster, EpiSchedule, ElementD>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Mainloop = OverlappedPromotion<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
       cute::tuple<RowMajor*, LayoutSFA*>, 16, ElementB, cute::tuple<ColMajor*, LayoutSFB*>, 16,
       float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      Schedule>::CollectiveOp;
+      Schedule>::CollectiveOp>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
@@ -106,10 +107,11 @@ using FwdNK = Cfg16<T, RowMajor, ColMajor, cute::Shape<_256, _128, _64>, cute::S
 template <class T>  // lhs^T @ rhs2 per group: the weight gradient
 using Tgrad = Cfg16<T, ColMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
                     Coop, CoopEpi>;
-// FP8: cooperative 128 x 128 tiles (larger ones need twice the accumulator registers, since
-// blockwise scaling keeps a second accumulator, and spill); 64 x 128 ping-pong tiles for few rows
-// per group. On one H200, 32 groups of 1024 rows at (K, N) = (7168, 4096): 1063-1080 TFLOP/s
-// with the cooperative tiles, 768 with the ping-pong ones clustered along N.
+// FP8: cooperative 128 x 128 tiles (larger ones need more accumulator registers than a thread
+// has: blockwise scaling keeps temporaries beside the accumulator, fp8_mainloop.cuh); 64 x 128
+// ping-pong tiles for few rows per group. On one H200, 32 groups of 1024 rows at (K, N) =
+// (7168, 4096), normal data: 1135 TFLOP/s with the cooperative tiles, 915 with the ping-pong
+// ones, 1129-1134 with clusters along M (docs/kernels.md#fp8-overlapped-promotion).
 using Fp8Fwd =
     CfgFp8<cute::Shape<_128, _128, _128>, cute::Shape<_1, _2, _1>,
            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, CoopEpi>;
