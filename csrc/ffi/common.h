@@ -51,6 +51,14 @@ inline xla::ffi::Error expect_dims(const char* op, const char* name,
       op, std::string(name) + " must have shape " + dims_str(want) + ", got " + dims_str(dims));
 }
 
+// Success when `dims` has `rank` dimensions, else "op: name must be <want>, got [..]".
+inline xla::ffi::Error expect_rank(const char* op, const char* name,
+                                   xla::ffi::Span<const int64_t> dims, size_t rank,
+                                   const char* want) {
+  if (dims.size() == rank) return xla::ffi::Error::Success();
+  return op_error(op, std::string(name) + " must be " + want + ", got " + dims_str(dims));
+}
+
 // The last CUDA error as an internal error naming where it happened (Success when none).
 inline xla::ffi::Error cuda_error(const char* where) {
   cudaError_t e = cudaGetLastError();

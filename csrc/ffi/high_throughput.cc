@@ -24,6 +24,7 @@
 
 namespace ffi = xla::ffi;
 using jax_ep::dims_str;
+using jax_ep::expect_rank;
 using jax_ep::ht::CombineArgs;
 using jax_ep::ht::DispatchArgs;
 using jax_ep::ht::DType;
@@ -213,9 +214,7 @@ ffi::Error HtDispatchImpl(
         ") must be a positive multiple of the EP group size (" + std::to_string(R) + ")");
   const int64_t L = num_experts / R;
   const auto dx = x.dimensions();
-  if (dx.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(op) + ": x must be [T, Hb] u8, got " +
-                                       dims_str(dx));
+  JAX_EP_RETURN_IF_ERROR(expect_rank(op, "x", dx, 2, "[T, Hb] u8"));
   const int64_t T = dx[0], Hb = dx[1];
   const auto dk = topk_idx.dimensions();
   if (dk.size() != 2 || dk[0] != T)
@@ -228,9 +227,7 @@ ffi::Error HtDispatchImpl(
                                        std::to_string(T) + ", G], got " + dims_str(ds));
   const int64_t G = ds[1];
   const auto dc = recv_src->dimensions();
-  if (dc.size() != 1)
-    return ffi::Error::InvalidArgument(std::string(op) + ": recv_src must be [C], got " +
-                                       dims_str(dc));
+  JAX_EP_RETURN_IF_ERROR(expect_rank(op, "recv_src", dc, 1, "[C]"));
   const int64_t C = dc[0];
   JAX_EP_CHECK_SHAPE(topk_weights, op, "topk_weights", T, K);
   JAX_EP_CHECK_SHAPE(*recv_x, op, "recv_x", C, Hb);
@@ -306,14 +303,10 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
   jax_ep::GroupInfo gi;
   JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
   const auto dx = x.dimensions();
-  if (dx.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(op) + ": x must be [T, Hb] u8, got " +
-                                       dims_str(dx));
+  JAX_EP_RETURN_IF_ERROR(expect_rank(op, "x", dx, 2, "[T, Hb] u8"));
   const int64_t T = dx[0], Hb = dx[1];
   const auto dc = recv_src.dimensions();
-  if (dc.size() != 1)
-    return ffi::Error::InvalidArgument(std::string(op) + ": recv_src must be [C], got " +
-                                       dims_str(dc));
+  JAX_EP_RETURN_IF_ERROR(expect_rank(op, "recv_src", dc, 1, "[C]"));
   const int64_t C = dc[0];
   JAX_EP_CHECK_SHAPE(stats, op, "stats", 4);
   JAX_EP_CHECK_SHAPE(*recv_x, op, "recv_x", C, Hb);
@@ -423,16 +416,12 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   jax_ep::GroupInfo gi;
   JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
   const auto dx = x.dimensions();
-  if (dx.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(op) + ": x must be [T, H] bfloat16, got " +
-                                       dims_str(dx));
+  JAX_EP_RETURN_IF_ERROR(expect_rank(op, "x", dx, 2, "[T, H] bfloat16"));
   const int64_t T = dx[0], H = dx[1];
   int64_t L = 0, N = 0;
   JAX_EP_RETURN_IF_ERROR(fused_weights(op, w.dimensions(), "H", H, &L, &N));
   const auto dc = rows_src.dimensions();
-  if (dc.size() != 1)
-    return ffi::Error::InvalidArgument(std::string(op) + ": rows_src must be [C], got " +
-                                       dims_str(dc));
+  JAX_EP_RETURN_IF_ERROR(expect_rank(op, "rows_src", dc, 1, "[C]"));
   const int64_t C = dc[0];
   const auto dd = rows_dups.dimensions();
   if (dd.size() != 2 || dd[0] != C || dd[1] > 32)
@@ -499,16 +488,12 @@ ffi::Error HtGemmCombineImpl(
                             "group's GPUs (peers read the rows as they are computed); per-process "
                             "groups run it unfused");
   const auto da = a.dimensions();
-  if (da.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(op) + ": a must be [C, I] bfloat16, got " +
-                                       dims_str(da));
+  JAX_EP_RETURN_IF_ERROR(expect_rank(op, "a", da, 2, "[C, I] bfloat16"));
   const int64_t C = da[0], I = da[1];
   int64_t L = 0, N = 0;
   JAX_EP_RETURN_IF_ERROR(fused_weights(op, w.dimensions(), "I", I, &L, &N));
   const auto dr = row_of.dimensions();
-  if (dr.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(op) + ": row_of must be [Cr, K], got " +
-                                       dims_str(dr));
+  JAX_EP_RETURN_IF_ERROR(expect_rank(op, "row_of", dr, 2, "[Cr, K]"));
   const int64_t Cr = dr[0], K = dr[1];
   const auto ds = send_rows.dimensions();
   if (ds.size() != 2 || ds[1] != group_size)
