@@ -4,13 +4,17 @@ In one run, same shapes, after warm-up, median over repetitions: ours (bf16 forw
 forward+backward, Zipf-skewed sizes, a quarter-used buffer, FP8), lax.ragged_dot, JAX's Pallas
 Mosaic GPU ragged_dot_mgpu (best of a small config sweep), a dense GEMM of the same FLOPs,
 CUTLASS's own grouped-GEMM example (example 57, when benchmarks/cutlass_example57.sh has built it
-into --cutlass-bin; it times itself: mean of 100 calls, after a warm-up call); the masked layout
-against the time to read the weights once at the HBM rate measured in the same run (a 2 GiB
-read).
+into --cutlass-bin; it times itself: mean of 100 calls, after a warm-up call), DeepGEMM's FP8
+grouped GEMMs on the same quantised operands (when benchmarks/deepgemm.sh has prepared
+--deepgemm and torch is installed); the masked layout against the time to read the weights once
+at the HBM rate measured in the same run (a 2 GiB read).
 Each figure is the slope between a jit-compiled scan of n_short calls and one of n_long calls
-(fixed per-execution costs cancel). Prints a table, writes bench_gemm.json and bench_gemm.png.
+(fixed per-execution costs cancel). The GPU's clock drifts during a run (power, heat), so the
+ratios that compare two kernels (ours against dense, Zipf against uniform, ours against
+DeepGEMM) are also measured in --rounds rounds that time each side in turn: the median of the
+per-round ratios. Prints a table, writes bench_gemm.json and bench_gemm.png.
 
-  python benchmarks/bench_gemm.py --out DIR [--quick]
+  python benchmarks/bench_gemm.py --out DIR [--quick] [--deepgemm .deepgemm]
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import jax.numpy as jnp
 import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import deepgemm_baseline as dgb  # noqa: E402
 from harness import barh_plot, time_op  # noqa: E402
 
 G_DEFAULT = 32
@@ -102,6 +107,21 @@ def cutlass_example(bin_dir, M, G, K, N):
     return out
 
 
+def paired(timers, rounds):
+    """Each timer (no arguments -> time_op's (median, min, max)) once per round, in turn:
+    {name: [median of each round]}."""
+    out = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            out[name].append(timer()[0])
+    return out
+
+
+def ratio_median(num, den):
+    """Median over rounds of num[i] / den[i]."""
+    return float(np.median([a / b for a, b in zip(num, den)]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -114,6 +134,9 @@ def main():
     ap.add_argument("--skip-ragged-dot", action="store_true")
     ap.add_argument("--cutlass-bin", default=".cutlass/bin",
                     help="folder of CUTLASS example 57 binaries (benchmarks/cutlass_example57.sh)")
+    ap.add_argument("--deepgemm", default="",
+                    help="DeepGEMM checkout (benchmarks/deepgemm.sh) for an FP8 baseline")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the paired ratios")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
@@ -135,6 +158,32 @@ def main():
         print(f"  {name:<44} {shape:<22} {r['ms']:9.3f} ms {tf} TFLOP/s {gb} GB/s", flush=True)
         return r
 
+    def deepgemm_pair(data, aq, wq, sizes, ours_out, tag, flops, K, N):
+        """DeepGEMM's contiguous FP8 GEMM on our quantised operands: checked against our
+        output, then both timed in paired rounds."""
+        if not dgm:
+            return
+        got = dgb.contiguous(dgm, aq, wq, sizes)
+        if got is None:
+            print("  DeepGEMM: group sizes not multiples of 128, skipped")
+            return
+        run, out = got
+        err = rel_err(out.float().cpu().numpy(), ours_out)
+        print(f"  check: DeepGEMM vs ours on the same FP8 operands ({data}) rel err {err:.2e}")
+        pr = paired({"ours": lambda: time_op(gm, (aq, wq, sizes), reps=reps),
+                     "deepgemm": lambda: dgb.time_slope(dgm, run, reps=reps)}, rounds)
+        for who in ("ours", "deepgemm"):
+            v = pr[who]
+            record(f"{'ours' if who == 'ours' else 'DeepGEMM'} FP8 fwd, {data}, paired rounds",
+                   tag, (float(np.median(v)), min(v), max(v)), flops,
+                   impl="ours" if who == "ours" else "deepgemm",
+                   op="fp8-paired" if data == "normal data" else "fp8-int-paired",
+                   dist="uniform", K=K, N=N, rounds_ms=[t * 1e3 for t in v],
+                   **({"rel_err_vs_ours": err} if who != "ours" else {}))
+        print(f"  ours / DeepGEMM speed ({data}): {ratio_median(pr['deepgemm'], pr['ours']):.3f}"
+              " (median of the per-round ratios)", flush=True)
+        del out
+
     # HBM rate: a 2 GiB device-to-device copy (bytes read + written) and a 2 GiB read-only
     # reduction; the higher rate is the floor's rate.
     n = 1 << (30 if args.backend == "cuda" else 20)
@@ -151,6 +200,8 @@ def main():
     if args.quick:
         sweep = sweep[:1]
     pallas = pallas_ragged_dot(sweep)
+    dgm = dgb.load(args.deepgemm) if args.backend == "cuda" else None
+    rounds = args.rounds
 
     for shp in args.shapes.split(","):
         K, N = map(int, shp.split("x"))
@@ -235,6 +286,20 @@ def main():
         dense = record("dense GEMM, same FLOPs (XLA / cuBLAS)", f"{M}x{K} @ {K}x{N}",
                        time_op(lambda x, y: x @ y, (a, dense_b), reps=reps), flops,
                        impl="dense", op="fwd", K=K, N=N)
+        pr = paired({"uniform": functools.partial(time_op, gm, (a, w, s_uni), reps=reps),
+                     "zipf": functools.partial(time_op, gm, (a, w, s_zipf), reps=reps),
+                     "dense": functools.partial(time_op, lambda x, y: x @ y, (a, dense_b),
+                                                reps=reps)}, rounds)
+        pair = dict(name="paired rounds: ours bf16 fwd / dense, Zipf / uniform", shape=tag,
+                    op="paired", K=K, N=N, rounds={k: [t * 1e3 for t in v] for k, v in pr.items()},
+                    vs_dense=ratio_median(pr["dense"], pr["uniform"]),
+                    zipf_vs_uniform=ratio_median(pr["uniform"], pr["zipf"]))
+        results.append(pair)
+        print("  paired rounds (ms, each round: uniform / Zipf / dense): " + "; ".join(
+            f"{u * 1e3:.3f} / {z * 1e3:.3f} / {d * 1e3:.3f}"
+            for u, z, d in zip(pr["uniform"], pr["zipf"], pr["dense"]))
+            + f" -> ours {pair['vs_dense']:.3f} of dense, Zipf {pair['zipf_vs_uniform']:.3f} of "
+            "uniform (medians of the per-round ratios)", flush=True)
 
         # FP8: block-scaled e4m3 activations and weights, bf16 out
         aq = jax.jit(jax_ep.quantize_fp8)(a)
@@ -245,6 +310,7 @@ def main():
         f8r = record("ours FP8 fwd (1x128 / 128x128 scales)", tag,
                      time_op(gm, (aq, wq, s_uni), reps=reps), flops, impl="ours", op="fp8",
                      dist="uniform", K=K, N=N, rel_err=err8)
+        deepgemm_pair("normal data", aq, wq, s_uni, f8, tag, flops, K, N)
         del aq, wq, f8
         # FP8 on integer data in [-2, 2] (the example's FP8 fill), quantised as above
         aq = jax.jit(jax_ep.quantize_fp8)(jnp.asarray(rng.integers(-2, 3, (M, K)), jnp.bfloat16))
@@ -253,6 +319,7 @@ def main():
         f8i = record("ours FP8 fwd, integer data", tag, time_op(gm, (aq, wq, s_uni), reps=reps),
                      flops, impl="ours", op="fp8-int", dist="uniform", K=K, N=N,
                      data="integers -2..2")
+        deepgemm_pair("integer data", aq, wq, s_uni, jax.jit(gm)(aq, wq, s_uni), tag, flops, K, N)
         del aq, wq
 
         # CUTLASS example 57, best kernel of each of its builds (bf16 builds: best of the two)
@@ -312,6 +379,33 @@ def main():
                  else ""))
         del a, w, dense_b, ours, dense_ref
 
+    def masked_deepgemm(lhs, rhs, counts, floor, useful, wbytes, tag):
+        """DeepGEMM's masked FP8 GEMM (rows past the counts left as they were) on our operands,
+        checked on the valid rows, then timed in paired rounds with ours, zero_padding=False."""
+        run, out = dgb.masked(dgm, lhs, rhs, counts)
+        ours = np.asarray(jax.jit(functools.partial(gmm, zero_padding=False))(lhs, rhs, counts),
+                          np.float32)
+        got = out.float().cpu().numpy()
+        valid = np.arange(ours.shape[1])[None, :] < np.asarray(counts)[:, None]
+        err = rel_err(got[valid], ours[valid])
+        print(f"  check: DeepGEMM masked vs ours on the valid rows rel err {err:.2e}")
+        pr = paired({"ours": lambda: time_op(functools.partial(gmm, zero_padding=False),
+                                             (lhs, rhs, counts), reps=reps),
+                     "deepgemm": lambda: dgb.time_slope(dgm, run, reps=reps)}, rounds)
+        for who in ("ours", "deepgemm"):
+            v = pr[who]
+            med = float(np.median(v))
+            record(f"{'ours' if who == 'ours' else 'DeepGEMM'} masked FP8 (no zero rows), "
+                   "paired rounds", tag, (med, min(v), max(v)), useful, wbytes,
+                   impl="ours" if who == "ours" else "deepgemm", op="masked-FP8-paired",
+                   zero_padding=False, rounds_ms=[t * 1e3 for t in v],
+                   vs_weight_read=med / floor)
+        print(f"  masked FP8 without zero rows, paired rounds: ours "
+              f"{np.median(pr['ours']) / floor:.3f}x, DeepGEMM "
+              f"{np.median(pr['deepgemm']) / floor:.3f}x the weight read; ours / DeepGEMM speed "
+              f"{ratio_median(pr['deepgemm'], pr['ours']):.3f}", flush=True)
+        del out
+
     # Masked layout (decode): G groups of capacity C, counts averaging 32.
     Gm, C, K, N = map(int, args.masked.split(","))
     tag = f"G={Gm} C={C} K={K} N={N}"
@@ -334,15 +428,19 @@ def main():
                        vs_weight_read=t[0] / floor)
             print(f"  {label} zero_padding={zp}: {r['ms']:.3f} ms = {t[0] / floor:.3f}x the "
                   f"weight read at the HBM rate ({floor * 1e3:.3f} ms for {wbytes / 1e9:.2f} GB)")
+        if label == "FP8" and dgm:
+            masked_deepgemm(lhs, rhs, counts, wbytes / hbm_rate, useful, wbytes, tag)
 
     with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
         json.dump(dict(device=dev.device_kind, jax=jax.__version__, hbm_copy_gbps=hbm_rate / 1e9,
                        results=results), f, indent=1)
-    tf = [r for r in results if r["tflops"] and r.get("op") in (
-        "fwd", "fwd+bwd", "fp8", "fwd-int", "fp8-int", "ex57-bf16", "ex57-fp8")]
+    tf = [r for r in results if r.get("tflops") and r.get("op") in (
+        "fwd", "fwd+bwd", "fp8", "fwd-int", "fp8-int", "ex57-bf16", "ex57-fp8", "fp8-paired",
+        "fp8-int-paired")]
     barh_plot(os.path.join(args.out, "bench_gemm.png"),
               [f"{r['name']} | {r['shape'].split(' K=')[-1]}" for r in tf],
-              [r["tflops"] for r in tf], "TFLOP/s (one H200)")
+              [r["tflops"] for r in tf], "TFLOP/s (one H200)",
+              figsize=(13, 1 + 0.3 * len(tf)))
     print("\nwrote", os.path.join(args.out, "bench_gemm.json"))
 
 

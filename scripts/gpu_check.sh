@@ -16,7 +16,7 @@
 #   of which tests catch which bug goes to $OUT/mutations.log;
 #   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS), with
 #   CUTLASS's example 57 in the same run when benchmarks/cutlass_example57.sh built it into
-#   .cutlass/bin;
+#   .cutlass/bin, and DeepGEMM when benchmarks/deepgemm.sh prepared .deepgemm;
 #   bench-moe: the MoE layer benchmark (benchmarks/bench_moe.py; MOE_BENCH_ARGS);
 #   bench-moe-ranks: the layer over the machine's GPUs, fused against communication and GEMMs
 #   alone (benchmarks/bench_moe_ranks.py; MOE_RANKS, default all GPUs; MOE_RANKS_ARGS). The GPU
@@ -254,8 +254,13 @@ if has bench-quick; then
 fi
 if has bench-gemm; then
   step "grouped-GEMM benchmark"
+  DG=
+  if [ -d .deepgemm/deep_gemm ] && bash benchmarks/deepgemm.sh .deepgemm; then
+    DG="--deepgemm $PWD/.deepgemm"
+  fi
   (cd /tmp && timeout ${GEMM_BENCH_TIMEOUT:-580} $PY "$OLDPWD/benchmarks/bench_gemm.py" --out "$OUT" \
-     --cutlass-bin "$OLDPWD/.cutlass/bin" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gemm.log" | tail -45) || rc=1
+     --cutlass-bin "$OLDPWD/.cutlass/bin" $DG ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gemm.log" \
+     | tail -45) || rc=1
 fi
 if has bench-moe; then
   step "MoE layer benchmark (one GPU)"
