@@ -169,7 +169,8 @@ def main():
             return
         run, out = got
         err = rel_err(out.float().cpu().numpy(), ours_out)
-        print(f"  check: DeepGEMM vs ours on the same FP8 operands ({data}) rel err {err:.2e}")
+        print(f"  check: DeepGEMM vs ours on the same FP8 operands ({data}) rel err {err:.2e}"
+              + ("  MISMATCH" if err > 1e-2 else ""))
         pr = paired({"ours": lambda: time_op(gm, (aq, wq, sizes), reps=reps),
                      "deepgemm": lambda: dgb.time_slope(dgm, run, reps=reps)}, rounds)
         for who in ("ours", "deepgemm"):
@@ -388,7 +389,8 @@ def main():
         got = out.float().cpu().numpy()
         valid = np.arange(ours.shape[1])[None, :] < np.asarray(counts)[:, None]
         err = rel_err(got[valid], ours[valid])
-        print(f"  check: DeepGEMM masked vs ours on the valid rows rel err {err:.2e}")
+        print(f"  check: DeepGEMM masked vs ours on the valid rows rel err {err:.2e}"
+              + ("  MISMATCH" if err > 1e-2 else ""))
         pr = paired({"ours": lambda: time_op(functools.partial(gmm, zero_padding=False),
                                              (lhs, rhs, counts), reps=reps),
                      "deepgemm": lambda: dgb.time_slope(dgm, run, reps=reps)}, rounds)

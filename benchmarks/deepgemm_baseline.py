@@ -7,8 +7,8 @@ layout changes (DeepGEMM reads the activation scales M-major). Its contiguous la
 group's rows to be a multiple of 128, and its masked layout leaves rows past the counts as they
 were (jax_ep's `zero_padding=False`).
 
-DeepGEMM is timed as jax_ep is (harness.time_slope): the slope between n_short and n_long calls,
-here back-to-back launches on torch's stream, over interleaved pairs of runs.
+DeepGEMM is timed the way harness.time_slope times jax_ep: the slope between n_short and n_long
+calls (here back-to-back launches on torch's stream), over interleaved pairs of runs.
 """
 from __future__ import annotations
 
