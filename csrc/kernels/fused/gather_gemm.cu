@@ -9,9 +9,9 @@
 //   once: its first row (in its lowest expert's segment) also writes its other rows here (the
 //   copies in rows_dups) and adds each to its row block's counter; those rows (rows_src -2) are
 //   skipped where they lie. Rows past the last segment (and their GEMM output rows) come last
-//   in that order, and are zeroed. Once the queue is empty the block tells its peers it is done
-//   arrives at the end barrier (its first step: the last copy block to arrive tells the peers
-//   this rank is done reading) and joins the tiles.
+//   in that order, and are zeroed. Once the queue is empty the block arrives at the end
+//   barrier (its first step: the last copy block to arrive tells the peers this rank is done
+//   reading) and joins the tiles.
 // - tiles come from one tile queue shared by every block (kernels/fused/tiles.cuh), in row-block
 //   order: tile i is row block b = i / nN and column block i % nN, of the expert whose segment
 //   holds b, computed with CUTLASS's SM90 collectives (TMA loads into a smem pipeline, warpgroup
@@ -66,7 +66,7 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
   for (int s = 0; s < R; ++s) vec = vec && ht::aligned16(s_x[s]);
   const bool vec_h = Nb % 16 == 0 && ht::aligned16(h);
   const int recv = rows_in_segments(a.sizes, a.L, a.C, lane);
-  int* queue = a.counters + (a.C + kBlockM - 1) / kBlockM + kTaskQueue;
+  int* queue = a.counters + row_blocks(a.C) + kTaskQueue;
   const int64_t chunks = (static_cast<int64_t>(a.C) + kChunkRows - 1) / kChunkRows;
   const int64_t T = a.T;
   for (;;) {
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   const TileProblem t{a.sizes, a.C, a.L, a.H, a.N};
   run_tiles(
-      p.tiles, ss, t, a.counters + (a.C + kBlockM - 1) / kBlockM + kTileQueue, wait_for_rows,
+      p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows,
       [lane](TileRing& ring) {
         while (ring.next(lane) >= 0) {
         }

@@ -55,8 +55,6 @@ constexpr const char* kPhaseTokens = "ht_gemm_combine: wait for every token's co
 constexpr const char* kPhaseStarted = "ht_gemm_combine: wait for every tile block's start";
 constexpr const char* kPhaseEnd = "ht_gemm_combine: end barrier";
 
-__device__ __forceinline__ int row_blocks(int C) { return (C + kBlockM - 1) / kBlockM; }
-
 // acc[0..8) += w * the 8 bfloat16 of v, product then sum rounded apart (no contraction: the
 // unfused combine's weighting multiplies, then sums).
 __device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
