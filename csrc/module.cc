@@ -235,6 +235,7 @@ NB_MODULE(_C, m) {
   m.def("ht_scratch_words", &jax_ep::ht::ht_scratch_words, nb::arg("R"), nb::arg("T"),
         "int32 words of jax_ep_ht_dispatch's scratch result (csrc/kernels/high_throughput.cuh).");
   m.attr("fused_block_rows") = jax_ep::fused::kBlockM;
+  m.attr("fused_max_dups") = jax_ep::fused::kMaxDups;
   m.def("fused_counter_words", &jax_ep::fused::counter_words, nb::arg("C"),
         "int32 words of the fused kernels' counters result for C expert-major rows "
         "(csrc/kernels/fused/sizes.h).");

@@ -350,14 +350,15 @@ class _FusedConfig(NamedTuple):
     copy_blocks: int  # blocks that pull rows (0: the kernel's automatic share)
 
 
-def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name):
+def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name, max_dups):
     """Each token of another rank crosses the link once: (rows_src with -2 on the rows that are
     copies of an earlier row of the same token, rows_dups [C, D]: the copies of each token's
-    first row (its lowest expert's), -1 padded). D = 0 (nothing deduplicated) with one rank or
-    one row per token."""
+    first row (its lowest expert's), -1 padded, D = min(K - 1, max_dups), the kernel's limit
+    `jax_ep._C.fused_max_dups`). D = 0 (nothing deduplicated) with one rank or one row per
+    token."""
     C = rows_src.shape[0]
     R, rank = ref.axis_info(axis_name)
-    D = min(row_of.shape[1], 33) - 1
+    D = min(row_of.shape[1] - 1, max_dups)
     if R == 1 or D <= 0:
         return rows_src, jnp.zeros((C, 0), jnp.int32)
     valid = (row_of >= 0) & ref.first_occurrence(ridx)        # the token's distinct rows
@@ -365,8 +366,8 @@ def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name):
     remote = (recv_src >= 0) & (recv_src // T != rank)
     copies = valid & (row_of != first[:, None]) & remote[:, None]
     dups = -jnp.sort(-jnp.where(copies, row_of, -1), axis=1)[:, :D]   # highest D copies first
-    # only the copies listed are skipped where they lie (a token with more than D copies, top-k
-    # > 33, reads the rest itself)
+    # only the copies listed are skipped where they lie (a token with more than D copies reads
+    # the rest itself)
     listed = copies & (row_of >= dups[:, D - 1:D])
     rows_dups = jnp.full((C, D), -1, jnp.int32).at[
         jnp.where(jnp.any(copies, axis=1), first, C)].set(dups.astype(jnp.int32), mode="drop")
@@ -454,7 +455,7 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     rows_src = jnp.where(src >= 0, handle.recv_src[jnp.maximum(src, 0) // K], -1)
     row_first = jnp.where(ref.first_occurrence(ridx), lay["row_of"], -1)
     rows_src, rows_dups = _dedup_plan(rows_src, lay["row_of"], ridx, handle.recv_src, T,
-                                      axis_name)
+                                      axis_name, runtime.extension().fused_max_dups)
     xe, h = _gather_matmul(x, w, rows_src, rows_dups, lay["expert_sizes"], src, row_first, handle,
                            _FusedConfig(cfg, K, copy_blocks))
     return ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"],

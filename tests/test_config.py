@@ -71,6 +71,7 @@ def test_the_extension_owns_its_sizes_and_trace_marks():
     assert ext.fused_block_rows % 64 == 0    # whole tiles of the fused GEMM
     rows = ext.fused_block_rows      # a counter per row block, then 4 words
     assert [ext.fused_counter_words(c) for c in (1, rows, rows + 1)] == [5, 5, 6]
+    assert 1 <= ext.fused_max_dups <= 32     # a first row's copies: one per lane of its warp
     marks = ext.trace_marks
     assert marks[0] == "layout start" and len(marks) >= 20
     assert max(marks) < ext.trace_slots and max(ext.diag_marks) < ext.trace_slots

@@ -222,12 +222,14 @@ def test_expert_layout_bad_arguments(mesh2):
         smap(mesh2, bad_rows)(x, idx)
 
 
-@pytest.mark.parametrize("R,K,L", [(1, 4, 3), (4, 4, 3), (2, 40, 40)])
-def test_fused_gather_reads_each_token_of_another_rank_once(R, K, L):
+@pytest.mark.parametrize("R,K,L,max_dups", [(1, 4, 3, 32), (4, 4, 3, 32), (2, 40, 40, 32),
+                                             (4, 8, 8, 3)])
+def test_fused_gather_reads_each_token_of_another_rank_once(R, K, L, max_dups):
     """The fused gather's plan against a NumPy oracle: a token of another rank with several
     distinct rows here is read by its lowest row, which also writes the others (listed in
-    rows_dups, highest first, at most D = min(K, 33) - 1), and the listed rows are marked -2;
-    tokens of this rank and tokens with one row are left alone. One rank: nothing changes."""
+    rows_dups, highest first, at most D = min(K - 1, max_dups)), and the listed rows are marked
+    -2; tokens of this rank and tokens with one row are left alone. One rank: nothing changes.
+    (The kernel's max_dups is jax_ep._C.fused_max_dups; the plan takes any.)"""
     from jax_ep import high_throughput as ht
     T, Cr = 5, 12
     C = Cr * K + 20
@@ -249,10 +251,10 @@ def test_fused_gather_reads_each_token_of_another_rank_once(R, K, L):
     rows_src = rng.integers(-1, R * T, size=(R, C)).astype(np.int32)
 
     got_src, got_dups = jax.vmap(
-        lambda s, o, i, rs: ht._dedup_plan(s, o, i, rs, T, "ep"), axis_name="ep")(
+        lambda s, o, i, rs: ht._dedup_plan(s, o, i, rs, T, "ep", max_dups), axis_name="ep")(
             rows_src, row_of, ridx, recv_src)
     got_src, got_dups = np.asarray(got_src), np.asarray(got_dups)
-    D = 0 if R == 1 else min(K, 33) - 1
+    D = 0 if R == 1 else min(K - 1, max_dups)
     assert got_dups.shape == (R, C, D)
     want_src, want_dups = rows_src.copy(), np.full((R, C, D), -1, np.int32)
     marked = 0

@@ -424,10 +424,10 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   JAX_EP_RETURN_IF_ERROR(expect_rank(op, "rows_src", dc, 1, "[C]"));
   const int64_t C = dc[0];
   const auto dd = rows_dups.dimensions();
-  if (dd.size() != 2 || dd[0] != C || dd[1] > 32)
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": rows_dups must be [C=" + std::to_string(C) +
-                                       ", D] with D <= 32, got " + dims_str(dd));
+  if (dd.size() != 2 || dd[0] != C || dd[1] > jax_ep::fused::kMaxDups)
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": rows_dups must be [C=" + std::to_string(C) +
+        ", D] with D <= " + std::to_string(jax_ep::fused::kMaxDups) + ", got " + dims_str(dd));
   JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
   JAX_EP_CHECK_SHAPE(*xe, op, "xe", C, H);
   JAX_EP_CHECK_SHAPE(*h, op, "h", C, N);

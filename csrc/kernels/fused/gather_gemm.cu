@@ -53,7 +53,8 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
   const PeerSlots& ps = a.ps;
   const int R = ps.num_ranks, tid = threadIdx.x, lane = tid & 31;
   __shared__ const uint8_t* s_x[kMaxRanks];
-  __shared__ int s_copies[kThreads / 32][32];  // per warp: the copies of the row it writes
+  static_assert(kMaxDups <= 32, "a row's copies are one per lane of its warp");
+  __shared__ int s_copies[kThreads / 32][kMaxDups];  // per warp: the copies of the row it writes
   const void* ptrs[1] = {a.x};
   if (!ht::publish_and_wait(ps, ptrs, 1, e, a.timeout_ns, kPhasePeers)) return false;
   if (tid < R) s_x[tid] = peer_ptr<const uint8_t>(ps, tid, 0);

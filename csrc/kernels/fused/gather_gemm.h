@@ -20,7 +20,7 @@ struct GatherGemmArgs {
   const void* x;             // [T, H] own tokens, published for the peers
   const int32_t* rows_src;   // [C] source of each expert-major row: s * T + t, -1 (zero row) or
                              // -2 (a copy, written by its token's first row: rows_dups)
-  const int32_t* rows_dups;  // [C, D] a first row's copies on this rank (-1: none), D <= 32
+  const int32_t* rows_dups;  // [C, D] a first row's copies on this rank (-1: none), D <= kMaxDups
   const int32_t* sizes;      // [L] segment lengths, multiples of kBlockM (the last clipped to C)
   const void* w;             // [L, H, N]
   int T, C, L, D;

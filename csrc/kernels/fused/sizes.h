@@ -1,5 +1,6 @@
 // Sizes and settings of the fused kernels (kernels/fused/) that the handler and the Python side
-// share (exported as jax_ep._C.fused_block_rows and fused_counter_words). Plain C++.
+// share (exported as jax_ep._C.fused_block_rows, fused_max_dups and fused_counter_words).
+// Plain C++.
 #pragma once
 
 namespace jax_ep {
@@ -12,6 +13,9 @@ constexpr int kBlockM = 128;
 constexpr int kThreads = 384;
 // Most local experts (their segment starts sit in shared memory).
 constexpr int kMaxExperts = 1024;
+// Most copies a token's first row writes for the other rows of the same token (one per lane of
+// the warp that copies the row: the width of rows_dups, exported as jax_ep._C.fused_max_dups).
+constexpr int kMaxDups = 32;
 
 // The automatic number of copy blocks out of `share` blocks (one per SM): an eighth of them
 // (16 of an H200's 132). They take tiles too once the rows are copied, so more copy blocks cost
