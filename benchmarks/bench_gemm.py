@@ -35,7 +35,7 @@ import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deepgemm_baseline as dgb  # noqa: E402
-from harness import barh_plot, time_op  # noqa: E402
+from harness import barh_plot, paired, ratio_median, time_op  # noqa: E402
 
 G_DEFAULT = 32
 
@@ -105,21 +105,6 @@ def cutlass_example(bin_dir, M, G, K, N):
         for kernel, ms, tf in runs:
             print(f"  {exe} {kernel}: {ms:.3f} ms = {tf:.1f} TFLOP/s")
     return out
-
-
-def paired(timers, rounds):
-    """Each timer (no arguments -> time_op's (median, min, max)) once per round, in turn:
-    {name: [median of each round]}."""
-    out = {name: [] for name in timers}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            out[name].append(timer()[0])
-    return out
-
-
-def ratio_median(num, den):
-    """Median over rounds of num[i] / den[i]."""
-    return float(np.median([a / b for a, b in zip(num, den)]))
 
 
 def main():

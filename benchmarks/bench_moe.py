@@ -3,8 +3,9 @@
 Shapes (per rank): T tokens, hidden H, intermediate I, L experts, top-K, bf16. In one run,
 after warm-up, median over repetitions:
 - moe_ffn forward and forward + backward (the gradients of x, topk_weights, w_gate_up and
-  w_down), unfused and fused (fused=True), the fused layer with only its first half fused,
-  the time split of both halves, and optionally sweeps of fused_copy_blocks and
+  w_down), unfused and fused (fused=True), also in --rounds paired rounds (each timed in turn:
+  the median of the per-round fused / unfused ratios), the fused layer with only its first
+  half fused, the time split of both halves, and optionally sweeps of fused_copy_blocks and
   fused_combine_blocks;
 - its own grouped GEMMs alone, at the layer's group sizes: forward (gate/up and down) and
   backward (d lhs and d rhs of each);
@@ -36,7 +37,7 @@ from jax_ep import high_throughput as _ht, moe as _moe, reference as _ref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
-from harness import barh_plot, time_op  # noqa: E402
+from harness import barh_plot, op_timer, paired, ratio_median, time_op  # noqa: E402
 
 
 def rel_err(a, b):
@@ -63,6 +64,8 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
     ap.add_argument("--skip-ragged-dot", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of the paired fused / unfused ratios")
     ap.add_argument("--copy-blocks", default="",
                     help="comma-separated fused_copy_blocks values to time the fused layer with")
     ap.add_argument("--combine-blocks", default="",
@@ -142,6 +145,20 @@ def main():
     fb_f = record("moe_ffn(fused=True) forward + backward",
                   time_op(functools.partial(layer_fb, fn=layer_fused), lay_args, reps=reps),
                   3 * flops_fwd, impl="ours-fused", op="fwd+bwd")
+
+    # fused / unfused in paired rounds (each side timed in turn, each compiled once): the clock
+    # drifts during a run by more than the two differ
+    pr = paired({"fwd": op_timer(layer, lay_args, reps=reps),
+                 "fwd_fused": op_timer(layer_fused, lay_args, reps=reps),
+                 "fb": op_timer(layer_fb, lay_args, reps=reps),
+                 "fb_fused": op_timer(functools.partial(layer_fb, fn=layer_fused), lay_args,
+                                      reps=reps)}, args.rounds)
+    rounds = {k: [t * 1e3 for t in v] for k, v in pr.items()}
+    per_round = {k: [f / u for f, u in zip(rounds[k + "_fused"], rounds[k])] for k in ("fwd", "fb")}
+    for k, what in (("fwd", "forward"), ("fb", "forward + backward")):
+        print(f"  paired rounds, fused / unfused {what}: median "
+              f"{ratio_median(pr[k + '_fused'], pr[k]):.3f}, rounds "
+              + " ".join(f"{r:.3f}" for r in per_round[k]), flush=True)
 
     # the fused layer with its second half unfused: the fused GEMM + combine's own effect
     def layer_fused_first(x, idx, w, wgu, wd):
@@ -272,6 +289,8 @@ def main():
                   fused_fwd_vs_fused_first_half_only=fwd_f["ms"] / fwd_f1["ms"],
                   fused_fwd_bwd_vs_unfused=fb_f["ms"] / fb["ms"],
                   fused_half_vs_unfused_half=hf["ms"] / hu["ms"],
+                  fused_fwd_vs_unfused_paired=ratio_median(pr["fwd_fused"], pr["fwd"]),
+                  fused_fwd_bwd_vs_unfused_paired=ratio_median(pr["fb_fused"], pr["fb"]),
                   fwd_vs_own_gemms=fwd["ms"] / gemm_fwd_ms,
                   fwd_bwd_vs_own_gemms=fb["ms"] / gemm_fb_ms,
                   dispatch_combine_share_of_fwd=dc["ms"] / fwd["ms"],
@@ -287,7 +306,8 @@ def main():
     with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
         json.dump(dict(device=dev.device_kind, jax=jax.__version__, shape=tag, ranks=1,
                        gemm_fwd_ms=gemm_fwd_ms, gemm_fwd_bwd_ms=gemm_fb_ms, ratios=ratios,
-                       fused_split=split, fused_copy_blocks_sweep=copy_sweep,
+                       fused_split=split, fused_paired_rounds_ms=rounds,
+                       fused_paired_rounds_ratio=per_round, fused_copy_blocks_sweep=copy_sweep,
                        fused_combine_blocks_sweep=sweep,
                        results=results), f, indent=1)
     rs = [r for r in results if r["op"] in ("fwd", "fwd+bwd")]

@@ -84,16 +84,40 @@ def timed_scan(mesh, body, args, iters, reps):
     return time_fn(scan_fn(mesh, body, iters), args, iters, reps)
 
 
-def time_op(fn, args, n_short=2, n_long=8, reps=5):
-    """(median, min, max) seconds per call of fn(*args) on the first device: the slope between
-    a jit-compiled scan of n_short calls and one of n_long (scan_fn: calls chained through
-    optimization barriers, so they neither merge nor overlap), over `reps` interleaved pairs of
-    runs."""
+def op_timer(fn, args, n_short=2, n_long=8, reps=5):
+    """A timer of fn(*args) on the first device, compiled once: each call returns (median, min,
+    max) seconds per call, the slope between a jit-compiled scan of n_short calls and one of
+    n_long (scan_fn: calls chained through optimization barriers, so they neither merge nor
+    overlap), over `reps` interleaved pairs of runs."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
     fs = scan_fn(mesh, fn, n_short)
     fl = scan_fn(mesh, fn, n_long)
-    med, lo, hi, _ = time_slope(fs, fl, n_short, n_long, args, reps)
-    return med, lo, hi
+
+    def timer():
+        med, lo, hi, _ = time_slope(fs, fl, n_short, n_long, args, reps)
+        return med, lo, hi
+    return timer
+
+
+def time_op(fn, args, n_short=2, n_long=8, reps=5):
+    """op_timer's (median, min, max) seconds per call of fn(*args), measured once."""
+    return op_timer(fn, args, n_short, n_long, reps)()
+
+
+def paired(timers, rounds):
+    """Each timer (no arguments -> (median, min, max) seconds) once per round, in turn, so that
+    a clock drifting during the run weighs on every side alike: {name: [median of each
+    round]}."""
+    out = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            out[name].append(timer()[0])
+    return out
+
+
+def ratio_median(num, den):
+    """Median over rounds of num[i] / den[i]."""
+    return float(np.median([a / b for a, b in zip(num, den)]))
 
 
 def barh_plot(path, labels, values, xlabel, *, log=False, figsize=(11, 5)):
