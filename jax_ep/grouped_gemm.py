@@ -172,8 +172,9 @@ def _cuda_ok(backend, dtype, out_dtype, shape_check, what):
 
 
 def gemm_call(lhs, rhs, sizes, lhs_scales, rhs_scales, *, mode, rhs_kn, small_m, out_shape,
-               out_dtype, zero_padding=True):
-    """One jax_ep_grouped_gemm custom call (docs/ffi.md)."""
+               out_dtype, zero_padding=True, row_counts=None):
+    """One jax_ep_grouped_gemm custom call (docs/ffi.md). row_counts (mode "transposed"): [G]
+    rows of each group's segment to reduce over (the rest is padding), or None: all."""
     ext = runtime.extension()
     dtype_code = ext.gemm_dtypes[jnp.dtype(lhs.dtype).name]
     mode_code = ext.gemm_modes[mode]
@@ -188,7 +189,8 @@ def gemm_call(lhs, rhs, sizes, lhs_scales, rhs_scales, *, mode, rhs_kn, small_m,
     out, _ = _ffi.call(
         "jax_ep_grouped_gemm",
         [lhs, rhs, sizes, empty if lhs_scales is None else lhs_scales,
-         empty if rhs_scales is None else rhs_scales],
+         empty if rhs_scales is None else rhs_scales,
+         jnp.zeros((0,), jnp.int32) if row_counts is None else row_counts],
         [(out_shape, out_dtype), ((ws,), jnp.uint8)], pure=True,
         mode=mode_code, rhs_kn=bool(rhs_kn), small_m=bool(small_m),
         zero_padding=bool(zero_padding))
@@ -234,8 +236,9 @@ class _Config(NamedTuple):
     zero_padding: bool = True
 
 
-def _gmm_core(lhs, rhs, sizes, cfg):
-    """Forward of the float path."""
+def _gmm_core(lhs, rhs, sizes, counts, cfg):
+    """Forward of the float path (every row of each segment: padding rows are zeros)."""
+    del counts
     out_dtype, use_cuda, small_m = cfg.out_dtype, cfg.use_cuda, cfg.small_m
     if not use_cuda:
         return _ref_gmm(lhs, rhs, sizes, out_dtype)
@@ -244,13 +247,15 @@ def _gmm_core(lhs, rhs, sizes, cfg):
                       small_m=small_m, out_shape=(M, N), out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm_diff(lhs, rhs, sizes, cfg):
-    return _gmm_core(lhs, rhs, sizes, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gmm_diff(lhs, rhs, sizes, counts, cfg):
+    """The float path. counts: None, or [G] rows of each group that hold data (the rest of its
+    `sizes` rows are zero padding, which the weight gradient skips; the CUDA backend's only)."""
+    return _gmm_core(lhs, rhs, sizes, counts, cfg)
 
 
-def _gmm_fwd(lhs, rhs, sizes, cfg):
-    return _gmm_core(lhs, rhs, sizes, cfg), (lhs, rhs, sizes)
+def _gmm_fwd(lhs, rhs, sizes, counts, cfg):
+    return _gmm_core(lhs, rhs, sizes, counts, cfg), (lhs, rhs, sizes, counts)
 
 
 def _ref_vjp(product, lhs, rhs, g):
@@ -261,10 +266,10 @@ def _ref_vjp(product, lhs, rhs, g):
 
 
 def _gmm_bwd(cfg, res, g):
-    lhs, rhs, sizes = res
+    lhs, rhs, sizes, counts = res
     use_cuda = cfg.use_cuda
     if not use_cuda:
-        return _ref_vjp(lambda a, b: _ref_gmm(a, b, sizes, jnp.float32), lhs, rhs, g)
+        return _ref_vjp(lambda a, b: _ref_gmm(a, b, sizes, jnp.float32), lhs, rhs, g) + (None,)
     M, K = lhs.shape
     G, _, N = rhs.shape
     g = g.astype(lhs.dtype)
@@ -273,8 +278,9 @@ def _gmm_bwd(cfg, res, g):
                       small_m=False, out_shape=(M, K), out_dtype=lhs.dtype)
     # d rhs[g] = lhs[rows of g]^T @ dout[rows of g] (zeros for groups without rows).
     drhs = gemm_call(lhs, g, sizes, None, None, mode="transposed", rhs_kn=True,
-                      small_m=False, out_shape=(G, K, N), out_dtype=rhs.dtype)
-    return dlhs, drhs, None
+                      small_m=False, out_shape=(G, K, N), out_dtype=rhs.dtype,
+                      row_counts=counts)
+    return dlhs, drhs, None, None
 
 
 _gmm_diff.defvjp(_gmm_fwd, _gmm_bwd)
@@ -374,7 +380,15 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
                 or _unsupported("contiguous", a.dtype, False, G, M, N, K)
                 or _unsupported("transposed", a.dtype, True, G, M, K, N))
     use_cuda = _cuda_ok(backend, a.dtype, out_dtype, shapes_ok, "grouped_matmul")
-    return _gmm_diff(a, rq, sizes, _Config(out_dtype, use_cuda, small_m=small))
+    return _gmm_diff(a, rq, sizes, None, _Config(out_dtype, use_cuda, small_m=small))
+
+
+def padded_segments_matmul(lhs, rhs, sizes, counts):
+    """grouped_matmul(lhs, rhs, sizes) on the CUDA backend (16-bit lhs [M, K], rhs [G, K, N])
+    for segments whose rows past counts[g] are zero padding (an aligned expert-major layout):
+    its weight gradient reduces over the first counts[g] rows of each segment only."""
+    small = lhs.shape[0] <= _SMALL_M_ROWS * rhs.shape[0]
+    return _gmm_diff(lhs, rhs, sizes, counts, _Config(jnp.dtype(lhs.dtype), True, small_m=small))
 
 
 # ---------------------------------------------------------------------------------------------

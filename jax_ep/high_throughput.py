@@ -375,11 +375,12 @@ def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name, max_dups):
     return rows_src, rows_dups
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _gather_matmul(x, w, rows_src, rows_dups, sizes, src, row_first, handle, fcfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, fcfg):
     """(xe, h): xe[j] = the token of rows_src[j] (zero where -1; where -2, that of the row whose
-    rows_dups name j), h = grouped_matmul(xe, w, sizes), in one launch."""
-    del src, row_first, handle
+    rows_dups name j), h = grouped_matmul(xe, w, sizes), in one launch. counts: the rows of
+    each segment that hold data (the rest is padding up to the row block)."""
+    del counts, src, row_first, handle
     C, H, N = rows_src.shape[0], x.shape[1], w.shape[2]
     words = runtime.extension().fused_counter_words(C)
     xe, h, _ = _ffi.call("jax_ep_ht_gather_gemm", [x, rows_src, rows_dups, sizes, w],
@@ -389,24 +390,26 @@ def _gather_matmul(x, w, rows_src, rows_dups, sizes, src, row_first, handle, fcf
     return xe, h
 
 
-def _gather_matmul_fwd(x, w, rows_src, rows_dups, sizes, src, row_first, handle, fcfg):
+def _gather_matmul_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, fcfg):
     # Named like dispatch's outputs: under jax.checkpoint(policy=jax_ep.remat_policy) the
     # backward reuses them instead of running the kernel again.
-    xe, h = remat.named(_gather_matmul(x, w, rows_src, rows_dups, sizes, src, row_first, handle,
-                                       fcfg),
+    xe, h = remat.named(_gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first,
+                                       handle, fcfg),
                         remat.DISPATCH)
-    return (xe, h), (xe, w, sizes, src, row_first, handle)
+    return (xe, h), (xe, w, sizes, counts, src, row_first, handle)
 
 
 def _gather_matmul_bwd(fcfg, res, g):
-    xe, w, sizes, src, row_first, handle = res
+    xe, w, sizes, counts, src, row_first, handle = res
     g_xe, g_h = g
-    _, vjp = jax.vjp(lambda a, b: grouped_gemm.grouped_matmul(a, b, sizes, backend="cuda"), xe, w)
+    # the weight gradient skips each segment's padding rows (zeros in xe)
+    _, vjp = jax.vjp(lambda a, b: grouped_gemm.padded_segments_matmul(a, b, sizes, counts), xe,
+                     w)
     d_xe, d_w = vjp(g_h.astype(xe.dtype))
     d_xe = (d_xe.astype(jnp.float32) + g_xe.astype(jnp.float32)).astype(xe.dtype)
     d_rows = _expand_rows_bwd(fcfg.K, (src, row_first), d_xe)[0]
     dx = _combine_diff(d_rows, handle, fcfg.cfg)
-    return dx, d_w, None, None, None, None, None, None
+    return dx, d_w, None, None, None, None, None, None, None
 
 
 _gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
@@ -456,8 +459,8 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     row_first = jnp.where(ref.first_occurrence(ridx), lay["row_of"], -1)
     rows_src, rows_dups = _dedup_plan(rows_src, lay["row_of"], ridx, handle.recv_src, T,
                                       axis_name, runtime.extension().fused_max_dups)
-    xe, h = _gather_matmul(x, w, rows_src, rows_dups, lay["expert_sizes"], src, row_first, handle,
-                           _FusedConfig(cfg, K, copy_blocks))
+    xe, h = _gather_matmul(x, w, rows_src, rows_dups, lay["expert_sizes"], lay["counts"], src,
+                           row_first, handle, _FusedConfig(cfg, K, copy_blocks))
     return ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"],
                                 lay["counts"], lay["recv_count"], ehandle), h
 
@@ -488,29 +491,31 @@ def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg):
     return ye, out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _matmul_combine(a, w, weights, sizes, row_of, src, rank, ccfg):
-    """combine(grouped_matmul(a, w, sizes), handle) in one launch: [T, N] in a's dtype."""
-    del src
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _matmul_combine(a, w, weights, sizes, counts, row_of, src, rank, ccfg):
+    """combine(grouped_matmul(a, w, sizes), handle) in one launch: [T, N] in a's dtype.
+    counts: the rows of each segment that hold data (the backward's weight gradient)."""
+    del counts, src
     return _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg)[1]
 
 
-def _matmul_combine_fwd(a, w, weights, sizes, row_of, src, rank, ccfg):
+def _matmul_combine_fwd(a, w, weights, sizes, counts, row_of, src, rank, ccfg):
     # Named like combine's outputs (the backward's ye too: see _gather_matmul_fwd).
     ye, out = remat.named(_gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg),
                           remat.COMBINE)
-    return out, (a, w, ye, weights, sizes, row_of, src, rank)
+    return out, (a, w, ye, weights, sizes, counts, row_of, src, rank)
 
 
 def _matmul_combine_bwd(ccfg, res, g):
     # The unfused ops' backward, rule by rule: combine's (a gather), the pre-reduction's (on
     # the kernel's GEMM rows ye), the GEMM's (its forward, unused, is dropped by XLA).
-    a, w, ye, weights, sizes, row_of, src, rank = res
+    a, w, ye, weights, sizes, counts, row_of, src, rank = res
     g_rows = _gather_diff(g, rank, ccfg.cfg).astype(jnp.float32)
     d_ye, d_weights, _, _ = _reduce_rows_bwd(ccfg.K, (ye, weights, src, row_of), g_rows)
-    _, vjp = jax.vjp(lambda a, w: grouped_gemm.grouped_matmul(a, w, sizes, backend="cuda"), a, w)
+    _, vjp = jax.vjp(lambda a, w: grouped_gemm.padded_segments_matmul(a, w, sizes, counts), a,
+                     w)
     d_a, d_w = vjp(d_ye)
-    return d_a, d_w, d_weights, None, None, None, None
+    return d_a, d_w, d_weights, None, None, None, None, None
 
 
 _matmul_combine.defvjp(_matmul_combine_fwd, _matmul_combine_bwd)
@@ -549,8 +554,8 @@ def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=
     K = handle.row_of.shape[1]
     cfg = _Config(0, rank.recv_src.shape[0], axis_name, be)
     a, weights = _ffi.varying([a, handle.weights, rank.recv_src], axis_name)[:2]
-    return _matmul_combine(a, w, weights, res.expert_sizes, handle.row_of, handle.src, rank,
-                           _CombineConfig(cfg, K, combine_blocks))
+    return _matmul_combine(a, w, weights, res.expert_sizes, res.recv_tokens_per_expert,
+                           handle.row_of, handle.src, rank, _CombineConfig(cfg, K, combine_blocks))
 
 
 # ---------------------------------------------------------------------------------------------

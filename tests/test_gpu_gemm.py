@@ -152,6 +152,51 @@ def test_gradients_match_reference(dtype, kind):
     assert not np.any(np.asarray(db, np.float32)[empty]), "groups without rows: zero gradient"
 
 
+def test_weight_gradient_skips_segment_padding():
+    """padded_segments_matmul (the fused layer's GEMMs: segments aligned to a row block, zero
+    padding past each count): the forward and the lhs gradient as grouped_matmul over the
+    segments; the weight gradient over the first counts[g] rows of each segment only. The
+    padding rows here hold noise, so a reduction over them shows."""
+    _gpu()
+    from jax_ep import grouped_gemm as gg
+    K, N, A = 512, 384, 128
+    counts = np.array([0, 1, 127, 128, 129, 300, 0, 256], np.int32)
+    sizes = (counts + A - 1) // A * A
+    G, M = len(counts), int(sizes.sum()) + 64          # and an unused tail
+    rng = np.random.default_rng(41)
+    a, b = _operands(rng, M, K, N, G, jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    data = np.zeros(M, bool)
+    for s0, c in zip(start, counts):
+        data[s0:s0 + c] = True
+    sizes, counts = jnp.asarray(sizes), jnp.asarray(counts)
+
+    def loss(f, a, b):
+        return jnp.sum(f(a, b).astype(jnp.float32) * dout)
+    _poison()
+    y = jax.jit(gg.padded_segments_matmul)(a, b, sizes, counts)
+    da, db = jax.jit(jax.grad(functools.partial(
+        loss, lambda a, b: gg.padded_segments_matmul(a, b, sizes, counts)), argnums=(0, 1)))(a, b)
+
+    def ref(a, b):
+        return jax_ep.grouped_matmul(a, b, sizes, backend="reference")
+    ry = jax.jit(ref)(a, b)
+    ra = jax.jit(jax.grad(functools.partial(loss, ref), argnums=0))(a, b)
+    # the weight gradient of the data rows alone: the padding rows zeroed
+    a_data = jnp.where(jnp.asarray(data)[:, None], a, 0)
+    rb = jax.jit(jax.grad(functools.partial(loss, ref), argnums=1))(a_data, b)
+    assert _rel(y, ry) < 1e-2
+    assert _rel(da, ra) < 1e-2
+    assert _rel(db, rb) < 1e-2
+    assert not np.any(np.asarray(db, np.float32)[np.asarray(counts) == 0])
+    with pytest.raises(Exception, match="row_counts applies to mode 2"):
+        jax.jit(lambda a, b: gg.gemm_call(a, b, sizes, None, None, mode="contiguous",
+                                          rhs_kn=True, small_m=False, out_shape=(M, N),
+                                          out_dtype=jnp.bfloat16, row_counts=counts))(
+            a, b).block_until_ready()
+
+
 # K = 1024, 512, 128, 384 and 640: 8, 4, 1, 3 and 5 K tiles (the FP8 mainloop alternates two
 # accumulators over the K tiles: even and odd counts end differently)
 @pytest.mark.parametrize("shape", [(4096, 1024, 512, 8), (600, 512, 256, 16), (1, 128, 128, 2),

@@ -25,8 +25,9 @@ ffi::Error bad(const std::string& m) { return jax_ep::op_error("jax_ep_grouped_g
 ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
                            ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> sizes,
                            ffi::Buffer<ffi::F32> lhs_scales, ffi::Buffer<ffi::F32> rhs_scales,
-                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::U8>> ws,
-                           int64_t mode, bool rhs_kn, bool small_m, bool zero_padding) {
+                           ffi::Buffer<ffi::S32> row_counts, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::Buffer<ffi::U8>> ws, int64_t mode, bool rhs_kn,
+                           bool small_m, bool zero_padding) {
   gemm::Call c;
   gemm::GemmShape& s = c.s;
   if (mode < 0 || mode > 2) return bad("mode must be 0, 1 or 2, got " + std::to_string(mode));
@@ -92,6 +93,12 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
     }
     JAX_EP_EXPECT_DIMS(rhs_scales, "rhs_scales", s.G, KB, NB);
   }
+  if (row_counts.element_count() > 0) {
+    if (s.mode != gemm::Mode::kTransposed)
+      return bad("row_counts applies to mode 2 (the weight gradient) only; pass [0]");
+    JAX_EP_EXPECT_DIMS(row_counts, "row_counts", s.G);
+    c.row_counts = row_counts.typed_data();
+  }
   c.device = device;
   c.sm_count = jax_ep::sm_count(device);
   if (c.sm_count <= 0)
@@ -124,6 +131,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemm, GroupedGemmImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group sizes / counts [G]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lhs_scales (FP8; else [0])
                                   .Arg<ffi::Buffer<ffi::F32>>()  // rhs_scales (FP8; else [0])
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_counts (mode 2; or [0])
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::Buffer<ffi::U8>>()   // workspace
                                   .Attr<int64_t>("mode")

@@ -7,6 +7,8 @@
 //   kMasked:      out[g, :count_g] = lhs[g, :count_g] @ op(rhs[g])    lhs [G, C, K], out [G, C, N]
 //   kTransposed:  out[g] = lhs[rows of g]^T @ rhs2[rows of g]         lhs [M, K], rhs2 [M, N],
 //                                                                      out [G, K, N]
+//                 (with row_counts, only the first row_counts[g] rows of group g: the rest of
+//                 its segment is padding, skipped)
 // op(rhs[g]) is rhs[g] for rhs [G, K, N] (rhs_kn) or rhs[g]^T for rhs [G, N, K]. The rows of group
 // g in the contiguous layouts start at the sum of the earlier (non-negative) group sizes and are
 // clipped to [0, M). Every output element outside the groups' rows is written with zeros
@@ -40,11 +42,12 @@ struct GemmShape {
 
 struct Call {
   GemmShape s;
-  const void* lhs = nullptr;          // [M, K] or [G, C, K]
-  const void* rhs = nullptr;          // [G, K, N] / [G, N, K]; kTransposed: rhs2 [M, N]
-  const int32_t* sizes = nullptr;     // [G] group sizes (kMasked: counts)
-  const float* lhs_scales = nullptr;  // FP8: [M, K/128] or [G, C, K/128]
-  const float* rhs_scales = nullptr;  // FP8: [G, K/128, N/128]
+  const void* lhs = nullptr;            // [M, K] or [G, C, K]
+  const void* rhs = nullptr;            // [G, K, N] / [G, N, K]; kTransposed: rhs2 [M, N]
+  const int32_t* sizes = nullptr;       // [G] group sizes (kMasked: counts)
+  const int32_t* row_counts = nullptr;  // kTransposed: [G] rows of each group to use, or null
+  const float* lhs_scales = nullptr;    // FP8: [M, K/128] or [G, C, K/128]
+  const float* rhs_scales = nullptr;    // FP8: [G, K/128, N/128]
   void* out = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;

@@ -170,6 +170,9 @@ __global__ void __launch_bounds__(kSetupThreads) setup_kernel(Call c, Carved w) 
       } else {
         start = min(off, M);
         rows = min(off + size, M) - start;
+        // the weight gradient with row_counts: the first row_counts[g] rows of the segment
+        if (s.mode == Mode::kTransposed && c.row_counts)
+          rows = max(0LL, min(static_cast<long long>(c.row_counts[g]), rows));
       }
       w.start[g] = start;
       w.rows[g] = static_cast<int>(rows);
