@@ -4,7 +4,7 @@ The fused layer hides its token traffic behind the expert GEMMs when its forward
 the larger of the two alone. Per rank: T tokens, hidden H, intermediate I, L experts (E = R * L),
 top-K, bf16, uniform routing. In one run, after warm-up, median over repetitions, each figure the
 slope between a jit-compiled scan of 2 calls and one of 8 (benchmarks/harness.py):
-- moe_ffn forward, fused=False and fused=True;
+- moe_ffn forward, fused=False and fused=True (and with each --copy-blocks value);
 - communication alone: dispatch and the combine of its rows (the token traffic, no GEMMs);
 - GEMMs alone: the two grouped GEMMs on the rows a rank receives.
 Prints a table and fused / max(communication, GEMMs), writes bench_moe_ranks.json and a plot.
@@ -44,6 +44,9 @@ def main():
     ap.add_argument("--experts", type=int, default=32, help="per rank")
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--copy-blocks", default="",
+                    help="comma-separated fused_copy_blocks values to also time the fused "
+                         "layer with, beside the automatic one")
     ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
     args = ap.parse_args()
     R, T, H, I, L, K = args.ranks, args.tokens, args.hidden, args.inter, args.experts, args.topk
@@ -77,9 +80,10 @@ def main():
               flush=True)
         return r["ms"]
 
-    def layer(fused):
+    def layer(fused, copy_blocks=0):
         def f(x, idx, w, wgu, wd):
-            return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=fused, backend=be)
+            return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=fused, backend=be,
+                                  fused_copy_blocks=copy_blocks)
         return f
 
     def comm(x, idx, w):
@@ -103,6 +107,9 @@ def main():
     t_unf = record("moe_ffn forward", layer(False), lay, impl="ours", op="fwd")
     t_fus = record("moe_ffn(fused=True) forward", layer(True), lay, impl="ours-fused",
                    op="fwd", rel_err=err)
+    sweep = {int(c): record(f"moe_ffn(fused=True, fused_copy_blocks={c}) forward",
+                            layer(True, int(c)), lay, impl="ours-fused", op="fwd-sweep")
+             for c in filter(None, args.copy_blocks.split(","))}
     t_comm = record("communication alone (dispatch + combine)", comm, (x, idx, w),
                     impl="ours", op="comm")
     t_gemm = record("GEMMs alone (gate/up, then down)", gemms, (xr, sizes, wgu, wd),
@@ -114,9 +121,11 @@ def main():
     print("  same-run ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     with open(os.path.join(args.out, "bench_moe_ranks.json"), "w") as f:
         json.dump(dict(device=devs[0].device_kind, jax=jax.__version__, shape=tag, ranks=R,
-                       ratios=ratios, results=results), f, indent=1)
-    barh_plot(os.path.join(args.out, "bench_moe_ranks.png"), [r["name"] for r in results],
-              [r["ms"] for r in results], f"ms per layer, {tag}, {devs[0].device_kind}",
+                       ratios=ratios, fused_copy_blocks_sweep=sweep, results=results), f,
+                  indent=1)
+    rs = [r for r in results if r["op"] != "fwd-sweep"]
+    barh_plot(os.path.join(args.out, "bench_moe_ranks.png"), [r["name"] for r in rs],
+              [r["ms"] for r in rs], f"ms per layer, {tag}, {devs[0].device_kind}",
               figsize=(10, 3))
     print("\nwrote", os.path.join(args.out, "bench_moe_ranks.json"))
 
