@@ -383,7 +383,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
     return _gmm_diff(a, rq, sizes, None, _Config(out_dtype, use_cuda, small_m=small))
 
 
-def padded_segments_matmul(lhs, rhs, sizes, counts):
+def _padded_segments_matmul(lhs, rhs, sizes, counts):
     """grouped_matmul(lhs, rhs, sizes) on the CUDA backend (16-bit lhs [M, K], rhs [G, K, N])
     for segments whose rows past counts[g] are zero padding (an aligned expert-major layout):
     its weight gradient reduces over the first counts[g] rows of each segment only."""

@@ -403,8 +403,8 @@ def _gather_matmul_bwd(fcfg, res, g):
     xe, w, sizes, counts, src, row_first, handle = res
     g_xe, g_h = g
     # the weight gradient skips each segment's padding rows (zeros in xe)
-    _, vjp = jax.vjp(lambda a, b: grouped_gemm.padded_segments_matmul(a, b, sizes, counts), xe,
-                     w)
+    gmm = functools.partial(grouped_gemm._padded_segments_matmul, sizes=sizes, counts=counts)
+    _, vjp = jax.vjp(gmm, xe, w)
     d_xe, d_w = vjp(g_h.astype(xe.dtype))
     d_xe = (d_xe.astype(jnp.float32) + g_xe.astype(jnp.float32)).astype(xe.dtype)
     d_rows = _expand_rows_bwd(fcfg.K, (src, row_first), d_xe)[0]
@@ -512,8 +512,8 @@ def _matmul_combine_bwd(ccfg, res, g):
     a, w, ye, weights, sizes, counts, row_of, src, rank = res
     g_rows = _gather_diff(g, rank, ccfg.cfg).astype(jnp.float32)
     d_ye, d_weights, _, _ = _reduce_rows_bwd(ccfg.K, (ye, weights, src, row_of), g_rows)
-    _, vjp = jax.vjp(lambda a, w: grouped_gemm.padded_segments_matmul(a, w, sizes, counts), a,
-                     w)
+    gmm = functools.partial(grouped_gemm._padded_segments_matmul, sizes=sizes, counts=counts)
+    _, vjp = jax.vjp(gmm, a, w)
     d_a, d_w = vjp(d_ye)
     return d_a, d_w, d_weights, None, None, None, None, None
 

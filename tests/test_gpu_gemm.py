@@ -153,15 +153,17 @@ def test_gradients_match_reference(dtype, kind):
 
 
 def test_weight_gradient_skips_segment_padding():
-    """padded_segments_matmul (the fused layer's GEMMs: segments aligned to a row block, zero
+    """_padded_segments_matmul (the fused layer's GEMMs: segments aligned to a row block, zero
     padding past each count): the forward and the lhs gradient as grouped_matmul over the
     segments; the weight gradient over the first counts[g] rows of each segment only. The
-    padding rows here hold noise, so a reduction over them shows."""
+    padding rows here hold noise, so a reduction over them shows; the last segment is padding
+    only (a count of 0 in a segment of 128 rows: a zero weight gradient)."""
     _gpu()
     from jax_ep import grouped_gemm as gg
     K, N, A = 512, 384, 128
-    counts = np.array([0, 1, 127, 128, 129, 300, 0, 256], np.int32)
+    counts = np.array([0, 1, 127, 128, 129, 300, 0, 256, 0], np.int32)
     sizes = (counts + A - 1) // A * A
+    sizes[-1] = A
     G, M = len(counts), int(sizes.sum()) + 64          # and an unused tail
     rng = np.random.default_rng(41)
     a, b = _operands(rng, M, K, N, G, jnp.bfloat16)
@@ -175,9 +177,9 @@ def test_weight_gradient_skips_segment_padding():
     def loss(f, a, b):
         return jnp.sum(f(a, b).astype(jnp.float32) * dout)
     _poison()
-    y = jax.jit(gg.padded_segments_matmul)(a, b, sizes, counts)
+    y = jax.jit(gg._padded_segments_matmul)(a, b, sizes, counts)
     da, db = jax.jit(jax.grad(functools.partial(
-        loss, lambda a, b: gg.padded_segments_matmul(a, b, sizes, counts)), argnums=(0, 1)))(a, b)
+        loss, lambda a, b: gg._padded_segments_matmul(a, b, sizes, counts)), argnums=(0, 1)))(a, b)
 
     def ref(a, b):
         return jax_ep.grouped_matmul(a, b, sizes, backend="reference")
@@ -189,7 +191,8 @@ def test_weight_gradient_skips_segment_padding():
     assert _rel(y, ry) < 1e-2
     assert _rel(da, ra) < 1e-2
     assert _rel(db, rb) < 1e-2
-    assert not np.any(np.asarray(db, np.float32)[np.asarray(counts) == 0])
+    assert not np.any(np.asarray(db, np.float32)[np.asarray(counts) == 0]), \
+        "groups without data rows: zero weight gradient"
     with pytest.raises(Exception, match="row_counts applies to mode 2"):
         jax.jit(lambda a, b: gg.gemm_call(a, b, sizes, None, None, mode="contiguous",
                                           rhs_kn=True, small_m=False, out_shape=(M, N),
