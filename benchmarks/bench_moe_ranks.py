@@ -4,7 +4,10 @@ The fused layer hides its token traffic behind the expert GEMMs when its forward
 the larger of the two alone. Per rank: T tokens, hidden H, intermediate I, L experts (E = R * L),
 top-K, bf16, uniform routing. In one run, after warm-up, median over repetitions, each figure the
 slope between a jit-compiled scan of 2 calls and one of 8 (benchmarks/harness.py):
-- moe_ffn forward, fused=False and fused=True (and with each --copy-blocks value);
+- moe_ffn forward, fused=False and fused=True (and with each --copy-blocks and
+  --combine-blocks value);
+- the time split: the first half (dispatch + gate/up GEMM) alone, unfused and fused, and the
+  layer with only its first half fused, so that each half's fused / unfused shows;
 - communication alone: dispatch and the combine of its rows (the token traffic, no GEMMs);
 - GEMMs alone: the two grouped GEMMs on the rows a rank receives.
 Prints a table and fused / max(communication, GEMMs), writes bench_moe_ranks.json and a plot.
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
+from jax_ep import high_throughput as _ht, moe as _moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import barh_plot, scan_fn, time_slope  # noqa: E402
@@ -47,6 +51,8 @@ def main():
     ap.add_argument("--copy-blocks", default="",
                     help="comma-separated fused_copy_blocks values to also time the fused "
                          "layer with, beside the automatic one")
+    ap.add_argument("--combine-blocks", default="",
+                    help="comma-separated fused_combine_blocks values, likewise")
     ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
     args = ap.parse_args()
     R, T, H, I, L, K = args.ranks, args.tokens, args.hidden, args.inter, args.experts, args.topk
@@ -80,11 +86,28 @@ def main():
               flush=True)
         return r["ms"]
 
-    def layer(fused, copy_blocks=0):
+    def layer(fused, **settings):
         def f(x, idx, w, wgu, wd):
             return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=fused, backend=be,
-                                  fused_copy_blocks=copy_blocks)
+                                  **settings)
         return f
+
+    def layer_fused_first(x, idx, w, wgu, wd):
+        # the fused dispatch + GEMM, then the unfused second half
+        res, h = _ht.dispatch_matmul(x, idx, w, wgu, num_experts=E, backend=be)
+        y = jax_ep.grouped_matmul(_moe.swiglu(h).astype(wd.dtype), wd, res.expert_sizes,
+                                  backend=be)
+        return jax_ep.combine(y, res.handle, backend=be)
+
+    align = jax_ep.runtime.extension().fused_block_rows if be == "cuda" else 1
+
+    def half_unfused(x, idx, w, wgu):
+        res = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", expert_alignment=align,
+                              backend=be)
+        return jax_ep.grouped_matmul(res.recv_x, wgu, res.expert_sizes, backend=be)
+
+    def half_fused(x, idx, w, wgu):
+        return _ht.dispatch_matmul(x, idx, w, wgu, num_experts=E, backend=be)[1]
 
     def comm(x, idx, w):
         # the token traffic: each token to its ranks once, and back
@@ -107,9 +130,22 @@ def main():
     t_unf = record("moe_ffn forward", layer(False), lay, impl="ours", op="fwd")
     t_fus = record("moe_ffn(fused=True) forward", layer(True), lay, impl="ours-fused",
                    op="fwd", rel_err=err)
-    sweep = {int(c): record(f"moe_ffn(fused=True, fused_copy_blocks={c}) forward",
-                            layer(True, int(c)), lay, impl="ours-fused", op="fwd-sweep")
-             for c in filter(None, args.copy_blocks.split(","))}
+    t_fus1 = record("moe_ffn, fused dispatch + GEMM only, forward", layer_fused_first, lay,
+                    impl="ours-fused-first", op="fwd")
+    t_hu = record("  dispatch + gate/up GEMM, unfused", half_unfused, lay[:4], impl="ours",
+                  op="half")
+    t_hf = record("  dispatch + gate/up GEMM, fused", half_fused, lay[:4], impl="ours-fused",
+                  op="half")
+    split = dict(first_half_unfused_ms=t_hu, first_half_fused_ms=t_hf,
+                 second_half_unfused_ms=t_fus1 - t_hf, second_half_fused_ms=t_fus - t_hf)
+    print("  time split (ms): " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in split.items()))
+    sweep = {}
+    for setting, values in (("fused_copy_blocks", args.copy_blocks),
+                            ("fused_combine_blocks", args.combine_blocks)):
+        sweep[setting] = {int(c): record(f"moe_ffn(fused=True, {setting}={c}) forward",
+                                         layer(True, **{setting: int(c)}), lay,
+                                         impl="ours-fused", op="fwd-sweep")
+                          for c in filter(None, values.split(","))}
     t_comm = record("communication alone (dispatch + combine)", comm, (x, idx, w),
                     impl="ours", op="comm")
     t_gemm = record("GEMMs alone (gate/up, then down)", gemms, (xr, sizes, wgu, wd),
@@ -117,13 +153,14 @@ def main():
     ratios = dict(fused_vs_unfused=t_fus / t_unf,
                   fused_vs_max_comm_gemm=t_fus / max(t_comm, t_gemm),
                   unfused_vs_max_comm_gemm=t_unf / max(t_comm, t_gemm),
-                  hidden_share_fused=(t_comm + t_gemm - t_fus) / min(t_comm, t_gemm))
+                  hidden_share_fused=(t_comm + t_gemm - t_fus) / min(t_comm, t_gemm),
+                  fused_half_vs_unfused_half=t_hf / t_hu)
     print("  same-run ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     with open(os.path.join(args.out, "bench_moe_ranks.json"), "w") as f:
         json.dump(dict(device=devs[0].device_kind, jax=jax.__version__, shape=tag, ranks=R,
-                       ratios=ratios, fused_copy_blocks_sweep=sweep, results=results), f,
-                  indent=1)
-    rs = [r for r in results if r["op"] != "fwd-sweep"]
+                       ratios=ratios, fused_split=split, fused_sweeps=sweep, results=results),
+                  f, indent=1)
+    rs = [r for r in results if r["op"] in ("fwd", "comm", "gemm")]
     barh_plot(os.path.join(args.out, "bench_moe_ranks.png"), [r["name"] for r in rs],
               [r["ms"] for r in rs], f"ms per layer, {tag}, {devs[0].device_kind}",
               figsize=(10, 3))
