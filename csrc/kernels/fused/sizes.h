@@ -35,7 +35,12 @@ enum CounterWord : int {
   kTilesStarted = 3,  // GEMM + combine: tile blocks started
   kCounterTail = 4,
 };
-inline long long counter_words(long long C) { return (C + kBlockM - 1) / kBlockM + kCounterTail; }
+// Row blocks of C expert-major rows: the first words of the counters (int in the kernels).
+template <class I>
+constexpr I row_blocks(I C) {
+  return (C + kBlockM - 1) / kBlockM;
+}
+inline long long counter_words(long long C) { return row_blocks(C) + kCounterTail; }
 
 // The automatic number of blocks that only combine, out of `share`: one (it also ends the call);
 // the tile blocks join the combine once their tiles are done, so at R = 1 the GEMM keeps all the

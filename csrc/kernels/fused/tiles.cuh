@@ -37,8 +37,6 @@ constexpr int kTileN = size<1>(Tile{});
 __host__ __device__ __forceinline__ int column_blocks(int64_t N) {
   return static_cast<int>((N + kTileN - 1) / kTileN);
 }
-// Row blocks of C expert-major rows: the first words of the counters result (sizes.h).
-__host__ __device__ __forceinline__ int row_blocks(int C) { return (C + kBlockM - 1) / kBlockM; }
 
 // The epilogue of a schedule (TMA stores, or stores from registers: its builder wants the
 // fusion's source type void, like C), D bfloat16, alpha = 1.
