@@ -35,7 +35,7 @@ import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deepgemm_baseline as dgb  # noqa: E402
-from harness import barh_plot, paired, ratio_median, time_op  # noqa: E402
+from harness import barh_plot, op_timer, paired, ratio_median, time_op  # noqa: E402
 
 G_DEFAULT = 32
 
@@ -143,6 +143,16 @@ def main():
         print(f"  {name:<44} {shape:<22} {r['ms']:9.3f} ms {tf} TFLOP/s {gb} GB/s", flush=True)
         return r
 
+    def record_rounds(pr, names, tag, flops, gbytes=None, **extra):
+        """One record per side of paired rounds pr: the median and range of its rounds."""
+        out = {}
+        for who, name in names.items():
+            v = pr[who]
+            out[who] = record(name, tag, (float(np.median(v)), min(v), max(v)), flops, gbytes,
+                              impl="ours" if who == "ours" else "deepgemm",
+                              rounds_ms=[t * 1e3 for t in v], **extra)
+        return out
+
     def deepgemm_pair(data, aq, wq, sizes, ours_out, tag, flops, K, N):
         """DeepGEMM's contiguous FP8 GEMM on our quantised operands: checked against our
         output, then both timed in paired rounds."""
@@ -156,16 +166,13 @@ def main():
         err = rel_err(out.float().cpu().numpy(), ours_out)
         print(f"  check: DeepGEMM vs ours on the same FP8 operands ({data}) rel err {err:.2e}"
               + ("  MISMATCH" if err > 1e-2 else ""))
-        pr = paired({"ours": lambda: time_op(gm, (aq, wq, sizes), reps=reps),
+        pr = paired({"ours": op_timer(gm, (aq, wq, sizes), reps=reps),
                      "deepgemm": lambda: dgb.time_slope(dgm, run, reps=reps)}, rounds)
-        for who in ("ours", "deepgemm"):
-            v = pr[who]
-            record(f"{'ours' if who == 'ours' else 'DeepGEMM'} FP8 fwd, {data}, paired rounds",
-                   tag, (float(np.median(v)), min(v), max(v)), flops,
-                   impl="ours" if who == "ours" else "deepgemm",
-                   op="fp8-paired" if data == "normal data" else "fp8-int-paired",
-                   dist="uniform", K=K, N=N, rounds_ms=[t * 1e3 for t in v],
-                   **({"rel_err_vs_ours": err} if who != "ours" else {}))
+        recs = record_rounds(pr, {"ours": f"ours FP8 fwd, {data}, paired rounds",
+                                  "deepgemm": f"DeepGEMM FP8 fwd, {data}, paired rounds"},
+                             tag, flops, dist="uniform", K=K, N=N,
+                             op="fp8-paired" if data == "normal data" else "fp8-int-paired")
+        recs["deepgemm"]["rel_err_vs_ours"] = err
         print(f"  ours / DeepGEMM speed ({data}): {ratio_median(pr['deepgemm'], pr['ours']):.3f}"
               " (median of the per-round ratios)", flush=True)
         del out
@@ -272,10 +279,9 @@ def main():
         dense = record("dense GEMM, same FLOPs (XLA / cuBLAS)", f"{M}x{K} @ {K}x{N}",
                        time_op(lambda x, y: x @ y, (a, dense_b), reps=reps), flops,
                        impl="dense", op="fwd", K=K, N=N)
-        pr = paired({"uniform": functools.partial(time_op, gm, (a, w, s_uni), reps=reps),
-                     "zipf": functools.partial(time_op, gm, (a, w, s_zipf), reps=reps),
-                     "dense": functools.partial(time_op, lambda x, y: x @ y, (a, dense_b),
-                                                reps=reps)}, rounds)
+        pr = paired({"uniform": op_timer(gm, (a, w, s_uni), reps=reps),
+                     "zipf": op_timer(gm, (a, w, s_zipf), reps=reps),
+                     "dense": op_timer(lambda x, y: x @ y, (a, dense_b), reps=reps)}, rounds)
         pair = dict(name="paired rounds: ours bf16 fwd / dense, Zipf / uniform", shape=tag,
                     op="paired", K=K, N=N, rounds={k: [t * 1e3 for t in v] for k, v in pr.items()},
                     vs_dense=ratio_median(pr["dense"], pr["uniform"]),
@@ -376,17 +382,14 @@ def main():
         err = rel_err(got[valid], ours[valid])
         print(f"  check: DeepGEMM masked vs ours on the valid rows rel err {err:.2e}"
               + ("  MISMATCH" if err > 1e-2 else ""))
-        pr = paired({"ours": lambda: time_op(functools.partial(gmm, zero_padding=False),
-                                             (lhs, rhs, counts), reps=reps),
+        pr = paired({"ours": op_timer(functools.partial(gmm, zero_padding=False),
+                                      (lhs, rhs, counts), reps=reps),
                      "deepgemm": lambda: dgb.time_slope(dgm, run, reps=reps)}, rounds)
-        for who in ("ours", "deepgemm"):
-            v = pr[who]
-            med = float(np.median(v))
-            record(f"{'ours' if who == 'ours' else 'DeepGEMM'} masked FP8 (no zero rows), "
-                   "paired rounds", tag, (med, min(v), max(v)), useful, wbytes,
-                   impl="ours" if who == "ours" else "deepgemm", op="masked-FP8-paired",
-                   zero_padding=False, rounds_ms=[t * 1e3 for t in v],
-                   vs_weight_read=med / floor)
+        recs = record_rounds(pr, {"ours": "ours masked FP8 (no zero rows), paired rounds",
+                                  "deepgemm": "DeepGEMM masked FP8 (no zero rows), paired rounds"},
+                             tag, useful, wbytes, op="masked-FP8-paired", zero_padding=False)
+        for r in recs.values():
+            r["vs_weight_read"] = r["ms"] * 1e-3 / floor
         print(f"  masked FP8 without zero rows, paired rounds: ours "
               f"{np.median(pr['ours']) / floor:.3f}x, DeepGEMM "
               f"{np.median(pr['deepgemm']) / floor:.3f}x the weight read; ours / DeepGEMM speed "
