@@ -37,6 +37,7 @@ from jax_ep import high_throughput as _ht, moe as _moe, reference as _ref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
+import moe_parts  # noqa: E402
 from harness import barh_plot, op_timer, paired, ratio_median, time_op  # noqa: E402
 
 
@@ -161,14 +162,9 @@ def main():
               + " ".join(f"{r:.3f}" for r in per_round[k]), flush=True)
 
     # the fused layer with its second half unfused: the fused GEMM + combine's own effect
-    def layer_fused_first(x, idx, w, wgu, wd):
-        res, h = _ht.dispatch_matmul(x, idx, w, wgu, num_experts=L, backend=be)
-        y = jax_ep.grouped_matmul(_moe.swiglu(h).astype(wd.dtype), wd, res.expert_sizes,
-                                  backend=be)
-        return jax_ep.combine(y, res.handle, backend=be)
-
     fwd_f1 = record("moe_ffn, fused dispatch + GEMM only, forward",
-                    time_op(layer_fused_first, lay_args, reps=reps), flops_fwd,
+                    time_op(moe_parts.fused_first_half_only(L, be), lay_args, reps=reps),
+                    flops_fwd,
                     impl="ours-fused-first", op="fwd")
 
     def block_sweep(setting, values):
@@ -185,16 +181,8 @@ def main():
 
     copy_sweep = block_sweep("fused_copy_blocks", args.copy_blocks)
     sweep = block_sweep("fused_combine_blocks", args.combine_blocks)
-    align = jax_ep.runtime.extension().fused_block_rows if be == "cuda" else 1
-
-    def half_unfused(x, idx, w, wgu):
-        res = jax_ep.dispatch(x, idx, w, num_experts=L, layout="expert",
-                              expert_alignment=align, backend=be)
-        return jax_ep.grouped_matmul(res.recv_x, wgu, res.expert_sizes, backend=be)
-
-    def half_fused(x, idx, w, wgu):
-        return _ht.dispatch_matmul(x, idx, w, wgu, num_experts=L, backend=be)[1]
-
+    half_unfused = moe_parts.first_half(False, L, be)
+    half_fused = moe_parts.first_half(True, L, be)
     half_args = (x, idx, w, wgu)
     flops_g1 = 2.0 * M * H * 2 * I
     hu = record("  dispatch + grouped GEMM gate/up, unfused",

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
-from jax_ep import high_throughput as _ht, moe as _moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_parts  # noqa: E402
 from harness import barh_plot, scan_fn, time_slope  # noqa: E402
 
 
@@ -92,23 +92,6 @@ def main():
                                   **settings)
         return f
 
-    def layer_fused_first(x, idx, w, wgu, wd):
-        # the fused dispatch + GEMM, then the unfused second half
-        res, h = _ht.dispatch_matmul(x, idx, w, wgu, num_experts=E, backend=be)
-        y = jax_ep.grouped_matmul(_moe.swiglu(h).astype(wd.dtype), wd, res.expert_sizes,
-                                  backend=be)
-        return jax_ep.combine(y, res.handle, backend=be)
-
-    align = jax_ep.runtime.extension().fused_block_rows if be == "cuda" else 1
-
-    def half_unfused(x, idx, w, wgu):
-        res = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", expert_alignment=align,
-                              backend=be)
-        return jax_ep.grouped_matmul(res.recv_x, wgu, res.expert_sizes, backend=be)
-
-    def half_fused(x, idx, w, wgu):
-        return _ht.dispatch_matmul(x, idx, w, wgu, num_experts=E, backend=be)[1]
-
     def comm(x, idx, w):
         # the token traffic: each token to its ranks once, and back
         res = jax_ep.dispatch(x, idx, w, num_experts=E, backend=be)
@@ -130,12 +113,13 @@ def main():
     t_unf = record("moe_ffn forward", layer(False), lay, impl="ours", op="fwd")
     t_fus = record("moe_ffn(fused=True) forward", layer(True), lay, impl="ours-fused",
                    op="fwd", rel_err=err)
-    t_fus1 = record("moe_ffn, fused dispatch + GEMM only, forward", layer_fused_first, lay,
-                    impl="ours-fused-first", op="fwd")
-    t_hu = record("  dispatch + gate/up GEMM, unfused", half_unfused, lay[:4], impl="ours",
-                  op="half")
-    t_hf = record("  dispatch + gate/up GEMM, fused", half_fused, lay[:4], impl="ours-fused",
-                  op="half")
+    t_fus1 = record("moe_ffn, fused dispatch + GEMM only, forward",
+                    moe_parts.fused_first_half_only(E, be), lay, impl="ours-fused-first",
+                    op="fwd")
+    t_hu = record("  dispatch + gate/up GEMM, unfused", moe_parts.first_half(False, E, be),
+                  lay[:4], impl="ours", op="half")
+    t_hf = record("  dispatch + gate/up GEMM, fused", moe_parts.first_half(True, E, be),
+                  lay[:4], impl="ours-fused", op="half")
     split = dict(first_half_unfused_ms=t_hu, first_half_fused_ms=t_hf,
                  second_half_unfused_ms=t_fus1 - t_hf, second_half_fused_ms=t_fus - t_hf)
     print("  time split (ms): " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in split.items()))
