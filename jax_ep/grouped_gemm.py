@@ -23,6 +23,11 @@ _GEMM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _SMALL_M_ROWS = 128
 
 
+def _small_m(M, G):
+    """The 64-row tiles for M rows over G groups (few rows per group)."""
+    return M <= _SMALL_M_ROWS * G
+
+
 class Fp8Weights(NamedTuple):
     """Expert weights in FP8 for `grouped_matmul` / `grouped_matmul_masked`.
 
@@ -357,7 +362,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
                 jnp.dtype(preferred_element_type) != jnp.dtype(jnp.bfloat16):
             raise TypeError("preferred_element_type: FP8 products are bfloat16")
         M = lq.shape[0]
-        small = M <= _SMALL_M_ROWS * G
+        small = _small_m(M, G)
         use_cuda = _cuda_ok(backend, lq.dtype, jnp.bfloat16, lambda: _unsupported(
             "contiguous", lq.dtype, False, G, M, K, N), "grouped_matmul")
         cfg = _Config(jnp.dtype(jnp.bfloat16), use_cuda, small_m=small)
@@ -373,7 +378,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
     sizes = _sizes("group_sizes", group_sizes, G, total=a.shape[0])
     out_dtype = _out_dtype(preferred_element_type, a.dtype)
     M = a.shape[0]
-    small = M <= _SMALL_M_ROWS * G
+    small = _small_m(M, G)
 
     def shapes_ok():
         return (_unsupported("contiguous", a.dtype, True, G, M, K, N)
@@ -387,7 +392,7 @@ def _padded_segments_matmul(lhs, rhs, sizes, counts):
     """grouped_matmul(lhs, rhs, sizes) on the CUDA backend (16-bit lhs [M, K], rhs [G, K, N])
     for segments whose rows past counts[g] are zero padding (an aligned expert-major layout):
     its weight gradient reduces over the first counts[g] rows of each segment only."""
-    small = lhs.shape[0] <= _SMALL_M_ROWS * rhs.shape[0]
+    small = _small_m(lhs.shape[0], rhs.shape[0])
     return _gmm_diff(lhs, rhs, sizes, counts, _Config(jnp.dtype(lhs.dtype), True, small_m=small))
 
 
