@@ -16,6 +16,7 @@ Prints a table and fused / max(communication, GEMMs), writes bench_moe_ranks.jso
   XLA_FLAGS=--xla_force_host_platform_device_count=4 \
       python benchmarks/bench_moe_ranks.py --ranks 4 --backend reference --tokens 16 \
       --hidden 256 --inter 128 --experts 2 --topk 2 --out DIR   (checks the script on a CPU)
+  python benchmarks/bench_moe_ranks.py --ranks 2 --virtual --out DIR   (R ranks on one GPU)
 """
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 import jax_ep
+import jax_ep.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_parts  # noqa: E402
-from harness import barh_plot, scan_fn, time_slope  # noqa: E402
+from harness import barh_plot, rank_map, scan_fn, time_slope  # noqa: E402
 
 
 def main():
@@ -54,16 +56,35 @@ def main():
     ap.add_argument("--combine-blocks", default="",
                     help="comma-separated fused_combine_blocks values, likewise")
     ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="expert-major rows per rank (0: the worst case, R * T * K rows plus "
+                         "the segments' alignment); a larger one pads more rows")
+    ap.add_argument("--virtual", action="store_true",
+                    help="the R ranks as virtual ranks on the first device (the one-GPU "
+                         "multi-rank mode: each rank's kernels on its share of the SMs, peers "
+                         "in the same memory, no links)")
     args = ap.parse_args()
     R, T, H, I, L, K = args.ranks, args.tokens, args.hidden, args.inter, args.experts, args.topk
     E, be = R * L, args.backend
     devs = jax.devices()
-    if len(devs) < R:
-        raise SystemExit(f"--ranks {R}: only {len(devs)} devices")
-    mesh = Mesh(np.array(devs[:R]), ("ep",))
+    if args.virtual:
+        # per-rank bodies under vmap; every argument stacked over the ranks
+        mesh = functools.partial(jax_ep.testing.virtual_ranks, num_ranks=R)
+        where = f"{devs[0].device_kind}, {R} virtual ranks"
+    elif len(devs) < R:
+        raise SystemExit(f"--ranks {R}: only {len(devs)} devices (--virtual runs them on one)")
+    else:
+        mesh = Mesh(np.array(devs[:R]), ("ep",))
+        where = f"{devs[0].device_kind} x {R}"
     os.makedirs(args.out, exist_ok=True)
-    tag = f"R={R} T={T} H={H} I={I} L={L} K={K}"
-    print(f"device: {devs[0].device_kind} x {R}, jax {jax.__version__}, backend {be}\n== {tag}")
+    cap = args.capacity or None
+    tag = (f"R={R} T={T} H={H} I={I} L={L} K={K}" + (f" capacity={cap}" if cap else "")
+           + (" virtual" if args.virtual else ""))
+    print(f"device: {where}, jax {jax.__version__}, backend {be}\n== {tag}")
+
+    def ranked(a):
+        # [R * n, ...] -> [R, n, ...] for virtual ranks; shard_map splits the leading axis
+        return a.reshape(R, -1, *a.shape[1:]) if args.virtual else a
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
@@ -89,7 +110,7 @@ def main():
     def layer(fused, **settings):
         def f(x, idx, w, wgu, wd):
             return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=fused, backend=be,
-                                  **settings)
+                                  capacity=cap, **settings)
         return f
 
     def comm(x, idx, w):
@@ -103,9 +124,9 @@ def main():
         gm = functools.partial(jax_ep.grouped_matmul, backend=be)
         return gm(gm(xr, wgu, sizes)[:, :I], wd, sizes)
 
+    x, idx, w, wgu, wd, xr, sizes = map(ranked, (x, idx, w, wgu, wd, xr, sizes))
     lay = (x, idx, w, wgu, wd)
-    check = jax.jit(jax.shard_map(lambda *a: (layer(False)(*a), layer(True)(*a)), mesh=mesh,
-                                  in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+    check = rank_map(mesh, lambda *a: (layer(False)(*a), layer(True)(*a)))
     unf, fus = (np.asarray(a, np.float64) for a in check(*lay))
     err = float(np.linalg.norm(fus - unf) / max(np.linalg.norm(unf), 1e-30))
     print(f"  check: fused vs unfused rel err {err:.2e}")
@@ -114,11 +135,11 @@ def main():
     t_fus = record("moe_ffn(fused=True) forward", layer(True), lay, impl="ours-fused",
                    op="fwd", rel_err=err)
     t_fus1 = record("moe_ffn, fused dispatch + GEMM only, forward",
-                    moe_parts.fused_first_half_only(E, be), lay, impl="ours-fused-first",
+                    moe_parts.fused_first_half_only(E, be, cap), lay, impl="ours-fused-first",
                     op="fwd")
-    t_hu = record("  dispatch + gate/up GEMM, unfused", moe_parts.first_half(False, E, be),
+    t_hu = record("  dispatch + gate/up GEMM, unfused", moe_parts.first_half(False, E, be, cap),
                   lay[:4], impl="ours", op="half")
-    t_hf = record("  dispatch + gate/up GEMM, fused", moe_parts.first_half(True, E, be),
+    t_hf = record("  dispatch + gate/up GEMM, fused", moe_parts.first_half(True, E, be, cap),
                   lay[:4], impl="ours-fused", op="half")
     split = dict(first_half_unfused_ms=t_hu, first_half_fused_ms=t_hf,
                  second_half_unfused_ms=t_fus1 - t_hf, second_half_fused_ms=t_fus - t_hf)
@@ -142,6 +163,7 @@ def main():
     print("  same-run ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     with open(os.path.join(args.out, "bench_moe_ranks.json"), "w") as f:
         json.dump(dict(device=devs[0].device_kind, jax=jax.__version__, shape=tag, ranks=R,
+                       virtual=args.virtual,
                        ratios=ratios, fused_split=split, fused_sweeps=sweep, results=results),
                   f, indent=1)
     rs = [r for r in results if r["op"] in ("fwd", "comm", "gemm")]

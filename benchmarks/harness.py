@@ -18,11 +18,21 @@ def _smallest(tree):
     return min(jax.tree_util.tree_leaves(tree), key=lambda leaf: leaf.size)
 
 
+def rank_map(mesh, fn):
+    """jit of fn as a per-rank body: shard_map over `mesh`'s "ep" axis, or, when `mesh` is not
+    a Mesh but a callable (e.g. jax_ep.testing.virtual_ranks with num_ranks bound: the one-GPU
+    multi-rank mode, arguments stacked over the ranks), that callable applied to fn."""
+    if not isinstance(mesh, Mesh):
+        return jax.jit(mesh(fn))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                                 check_vma=False))
+
+
 def scan_fn(mesh, body, iters):
-    """jit(shard_map) of body(*args) called `iters` times in one unrolled lax.scan, with no
-    kernel of the harness between calls. Call i + 1 reads its inputs through an optimization
-    barrier that also takes the smallest output leaf of call i: it starts after call i, and
-    its inputs are loop-variant, so XLA can neither hoist nor merge the calls.
+    """jit(shard_map) (see rank_map) of body(*args) called `iters` times in one unrolled
+    lax.scan, with no kernel of the harness between calls. Call i + 1 reads its inputs through
+    an optimization barrier that also takes the smallest output leaf of call i: it starts after
+    call i, and its inputs are loop-variant, so XLA can neither hoist nor merge the calls.
 
     The barrier also takes the leaf of call i - 1: XLA's algebraic simplifier drops a barrier
     operand whose result is unused unless that operand has another user, and dropping it would
@@ -41,8 +51,7 @@ def scan_fn(mesh, body, iters):
         (prev, last), _ = jax.lax.scan(step, (zero, zero), None, length=iters, unroll=True)
         return prev[None], last[None]
 
-    return jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
-                                 check_vma=False))
+    return rank_map(mesh, shard)
 
 
 def time_fn(f, args, iters, reps):

@@ -6,29 +6,31 @@ import jax_ep
 from jax_ep import high_throughput as _ht, moe as _moe
 
 
-def fused_first_half_only(num_experts, backend):
+def fused_first_half_only(num_experts, backend, capacity=None):
     """The layer with only its first half fused: the fused dispatch + gate/up GEMM, then the
     unfused down GEMM and combine (the fused GEMM + combine's own effect, by difference)."""
     def layer(x, idx, w, wgu, wd):
-        res, h = _ht.dispatch_matmul(x, idx, w, wgu, num_experts=num_experts, backend=backend)
+        res, h = _ht.dispatch_matmul(x, idx, w, wgu, num_experts=num_experts, backend=backend,
+                                     capacity=capacity)
         y = jax_ep.grouped_matmul(_moe.swiglu(h).astype(wd.dtype), wd, res.expert_sizes,
                                   backend=backend)
         return jax_ep.combine(y, res.handle, backend=backend)
     return layer
 
 
-def first_half(fused, num_experts, backend):
+def first_half(fused, num_experts, backend, capacity=None):
     """Dispatch + gate/up GEMM alone (x, idx, w, wgu): fused, or unfused with the fused path's
-    segment alignment (so both compute the same rows)."""
+    segment alignment (so both compute the same rows). capacity: the expert-major rows (None:
+    the worst case)."""
     if fused:
         def half(x, idx, w, wgu):
             return _ht.dispatch_matmul(x, idx, w, wgu, num_experts=num_experts,
-                                       backend=backend)[1]
+                                       backend=backend, capacity=capacity)[1]
         return half
     align = jax_ep.runtime.extension().fused_block_rows if backend == "cuda" else 1
 
     def half(x, idx, w, wgu):
         res = jax_ep.dispatch(x, idx, w, num_experts=num_experts, layout="expert",
-                              expert_alignment=align, backend=backend)
+                              expert_alignment=align, capacity=capacity, backend=backend)
         return jax_ep.grouped_matmul(res.recv_x, wgu, res.expert_sizes, backend=backend)
     return half
