@@ -8,10 +8,13 @@
 //   to the arrival counter of its row block (release). A token of another rank crosses the link
 //   once: its first row (in its lowest expert's segment) also writes its other rows here (the
 //   copies in rows_dups) and adds each to its row block's counter; those rows (rows_src -2) are
-//   skipped where they lie. Rows past the last segment (and their GEMM output rows) come last
-//   in that order, and are zeroed. Once the queue is empty the block arrives at the end
-//   barrier (its first step: the last copy block to arrive tells the peers this rank is done
-//   reading) and joins the tiles.
+//   skipped where they lie. Once the queue is empty the block arrives at the end barrier (its
+//   first step: the last copy block to arrive tells the peers this rank is done reading),
+//   zeroes rows past the last segment (and their GEMM output rows) from a queue of their own,
+//   and joins the tiles.
+// - rows past the last segment: no tile reads or writes them, and the worst-case capacity can
+//   put most rows there. The copy blocks zero them while the tiles run; every block that finds
+//   the tile queue empty zeroes what is left.
 // - tiles come from one tile queue shared by every block (kernels/fused/tiles.cuh), in row-block
 //   order: tile i is row block b = i / nN and column block i % nN, of the expert whose segment
 //   holds b, computed with CUTLASS's SM90 collectives (TMA loads into a smem pipeline, warpgroup
@@ -60,15 +63,13 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
   if (tid < R) s_x[tid] = peer_ptr<const uint8_t>(ps, tid, 0);
   __syncthreads();
   const int64_t Hb = a.H * static_cast<int64_t>(sizeof(Element));
-  const int64_t Nb = a.N * static_cast<int64_t>(sizeof(Element));
   auto* xe = static_cast<uint8_t*>(a.xe);
-  auto* h = static_cast<uint8_t*>(a.h);
   bool vec = Hb % 16 == 0 && ht::aligned16(xe);
   for (int s = 0; s < R; ++s) vec = vec && ht::aligned16(s_x[s]);
-  const bool vec_h = Nb % 16 == 0 && ht::aligned16(h);
   const int recv = rows_in_segments(a.sizes, a.L, a.C, lane);
   int* queue = a.counters + row_blocks(a.C) + kTaskQueue;
-  const int64_t chunks = (static_cast<int64_t>(a.C) + kChunkRows - 1) / kChunkRows;
+  // recv is a multiple of kBlockM or C: no chunk straddles the last segment's end
+  const int64_t chunks = (static_cast<int64_t>(recv) + kChunkRows - 1) / kChunkRows;
   const int64_t T = a.T;
   for (;;) {
     int c = 0;
@@ -76,47 +77,70 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
     c = __shfl_sync(ht::kFull, c, 0);
     if (c >= chunks) break;
     const int64_t j0 = static_cast<int64_t>(c) * kChunkRows;
-    const int64_t j1 = min(j0 + kChunkRows, static_cast<int64_t>(a.C));
+    const int64_t j1 = min(j0 + kChunkRows, static_cast<int64_t>(recv));
     // the chunk's sources, one load per lane up front
-    const int my_src = lane < j1 - j0 && j0 + lane < recv ? a.rows_src[j0 + lane] : -1;
+    const int my_src = lane < j1 - j0 ? a.rows_src[j0 + lane] : -1;
     int arrived = 0;
     for (int64_t j = j0; j < j1; ++j) {
       uint8_t* dst = xe + j * Hb;
       const int src = __shfl_sync(ht::kFull, my_src, static_cast<int>(j - j0));
-      if (j < recv) {
-        if (src == -2) continue;  // a copy: its token's first row writes and counts it
-        const int64_t s = src >= 0 && T > 0 ? src / T : -1;
-        if (s >= 0 && s < R) {
-          // this row's copies (rows of other experts holding the same token), if any
-          // (only a row marked as a copy: a row written and counted twice would let its block's
-          // tiles start early)
-          int d = lane < a.D ? a.rows_dups[j * a.D + lane] : -1;
-          if (d >= 0 && (d >= recv || d == j || a.rows_src[d] != -2)) d = -1;
-          const bool copy = d >= 0;
-          const unsigned mask = __ballot_sync(ht::kFull, copy);
-          const int nd = __popc(mask);
-          if (copy) s_copies[tid >> 5][__popc(mask & ((1u << lane) - 1))] = d;
-          __syncwarp();
+      if (src == -2) continue;  // a copy: its token's first row writes and counts it
+      const int64_t s = src >= 0 && T > 0 ? src / T : -1;
+      if (s >= 0 && s < R) {
+        // this row's copies (rows of other experts holding the same token), if any
+        // (only a row marked as a copy: a row written and counted twice would let its block's
+        // tiles start early)
+        int d = lane < a.D ? a.rows_dups[j * a.D + lane] : -1;
+        if (d >= 0 && (d >= recv || d == j || a.rows_src[d] != -2)) d = -1;
+        const bool copy = d >= 0;
+        const unsigned mask = __ballot_sync(ht::kFull, copy);
+        const int nd = __popc(mask);
+        if (copy) s_copies[tid >> 5][__popc(mask & ((1u << lane) - 1))] = d;
+        __syncwarp();
 #if JAX_EP_MUTATION == 13  // planted bug 13: a first row counts its copies but does not write them
-          ht::copy_row_to(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5], 0);
+        ht::copy_row_to(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5], 0);
 #else
-          ht::copy_row_to(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5], nd);
+        ht::copy_row_to(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5], nd);
 #endif
-          __syncwarp();  // every lane's stores (and reads of the copies) before the releases
-          if (copy) red_release_gpu_add(a.counters + d / kBlockM, 1);
-        } else {
-          ht::zero_row(dst, Hb, vec, lane);
-        }
-        ++arrived;
-      } else {  // past the last segment: no tile reads or writes these rows
+        __syncwarp();  // every lane's stores (and reads of the copies) before the releases
+        if (copy) red_release_gpu_add(a.counters + d / kBlockM, 1);
+      } else {
         ht::zero_row(dst, Hb, vec, lane);
-        ht::zero_row(h + j * Nb, Nb, vec_h, lane);
       }
+      ++arrived;
     }
     __syncwarp();  // every lane's stores before lane 0's release
     if (lane == 0 && arrived > 0) red_release_gpu_add(a.counters + j0 / kBlockM, arrived);
   }
   return end_arrive(ps, e, -1, static_cast<unsigned int>(a.copy_blocks));
+}
+
+// ------------------------------------------------------------------------------------------
+// Rows past the last segment and their GEMM output rows, zeroed kChunkRows rows at a time by a
+// warp, from a queue of their own: no tile reads or writes them, so nothing waits for them.
+// ------------------------------------------------------------------------------------------
+__device__ void zero_past_segments(const GatherGemmArgs& a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t Hb = a.H * static_cast<int64_t>(sizeof(Element));
+  const int64_t Nb = a.N * static_cast<int64_t>(sizeof(Element));
+  auto* xe = static_cast<uint8_t*>(a.xe);
+  auto* h = static_cast<uint8_t*>(a.h);
+  const bool vec = Hb % 16 == 0 && ht::aligned16(xe);
+  const bool vec_h = Nb % 16 == 0 && ht::aligned16(h);
+  const int64_t recv = rows_in_segments(a.sizes, a.L, a.C, lane), C = a.C;
+  const int64_t chunks = (C - recv + kChunkRows - 1) / kChunkRows;
+  int* queue = a.counters + row_blocks(a.C) + kTailQueue;
+  for (;;) {
+    int c = 0;
+    if (lane == 0 && chunks > 0) c = atomicAdd(queue, 1);
+    c = __shfl_sync(ht::kFull, c, 0);
+    if (c >= chunks) break;
+    const int64_t j0 = recv + static_cast<int64_t>(c) * kChunkRows;
+    for (int64_t j = j0; j < min(j0 + kChunkRows, C); ++j) {
+      ht::zero_row(xe + j * Hb, Hb, vec, lane);
+      ht::zero_row(h + j * Nb, Nb, vec_h, lane);
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -130,6 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool copier = static_cast<int>(blockIdx.x) < a.copy_blocks;
   const unsigned long long e = copier ? call_epoch(a.ps) : 0;
   const bool ends_call = copier && copy_rows(a, e);
+  if (copier) zero_past_segments(a);  // while the other blocks compute tiles
   extern __shared__ uint8_t smem_raw[];
   SharedStorage& ss = shared_storage(smem_raw);
   const Waiter me = waiter(a.ps);
@@ -149,13 +174,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async_global();
   };
   const TileProblem t{a.sizes, a.C, a.L, a.H, a.N};
-  run_tiles(
-      p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows,
-      [lane](TileRing& ring) {
-        while (ring.next(lane) >= 0) {
-        }
-      },
-      [](bool) {});
+  // the consumer warps (run_tiles is true there) then zero what the copy blocks left (the
+  // producer warps gave up their registers)
+  if (run_tiles(
+          p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows,
+          [lane](TileRing& ring) {
+            while (ring.next(lane) >= 0) {
+            }
+          },
+          [](bool) {}))
+    zero_past_segments(a);
   if (ends_call) end_wait(a.ps, e, a.timeout_ns, kPhaseEnd);
 }
 

@@ -1,7 +1,8 @@
 // The fused grouped GEMM + combine (gemm_combine.h, docs/kernels.md#fused-gemm-combine).
 //
 // One grid, all blocks co-resident (one per SM). Every block first publishes this rank's ye, the
-// received slots' rows and weights, and the counters (the pull protocol of transport/pull.cuh).
+// received slots' rows and weights, the counters and the segment sizes (the pull protocol of
+// transport/pull.cuh), and reads where each rank's segments end.
 // - Tile blocks (the last gemm_blocks) compute ye = a @ w per segment with CUTLASS's SM90
 //   collectives in a loop of our own (kernels/fused/tiles.cuh; TMA-store epilogue). The warp
 //   that issues a tile's TMA stores waits for their completion one tile later (by then they are
@@ -13,10 +14,14 @@
 //   wait until the row block of the slot's expert-major row has all its column tiles on s, then
 //   pull the rows and sum w * row in float32, rounded once per rank (as combine rounds the
 //   rank's pre-reduced row), then over ranks in rank order, in float32.
-//   The first combine_blocks blocks do only this (and zero ye past the last segment); the tile
+//   A row past the rank's last segment (only a tampered handle names one) adds nothing, as the
+//   zero row it is in the unfused layer. The first combine_blocks blocks do only this; the tile
 //   blocks' consumer warps join once their tiles are done. The combine-only blocks then wait
 //   until every token is combined and every tile block has started (read the call's epoch), and
 //   end the call (end barrier), so no peer reads this rank's buffers after it.
+// - Last, every warp of the grid zeroes its share of ye past the last segment (no peer reads
+//   those rows): the worst-case capacity can leave most of ye there, far too many bytes for a
+//   few blocks.
 // Tile blocks never wait for the combine; the waits end because every block of every rank runs
 // at once (one block per SM of the rank's share, launched on otherwise idle SMs: a kernel that
 // held some of them would delay the waits until it ends, or until their timeout).
@@ -46,6 +51,7 @@ struct PeerView {
   const int32_t* row_of[kMaxRanks];
   const float* weights[kMaxRanks];
   const int* counters[kMaxRanks];
+  int end[kMaxRanks];  // rows in the rank's segments: a row at or past it holds zeros
 };
 
 constexpr const char* kPhasePeers = "ht_gemm_combine: wait for peers";
@@ -84,7 +90,7 @@ __device__ __forceinline__ Entry entry(const GemmCombineArgs& a, const PeerView&
   const int64_t slot = static_cast<int64_t>(r) * K + e % K;
   x.j = ht::ld_nc_s32(pv.row_of[s] + slot);
   x.w = ht::ld_nc_f32(pv.weights[s] + slot);
-  if (x.j >= a.C) x.j = -1;  // a tampered handle names no row
+  if (x.j >= pv.end[s]) x.j = -1;  // past the segments (a tampered handle): a zero row
   return x;
 }
 
@@ -202,26 +208,24 @@ __device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int
 }
 
 // ------------------------------------------------------------------------------------------
-// Combine-only blocks: zero ye past the last segment, combine, then end the call.
+// Every warp of the grid, last: its share of ye's rows past the last segment, zeroed (rows
+// dealt round the warps, so that a short tail costs a row or two per warp).
+// ------------------------------------------------------------------------------------------
+__device__ void zero_past_segments(const GemmCombineArgs& a, int end) {
+  const int lane = threadIdx.x & 31, warps = kThreads / 32;
+  const int64_t Nb = a.N * 2, nw = static_cast<int64_t>(gridDim.x) * warps;
+  auto* ye = static_cast<uint8_t*>(a.ye);
+  for (int64_t j = end + static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); j < a.C;
+       j += nw)
+    ht::zero_row(ye + j * Nb, Nb, true, lane);
+}
+
+// ------------------------------------------------------------------------------------------
+// Combine-only blocks: combine, then end the call.
 // ------------------------------------------------------------------------------------------
 __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, int col_blocks,
                              unsigned long long e) {
-  const int tid = threadIdx.x, lane = tid & 31, warps = kThreads / 32;
-  const int recv = rows_in_segments(a.sizes, a.L, a.C, lane);
-  const int64_t Nb = a.N * 2;
-  auto* ye = static_cast<uint8_t*>(a.ye);
-  // A warp per row block past the segments: zero its rows, then mark it ready like a computed
-  // one, so that a handle naming such a row reads zeros (as the unfused combine would) instead
-  // of waiting for tiles that never come.
-  const int nb = row_blocks(a.C), nw = a.combine_blocks * warps;
-  for (int b = row_blocks(recv) + static_cast<int>(blockIdx.x) * warps + (tid >> 5); b < nb;
-       b += nw) {
-    const int64_t end = min(static_cast<int64_t>(b + 1) * kBlockM, static_cast<int64_t>(a.C));
-    for (int64_t j = static_cast<int64_t>(b) * kBlockM; j < end; ++j)
-      ht::zero_row(ye + j * Nb, Nb, true, lane);
-    __syncwarp();
-    if (lane == 0) red_release_sys_add(a.counters + b, col_blocks);
-  }
+  const int tid = threadIdx.x, lane = tid & 31;
   combine_tokens(a, pv, col_blocks, lane);
   __syncthreads();
   // Every token combined, and every tile block past its start (it reads the call's epoch there,
@@ -235,6 +239,7 @@ __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, int c
   }
   end_barrier(
       a.ps, e, a.timeout_ns, kPhaseEnd, [] {}, -1, static_cast<unsigned int>(a.combine_blocks));
+  zero_past_segments(a, pv.end[a.ps.rank]);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -274,6 +279,7 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
           p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, [](int) {}, signal,
           count_stored))
     combine_tokens(a, pv, column_blocks(a.N), lane);
+  zero_past_segments(a, pv.end[a.ps.rank]);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -281,8 +287,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const GemmCombineArgs& a = p.a;
   const unsigned long long e = call_epoch(a.ps);
   __shared__ PeerView pv;
-  const void* ptrs[4] = {a.ye, a.row_of, a.weights, a.counters};
-  const bool ok = ht::publish_and_wait(a.ps, ptrs, 4, e, a.timeout_ns, kPhasePeers);
+  const void* ptrs[5] = {a.ye, a.row_of, a.weights, a.counters, a.sizes};
+  const bool ok = ht::publish_and_wait(a.ps, ptrs, 5, e, a.timeout_ns, kPhasePeers);
   const int R = a.ps.num_ranks, tid = threadIdx.x;
   const bool tile_block = static_cast<int>(blockIdx.x) >= a.combine_blocks;
   if (tile_block && tid == 0) red_release_gpu_add(a.counters + row_blocks(a.C) + kTilesStarted, 1);
@@ -292,6 +298,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     pv.row_of[tid] = peer_ptr<const int32_t>(a.ps, tid, 1);
     pv.weights[tid] = peer_ptr<const float>(a.ps, tid, 2);
     pv.counters[tid] = peer_ptr<const int>(a.ps, tid, 3);
+  }
+  if (const int w = tid >> 5; w < R) {  // warp w: where rank w's segments end
+    const int end = rows_in_segments(peer_ptr<const int32_t>(a.ps, w, 4), a.L, a.C, tid & 31);
+    if ((tid & 31) == 0) pv.end[w] = end;
   }
   __syncthreads();
   if (!tile_block) {

@@ -33,7 +33,8 @@ enum CounterWord : int {
   kTaskQueue = 1,     // the copy chunks' queue (gather + GEMM) or the tokens' (GEMM + combine)
   kTokensDone = 2,    // GEMM + combine: tokens combined
   kTilesStarted = 3,  // GEMM + combine: tile blocks started
-  kCounterTail = 4,
+  kTailQueue = 4,     // gather + GEMM: the chunks of rows past the last segment, to zero
+  kCounterTail = 5,
 };
 // Row blocks of C expert-major rows: the first words of the counters (int in the kernels).
 template <class I>
