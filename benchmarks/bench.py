@@ -159,9 +159,7 @@ def ht_suite(mesh, R, a, sms_list, rows):
             h = r.handle
             return (r.recv_x, h.recv_src, h.send_rows, h.recv_count[None], h.num_dropped[None],
                     h.num_invalid[None])
-        spec = P("ep")
-        hargs = jax.jit(jax.shard_map(comb, mesh=mesh, in_specs=spec, out_specs=spec,
-                                      check_vma=False))(x, idx, w)
+        hargs = harness.rank_map(mesh, comb)(x, idx, w)
         t = timed_scan(mesh, lambda y, *h: jax_ep.combine(
             y, jax_ep.DispatchHandle(h[0], h[1], h[2][0], h[3][0], h[4][0]), backend="cuda"),
             hargs, it, reps)
@@ -226,9 +224,7 @@ def ll_suite(mesh, R, a, rows):
         r = jax_ep.low_latency_dispatch(x, i, use_fp8=False, **kw)
         h = r.handle
         return r.recv_x, h.recv_src, h.recv_slot, h.recv_count, h.src_rows
-    spec = P("ep")
-    hargs = jax.jit(jax.shard_map(disp, mesh=mesh, in_specs=spec, out_specs=spec,
-                                  check_vma=False))(x, idx)
+    hargs = harness.rank_map(mesh, disp)(x, idx)
 
     def handle(s, sl, c, rr, i):
         return jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32), rr, i)

@@ -38,7 +38,7 @@ from jax_ep import high_throughput as _ht, moe as _moe, reference as _ref
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
 import moe_parts  # noqa: E402
-from harness import barh_plot, op_timer, paired, ratio_median, time_op  # noqa: E402
+from harness import barh_plot, op_timer, paired, rank_map, ratio_median, time_op  # noqa: E402
 
 
 def rel_err(a, b):
@@ -106,9 +106,7 @@ def main():
 
     def once(f):
         """f called once, per shard over the one-device EP axis (as time_op runs it)."""
-        spec = jax.sharding.PartitionSpec("ep")
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec,
-                                     check_vma=False))
+        return rank_map(mesh, f)
 
     def layer(x, idx, w, wgu, wd):
         return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, backend=be)

@@ -72,8 +72,8 @@ def test_the_extension_owns_its_sizes_and_trace_marks():
     rows = ext.fused_block_rows      # a counter per row block, then the queues' words
     words = ext.fused_counter_words(1) - 1
     assert words >= 5                # tiles, tasks, tokens done, tiles started, tail rows
-    assert [ext.fused_counter_words(c) for c in (1, rows, rows + 1)] == [1 + words] * 2 + [
-        2 + words]
+    assert [ext.fused_counter_words(c) for c in (1, rows, rows + 1)] == [words + 1, words + 1,
+                                                                         words + 2]
     assert 1 <= ext.fused_max_dups <= 32     # a first row's copies: one per lane of its warp
     marks = ext.trace_marks
     assert marks[0] == "layout start" and len(marks) >= 20
