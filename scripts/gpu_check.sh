@@ -98,7 +98,7 @@ if has timeouts; then
      | tail -15) || rc=1
 fi
 if has planted; then
-  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8, gather_gemm.cu 11 and 13, gemm_combine.cu 12, fp8_mainloop.cuh 14) must fail its tests"
+  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8, gather_gemm.cu 11 and 13, gemm_combine.cu 12, fp8_mainloop.cuh 14, high_throughput.cc 15) must fail its tests"
   # MUTATION:TEST pairs, each test in a process of its own (table: planted.log)
   L=tests/test_gpu_leases.py
   pairs="${PLANTED:-5:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
@@ -112,7 +112,8 @@ if has planted; then
     11:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused
     12:tests/test_gpu_fused.py::test_fused_matmul_combine_matches_unfused
     13:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused
-    14:tests/test_gpu_gemm.py::test_fp8_matches_reference}"
+    14:tests/test_gpu_gemm.py::test_fp8_matches_reference
+    15:tests/test_gpu_fused.py::test_fused_grids_take_each_virtual_rank_share_of_the_sms}"
   : > "$OUT/planted.log"
   need_nvshmem4py
   built=" "

@@ -219,6 +219,33 @@ def test_moe_ffn_fused_runs_both_fused_kernels():
         assert target in hlo, target
 
 
+def test_fused_grids_take_each_virtual_rank_share_of_the_sms():
+    """In the one-GPU multi-rank mode each rank's fused kernels take its share of the SMs, one
+    block per SM: copy or combine-only blocks up to the share less one run, and a count of the
+    share is refused with an error that names it (a share divided twice by R refuses the
+    first and names half the share)."""
+    if not gpu_devices():
+        pytest.skip("needs a GPU")
+    R, T, H, I, K, L = 2, 16, 256, 128, 2, 2
+    share = jax_ep.runtime.extension().device_sm_count(jax_ep.runtime.current_cuda_device()) // R
+    x, idx, w, wgu, E = _setup(R, T, H, 2 * I, K, L, "random", 5)
+    wd = jnp.zeros((E, I, H), jnp.bfloat16)
+    args = tuple(a.reshape((R, -1) + a.shape[1:]) for a in (x, idx, w, wgu, wd))
+
+    def layer(copy_blocks, combine_blocks):
+        def f(x, idx, w, wgu, wd):
+            return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=True,
+                                  fused_copy_blocks=copy_blocks,
+                                  fused_combine_blocks=combine_blocks, backend="cuda")
+        return jax.jit(jax_ep.testing.virtual_ranks(f, R))
+
+    out = jax.block_until_ready(layer(share - 1, share - 1)(*args))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    for copy_blocks, combine_blocks in ((share, 1), (1, share)):
+        with pytest.raises(Exception, match=f"must leave at least one of the {share} blocks"):
+            jax.block_until_ready(layer(copy_blocks, combine_blocks)(*args))
+
+
 def test_fused_in_a_long_scan():
     """200 fused layers in one scan with fresh routing each step (R = 4)."""
     R, T, H, I, K, L, steps = 4, 16, 256, 128, 2, 2, 200

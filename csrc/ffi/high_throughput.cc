@@ -94,14 +94,15 @@ ffi::Error fused_gemm_checks(const char* op, const char* k_name, int64_t C, int6
 }
 
 // The grid of a fused kernel: one block per SM (its rank's share of them in the one-GPU
-// multi-rank mode), `requested` of them (the attribute `attr`; 0: auto(share)) in the role
-// beside the GEMM tiles, *gemm the rest.
+// multi-rank mode, which read_sm_count already gives), `requested` of them (the attribute
+// `attr`; 0: auto(share)) in the role beside the GEMM tiles, *gemm the rest.
 ffi::Error fused_split(const char* op, int32_t device, int64_t requested, const char* attr,
                        int (*automatic)(int), int* other, int* gemm) {
-  int sms = 0;
-  JAX_EP_RETURN_IF_ERROR(read_sm_count(op, device, &sms));
-  const jax_ep::VirtualRank* vr = jax_ep::virtual_rank();
-  const int share = vr != nullptr ? sms / vr->num_ranks : sms;
+  int share = 0;
+  JAX_EP_RETURN_IF_ERROR(read_sm_count(op, device, &share));
+#if JAX_EP_MUTATION == 15  // planted bug 15: the share divided by R once more
+  if (const jax_ep::VirtualRank* vr = jax_ep::virtual_rank()) share /= vr->num_ranks;
+#endif
   const int64_t n = requested > 0 ? requested : automatic(share);
   if (n < 1 || n >= share)
     return jax_ep::op_error(op, std::string(attr) + " (" + std::to_string(n) +

@@ -21,7 +21,9 @@
 // (kernels/fused/gemm_combine.cu); 13, the fused gather + grouped GEMM: a token's first row
 // counts its copies on the rank but does not write them (kernels/fused/gather_gemm.cu); 14, the
 // FP8 grouped GEMM: the last of an even number of K tiles is promoted with the scales of the one
-// before it (kernels/gemm/fp8_mainloop.cuh).
+// before it (kernels/gemm/fp8_mainloop.cuh); 15, the fused kernels' grids in the one-GPU
+// multi-rank mode: the rank's share of the SMs divided by R once more (fused_split,
+// ffi/high_throughput.cc).
 // 0 (every real build) changes no code.
 #ifndef JAX_EP_MUTATION
 #define JAX_EP_MUTATION 0
