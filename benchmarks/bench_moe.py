@@ -104,10 +104,6 @@ def main():
 
     mesh = jax.sharding.Mesh(np.array([dev]), ("ep",))
 
-    def once(f):
-        """f called once, per shard over the one-device EP axis (as time_op runs it)."""
-        return rank_map(mesh, f)
-
     def layer(x, idx, w, wgu, wd):
         return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, backend=be)
 
@@ -120,8 +116,8 @@ def main():
     lay_args = (x, idx, w, wgu, wd)
 
     # correctness before timing: ours against the ragged_dot layer
-    ours = once(layer)(*lay_args)
-    base = once(baselines.ragged_dot_moe)(*lay_args)
+    ours = rank_map(mesh, layer)(*lay_args)
+    base = rank_map(mesh, baselines.ragged_dot_moe)(*lay_args)
     err = rel_err(ours, base)
     print(f"  check: moe_ffn vs sort + ragged_dot rel err {err:.2e}")
     assert err < 2e-2, err
@@ -136,7 +132,7 @@ def main():
     def layer_fused(x, idx, w, wgu, wd):
         return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=L, fused=True, backend=be)
 
-    err_f = rel_err(once(layer_fused)(*lay_args), ours)
+    err_f = rel_err(rank_map(mesh, layer_fused)(*lay_args), ours)
     print(f"  check: moe_ffn fused vs unfused rel err {err_f:.2e}")
     assert err_f < 1e-2, err_f
     fwd_f = record("moe_ffn(fused=True) forward", time_op(layer_fused, lay_args, reps=reps),
@@ -220,7 +216,7 @@ def main():
         return jax_ep.dispatch(x, idx, w, num_experts=L, backend=be).recv_x
     record("  part: dispatch", time_op(p_dispatch, (x, idx, w), reps=reps), impl="ours",
            op="part")
-    res = once(lambda x, idx, w: (lambda r: (r.recv_x, r.recv_topk_idx))(
+    res = rank_map(mesh, lambda x, idx, w: (lambda r: (r.recv_x, r.recv_topk_idx))(
         jax_ep.dispatch(x, idx, w, num_experts=L, backend=be)))(x, idx, w)
 
     def p_reorder(recv_x, recv_idx):

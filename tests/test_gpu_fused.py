@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import jax_ep
 from jax_ep import high_throughput as ht
 from jax_ep.high_throughput import dispatch_matmul, matmul_combine
-from helpers import gpu_devices, gpu_ranks, moe_layer_and_grads, poison_gpu_memory
+from helpers import gpu_devices, gpu_ranks, moe_layer_and_grads, poison_gpu_memory, split_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -214,7 +214,7 @@ def test_moe_ffn_fused_runs_both_fused_kernels():
     def layer(x, idx, w, wgu, wd):
         return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=True, backend="cuda")
     hlo = jax_ep.testing.run_ranks(layer, R).lower(
-        *(a.reshape((R, -1) + a.shape[1:]) for a in (x, idx, w, wgu, wd))).as_text()
+        *(split_ranks(a, R) for a in (x, idx, w, wgu, wd))).as_text()
     for target in ("jax_ep_ht_gather_gemm", "jax_ep_ht_gemm_combine"):
         assert target in hlo, target
 
@@ -230,7 +230,7 @@ def test_fused_grids_take_each_virtual_rank_share_of_the_sms():
     share = jax_ep.runtime.extension().device_sm_count(jax_ep.runtime.current_cuda_device()) // R
     x, idx, w, wgu, E = _setup(R, T, H, 2 * I, K, L, "random", 5)
     wd = jnp.zeros((E, I, H), jnp.bfloat16)
-    args = tuple(a.reshape((R, -1) + a.shape[1:]) for a in (x, idx, w, wgu, wd))
+    args = tuple(split_ranks(a, R) for a in (x, idx, w, wgu, wd))
 
     def layer(copy_blocks, combine_blocks):
         def f(x, idx, w, wgu, wd):
