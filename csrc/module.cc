@@ -16,6 +16,7 @@
 #include "ffi/handlers.h"
 #include "ffi/site_state.h"
 #include "kernels/fused/sizes.h"
+#include "kernels/fused/tile_order.h"
 #include "kernels/gemm/grouped_gemm.h"
 #include "kernels/ht_sizes.h"
 #include "kernels/ll_sizes.h"
@@ -239,6 +240,28 @@ NB_MODULE(_C, m) {
   m.def("fused_counter_words", &jax_ep::fused::counter_words, nb::arg("C"),
         "int32 words of the fused kernels' counters result for C expert-major rows "
         "(csrc/kernels/fused/sizes.h).");
+  m.attr("fused_raster_row_blocks") = jax_ep::fused::kRasterRowBlocks;
+  m.def(
+      "fused_tile_order",
+      [](const std::vector<int>& block_start, int col_blocks, int group) {
+        if (block_start.size() < 2)
+          throw nb::value_error("fused_tile_order: block_start needs L + 1 >= 2 entries");
+        for (size_t l = 0; l < block_start.size(); ++l)
+          if (l == 0 ? block_start[0] != 0 : block_start[l] < block_start[l - 1])
+            throw nb::value_error("fused_tile_order: block_start must start at 0 and not decrease");
+        if (col_blocks < 1 || group < 1)
+          throw nb::value_error("fused_tile_order: col_blocks and group must be positive");
+        const int L = static_cast<int>(block_start.size()) - 1;
+        std::vector<int> tiles(static_cast<size_t>(block_start[L]) * col_blocks);
+        for (size_t q = 0; q < tiles.size(); ++q)
+          tiles[q] = jax_ep::fused::tile_order(block_start.data(), L, col_blocks, group,
+                                               static_cast<int>(q));
+        return tiles;
+      },
+      nb::arg("block_start"), nb::arg("col_blocks"), nb::arg("group"),
+      "The fused kernels' tile queue order: for each draw, row block * col_blocks + column "
+      "block, given each segment's first row block and, last, the row blocks of all segments "
+      "(csrc/kernels/fused/tile_order.h).");
   m.def("gemm_built", &jax_ep::gemm::built,
         "True when the CUTLASS grouped-GEMM kernels are compiled in.");
   m.def(

@@ -15,11 +15,11 @@
 // - rows past the last segment: no tile reads or writes them, and the worst-case capacity can
 //   put most rows there. The copy blocks zero them while the tiles run; every block that finds
 //   the tile queue empty zeroes what is left.
-// - tiles come from one tile queue shared by every block (kernels/fused/tiles.cuh), in row-block
-//   order: tile i is row block b = i / nN and column block i % nN, of the expert whose segment
-//   holds b, computed with CUTLASS's SM90 collectives (TMA loads into a smem pipeline, warpgroup
-//   MMAs, TMA-store epilogue). The producer warp waits (bounded) until the counter of b reaches
-//   the rows of b before loading it.
+// - tiles come from one tile queue shared by every block (kernels/fused/tiles.cuh), in row
+//   order by groups of kRasterRowBlocks row blocks of an expert, each group column by column
+//   (tile_order), computed with CUTLASS's SM90 collectives (TMA loads into a smem pipeline,
+//   warpgroup MMAs, TMA-store epilogue). The producer warp waits (bounded) until the counter of
+//   a tile's row block reaches that block's rows before loading it.
 // Segments start at multiples of kBlockM, so a row block never straddles two experts, and A
 // (the rows) is one [C, H] tensor for every expert: its batch stride is a static 0.
 // Copy warps never wait for tiles, and a block takes tiles only once its copies are done, so the

@@ -1,5 +1,6 @@
 // Sizes and settings of the fused kernels (kernels/fused/) that the handler and the Python side
-// share (exported as jax_ep._C.fused_block_rows, fused_max_dups and fused_counter_words).
+// share (exported as jax_ep._C.fused_block_rows, fused_max_dups, fused_counter_words and
+// fused_raster_row_blocks).
 // Plain C++.
 #pragma once
 
@@ -9,6 +10,10 @@ namespace fused {
 // Rows of one GEMM tile and of one arrival counter; expert segments start at multiples of it
 // (the expert-major layout's alignment on this path, exported to Python).
 constexpr int kBlockM = 128;
+// Row blocks of a group of the tile queue: within an expert's segment the tiles go column by
+// column over this many row blocks at a time (kernels/fused/tile_order.h; exported as
+// jax_ep._C.fused_raster_row_blocks; docs/kernels.md#fused-tile-order).
+constexpr int kRasterRowBlocks = 8;
 // Threads of a block, in either role (one producer and two consumer warpgroups).
 constexpr int kThreads = 384;
 // Most local experts (their segment starts sit in shared memory).

@@ -18,6 +18,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/pipeline/pipeline.hpp"
 #include "kernels/fused/sizes.h"
+#include "kernels/fused/tile_order.h"
 #include "kernels/ht_common.cuh"
 #include "runtime/virtual_ranks.h"
 
@@ -147,8 +148,8 @@ std::string launch_kernel(void (*kernel)(Params), const char* name, int grid, co
 }
 
 // The tile ids a warp reads from the ring (all lanes call next(), in order): tile i is row block
-// i / col_blocks and column block i % col_blocks; -1 once no tile is left, after which the warp
-// calls next() no more.
+// i / col_blocks and column block i % col_blocks (the queue's order is tile_order's); -1 once no
+// tile is left, after which the warp calls next() no more.
 struct TileRing {
   SharedStorage& ss;
   int col_blocks;
@@ -197,23 +198,9 @@ __device__ __forceinline__ void segment_starts(const int32_t* sizes, int L, int 
   if (lane == 0) block_start[L] = static_cast<int>((carry + kBlockM - 1) / kBlockM);
 }
 
-// The expert whose segment holds row block b: the largest l with block_start[l] <= b (an empty
-// segment shares its start with the next one, which wins).
-__device__ __forceinline__ int expert_of(const int* block_start, int L, int b) {
-  int lo = 0, hi = L - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (block_start[mid] <= b)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 // The tile loop of one block (all kThreads threads): the producer warp takes tiles from
 // `queue` (an int zeroed before the launch, shared by every block that computes tiles: the tiles
-// go out in row-block order to whichever block is free) and passes their ids on through the
+// go out in tile_order's order to whichever block is free) and passes their ids on through the
 // ring. Hooks:
 // - before_load(b): the producer warp (all lanes), before it loads row block b;
 // - warp_one(ring): warp 1 of the producer warpgroup (all lanes), otherwise idle: it must read
@@ -277,11 +264,11 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp_idx == 0) {
-      auto draw = [queue, count, lane] {
-        int i = 0;
-        if (lane == 0) i = atomicAdd(queue, 1);
-        i = __shfl_sync(ht::kFull, i, 0);
-        return i < count ? i : -1;
+      auto draw = [&, queue, count, lane] {
+        int q = 0;
+        if (lane == 0) q = atomicAdd(queue, 1);
+        q = __shfl_sync(ht::kFull, q, 0);
+        return q < count ? tile_order(ss.block_start, t.L, col_blocks, kRasterRowBlocks, q) : -1;
       };
       PipelineState state = cutlass::make_producer_start_state<MainloopPipeline>();
       int i = draw();
