@@ -8,6 +8,8 @@
 #include <execinfo.h>
 #include <unistd.h>
 
+#include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -252,6 +254,12 @@ NB_MODULE(_C, m) {
         if (col_blocks < 1 || group < 1)
           throw nb::value_error("fused_tile_order: col_blocks and group must be positive");
         const int L = static_cast<int>(block_start.size()) - 1;
+        // the kernels' int arithmetic: every tile id and group * col_blocks fit an int
+        constexpr int64_t kMax = std::numeric_limits<int>::max();
+        if (int64_t{block_start[L]} * col_blocks > kMax || int64_t{group} * col_blocks > kMax)
+          throw nb::value_error(
+              "fused_tile_order: block_start[-1] * col_blocks and group * col_blocks must fit "
+              "an int32");
         std::vector<int> tiles(static_cast<size_t>(block_start[L]) * col_blocks);
         for (size_t q = 0; q < tiles.size(); ++q)
           tiles[q] = jax_ep::fused::tile_order(block_start.data(), L, col_blocks, group,

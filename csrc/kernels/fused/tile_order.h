@@ -4,9 +4,9 @@
 #pragma once
 
 #if defined(__CUDACC__)
-#define JAX_EP_HOST_DEVICE __host__ __device__ __forceinline__
+#define JAX_EP_TILE_ORDER_FN __host__ __device__ __forceinline__
 #else
-#define JAX_EP_HOST_DEVICE inline
+#define JAX_EP_TILE_ORDER_FN inline
 #endif
 
 namespace jax_ep {
@@ -17,7 +17,7 @@ namespace fused {
 
 // The expert whose segment holds row block b: the largest l with block_start[l] <= b (an empty
 // segment shares its start with the next one, which wins).
-JAX_EP_HOST_DEVICE int expert_of(const int* block_start, int L, int b) {
+JAX_EP_TILE_ORDER_FN int expert_of(const int* block_start, int L, int b) {
   int lo = 0, hi = L - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -35,7 +35,8 @@ JAX_EP_HOST_DEVICE int expert_of(const int* block_start, int L, int b) {
 // once share their weight columns and the group's rows, which stay in L2, where row-block order
 // would read all of the expert's weights again for every few row blocks. Early rows are still
 // computed first. group 1 is row-block order.
-JAX_EP_HOST_DEVICE int tile_order(const int* block_start, int L, int col_blocks, int group, int q) {
+JAX_EP_TILE_ORDER_FN int tile_order(const int* block_start, int L, int col_blocks, int group,
+                                    int q) {
   const int l = expert_of(block_start, L, q / col_blocks);
   const int start = block_start[l], rows = block_start[l + 1] - start;
   const int j = q - start * col_blocks;  // in [0, rows * col_blocks)
@@ -48,4 +49,4 @@ JAX_EP_HOST_DEVICE int tile_order(const int* block_start, int L, int col_blocks,
 }  // namespace fused
 }  // namespace jax_ep
 
-#undef JAX_EP_HOST_DEVICE
+#undef JAX_EP_TILE_ORDER_FN
