@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_ep
-from jax_ep import high_throughput as _ht, moe as _moe, reference as _ref
+from jax_ep import expert_layout as _el, moe as _moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
@@ -220,8 +220,8 @@ def main():
         jax_ep.dispatch(x, idx, w, num_experts=L, backend=be)))(x, idx, w)
 
     def p_reorder(recv_x, recv_idx):
-        lay = _ref.expert_layout(recv_idx, num_local_experts=L, capacity=M, alignment=1)
-        return _ht.expand_rows(recv_x, lay["src"], lay["row_of"], K)
+        lay = _el.plan(recv_idx, num_local_experts=L, capacity=M, alignment=1)
+        return _el.expand_rows(recv_x, lay["src"], lay["row_of"], K)
     record("  part: expert-major order and rows (sort + gather)",
            time_op(p_reorder, res, reps=reps), impl="ours", op="part")
     h = jnp.asarray(rng.standard_normal((M, 2 * I)), jnp.bfloat16)
@@ -229,7 +229,7 @@ def main():
                                                 (h,), reps=reps), impl="ours", op="part")
 
     def p_wsum(y, wk, src, row_of):
-        return _ht.reduce_rows(y, wk, src, row_of, K)
+        return _el.reduce_rows(y, wk, src, row_of, K)
     src = jnp.asarray(rng.permutation(M), jnp.int32)
     row_of = jnp.zeros((M,), jnp.int32).at[src].set(jnp.arange(M, dtype=jnp.int32))
     wk = jnp.asarray(rng.random((T, K)), jnp.float32)

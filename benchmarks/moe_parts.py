@@ -3,15 +3,15 @@ per-shard function for the harness's scans."""
 from __future__ import annotations
 
 import jax_ep
-from jax_ep import high_throughput as _ht, moe as _moe
+from jax_ep import fused as _fused, moe as _moe
 
 
 def fused_first_half_only(num_experts, backend, capacity=None):
     """The layer with only its first half fused: the fused dispatch + gate/up GEMM, then the
     unfused down GEMM and combine (the fused GEMM + combine's own effect, by difference)."""
     def layer(x, idx, w, wgu, wd):
-        res, h = _ht.dispatch_matmul(x, idx, w, wgu, num_experts=num_experts, backend=backend,
-                                     capacity=capacity)
+        res, h = _fused.dispatch_matmul(x, idx, w, wgu, num_experts=num_experts,
+                                        backend=backend, capacity=capacity)
         y = jax_ep.grouped_matmul(_moe.swiglu(h).astype(wd.dtype), wd, res.expert_sizes,
                                   backend=backend)
         return jax_ep.combine(y, res.handle, backend=backend)
@@ -24,8 +24,8 @@ def first_half(fused, num_experts, backend, capacity=None):
     the worst case)."""
     if fused:
         def half(x, idx, w, wgu):
-            return _ht.dispatch_matmul(x, idx, w, wgu, num_experts=num_experts,
-                                       backend=backend, capacity=capacity)[1]
+            return _fused.dispatch_matmul(x, idx, w, wgu, num_experts=num_experts,
+                                          backend=backend, capacity=capacity)[1]
         return half
     align = jax_ep.runtime.extension().fused_block_rows if backend == "cuda" else 1
 

@@ -5,14 +5,14 @@ The communication ops run per shard inside `jax.shard_map` over the EP axis; the
 run anywhere. Every public function's docstring gives its arguments and results; the full
 contract is the project's docs/API.md.
 """
-from jax_ep.high_throughput import (DispatchHandle, DispatchResult, ExpertDispatchHandle,
-                                    ExpertDispatchResult, combine, dispatch,
+from jax_ep.high_throughput import (DispatchHandle, DispatchResult, combine, dispatch,
                                     recommended_capacity)
+from jax_ep.expert_layout import ExpertDispatchHandle, ExpertDispatchResult
 from jax_ep.low_latency import (LowLatencyHandle, LowLatencyPending, LowLatencyResult,
                                 low_latency_combine, low_latency_combine_recv,
                                 low_latency_combine_send, low_latency_dispatch,
                                 low_latency_dispatch_recv, low_latency_dispatch_send)
-from jax_ep.reference import dequantize_fp8, quantize_fp8
+from jax_ep._common import dequantize_fp8, quantize_fp8
 from jax_ep._checks import CheckError, checked
 from jax_ep._faults import PeerTimeoutError, raise_if_timed_out
 from jax_ep.runtime import initialize, runtime_info, set_num_blocks

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _checks, _ffi, reference as ref, runtime
+from jax_ep import _checks, _ffi, runtime
+from jax_ep._common import AMAX_MIN, FP8_MAX, dequantize_fp8, to_e4m3_rne
 
 FP8_BLOCK = 128  # FP8 scale block: 1 x 128 for activations, 128 x 128 for weights
 _GEMM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -52,10 +53,9 @@ def quantize_fp8_weights(w) -> Fp8Weights:
     if K % FP8_BLOCK or N % FP8_BLOCK:
         raise ValueError(f"w: K={K} and N={N} must be multiples of {FP8_BLOCK} for FP8 weights")
     b = w.astype(jnp.float32).reshape(G, K // FP8_BLOCK, FP8_BLOCK, N // FP8_BLOCK, FP8_BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(b), axis=(2, 4)), ref.AMAX_MIN)
-    scales = amax * jnp.float32(1.0 / ref.FP8_MAX)
-    q = ref.to_e4m3_rne(jnp.clip(b * (ref.FP8_MAX / amax)[:, :, None, :, None],
-                                 -ref.FP8_MAX, ref.FP8_MAX))
+    amax = jnp.maximum(jnp.max(jnp.abs(b), axis=(2, 4)), AMAX_MIN)
+    scales = amax * jnp.float32(1.0 / FP8_MAX)
+    q = to_e4m3_rne(jnp.clip(b * (FP8_MAX / amax)[:, :, None, :, None], -FP8_MAX, FP8_MAX))
     data = jnp.swapaxes(q.reshape(G, K, N), 1, 2)
     return Fp8Weights(data, scales)
 
@@ -293,7 +293,7 @@ _gmm_diff.defvjp(_gmm_fwd, _gmm_bwd)
 
 def _dequantized(lq, ls, rq, rs):
     """FP8 operands as float32 (the reference computes FP8 products this way)."""
-    return ref.dequantize_fp8(lq, ls), dequantize_fp8_weights(Fp8Weights(rq, rs))
+    return dequantize_fp8(lq, ls), dequantize_fp8_weights(Fp8Weights(rq, rs))
 
 
 def _fp8_core(lq, ls, rq, rs, sizes, cfg):
@@ -388,7 +388,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
     return _gmm_diff(a, rq, sizes, None, _Config(out_dtype, use_cuda, small_m=small))
 
 
-def _padded_segments_matmul(lhs, rhs, sizes, counts):
+def padded_segments_matmul(lhs, rhs, sizes, counts):
     """grouped_matmul(lhs, rhs, sizes) on the CUDA backend (16-bit lhs [M, K], rhs [G, K, N])
     for segments whose rows past counts[g] are zero padding (an aligned expert-major layout):
     its weight gradient reduces over the first counts[g] rows of each segment only."""

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _checks, _ffi, reference as ref
+from jax_ep._common import FP8_GROUP, axis_info, first_occurrence, ll_combine_vjp, sanitize
 from jax_ep import config, remat, runtime
 
 
@@ -87,9 +88,9 @@ class _CombineConfig(NamedTuple):
 
 def _dispatch_cuda_args(cfg, K, H):
     num_experts, M, use_fp8, round_scale, axis_name, _ = cfg
-    R, _ = ref.axis_info(axis_name)
+    R, _ = axis_info(axis_name)
     L = num_experts // R
-    G = H // ref.FP8_GROUP if use_fp8 else 0
+    G = H // FP8_GROUP if use_fp8 else 0
     recv_types = [((L, R * M, H), jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16),
                   ((L, R * M, G), jnp.float32), ((L,), jnp.int32), ((L, R * M), jnp.int32),
                   ((L, R * M), jnp.int32), ((R * M, K), jnp.int32)]
@@ -129,7 +130,7 @@ def _combine_core(y, idx, w, didx, handle_arrays, cfg):
     if backend == "reference":
         return ref.ll_combine(y, didx, _matching_weights(w, idx, didx), src,
                               num_experts=num_experts, axis_name=axis_name)
-    R, _ = ref.axis_info(axis_name)
+    R, _ = axis_info(axis_name)
     T, K = idx.shape
     H = y.shape[-1]
     attrs = _combine_attrs(num_experts, R, M, K, H)
@@ -155,8 +156,8 @@ def _dispatch_fwd(x, idx, cfg):
 def _dispatch_bwd(cfg, res, g):
     idx, handle_arrays = res
     g_rx = g[0]
-    clean, _ = ref.sanitize(idx, cfg.num_experts)
-    unit = ref.first_occurrence(clean).astype(jnp.float32)
+    clean, _ = sanitize(idx, cfg.num_experts)
+    unit = first_occurrence(clean).astype(jnp.float32)
     # the differentiable combine (not its core): the backward can itself be differentiated
     dx = _combine_diff(g_rx.astype(jnp.bfloat16), unit, idx, idx, *handle_arrays,
                        _CombineConfig(cfg.num_experts, cfg.max_tokens, cfg.axis_name,
@@ -191,8 +192,8 @@ def _combine_fwd(y, w, idx, didx, src, slot, cnt, rows, cfg):
 def _combine_bwd(cfg, res, g):
     """Pure-JAX collectives on the handle (both backends): decode rarely needs this path."""
     y, w, idx, didx, recv_src = res
-    dy, dw = ref.ll_combine_vjp(y, _matching_weights(w, idx, didx), didx, recv_src, g,
-                                num_experts=cfg.num_experts, axis_name=cfg.axis_name)
+    dy, dw = ll_combine_vjp(y, _matching_weights(w, idx, didx), didx, recv_src, g,
+                            num_experts=cfg.num_experts, axis_name=cfg.axis_name)
     return dy, _matching_weights(dw, idx, didx), None, None, None, None, None, None
 
 
@@ -214,11 +215,11 @@ def _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_
     M = _checks.static_int("max_tokens_per_rank", max_tokens_per_rank, 1)
     if T > M:
         raise ValueError(f"x: T={T} tokens is more than max_tokens_per_rank={M}")
-    if use_fp8 and H % ref.FP8_GROUP:
+    if use_fp8 and H % FP8_GROUP:
         raise ValueError(f"x: hidden size H={H} must be a multiple of 128 with use_fp8=True")
     _checks.topk("topk_idx", topk_idx, T)
     be = _checks.resolve_backend(backend, empty=T == 0)
-    R, _ = ref.axis_info(axis_name)
+    R, _ = axis_info(axis_name)
     _checks.group_size(R, axis_name)
     _checks.experts_per_rank(num_experts, R)
     _checks.low_latency_experts(num_experts, R)
@@ -238,7 +239,7 @@ def _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend):
     _checks.topk("topk_idx", topk_idx)
     _checks.weights("topk_weights", topk_weights, topk_idx.shape)
     be = _checks.resolve_backend(backend, empty=topk_idx.shape[0] == 0)
-    R, _ = ref.axis_info(axis_name)
+    R, _ = axis_info(axis_name)
     if RM % R:
         raise ValueError(f"handle: made for an EP group whose size divides {RM}, but axis "
                          f"{axis_name!r} has {R} ranks")
@@ -472,7 +473,7 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
             y, idx, w, didx, handle.recv_src, handle.recv_slot, handle.recv_count,
             handle.src_rows)
         return LowLatencyPending(arrays, ("combine", cfg, tuple(y.shape), site))
-    R, _ = ref.axis_info(axis_name)
+    R, _ = axis_info(axis_name)
     K, H = idx.shape[1], y.shape[-1]
     attrs = _combine_attrs(cfg.num_experts, R, cfg.max_tokens, K, H)
 
@@ -496,7 +497,7 @@ def low_latency_combine_recv(pending: LowLatencyPending):
         y, idx, w, didx, src, sl, cnt, rows = pending.arrays
         return _combine_core(y, idx, w, didx, (src, sl, cnt, rows), cfg)
     ticket, idx, w, didx = pending.arrays
-    R, _ = ref.axis_info(axis_name)
+    R, _ = axis_info(axis_name)
     T, K = idx.shape
     H = y_shape[-1]
     attrs = _combine_attrs(num_experts, R, M, K, H)

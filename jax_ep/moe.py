@@ -10,8 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _checks, grouped_gemm, reference as ref
-from jax_ep.high_throughput import combine, dispatch, dispatch_matmul, matmul_combine
+from jax_ep import _checks, grouped_gemm
+from jax_ep._common import axis_info, quantize_fp8
+from jax_ep.fused import dispatch_matmul, matmul_combine
+from jax_ep.high_throughput import combine, dispatch
 from jax_ep.low_latency import low_latency_combine, low_latency_dispatch
 
 MODES = ("high_throughput", "low_latency")
@@ -93,7 +95,7 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
                          "capacity per source rank)")
     _checks.expect_rank("x", x, 2, "[T, H]")
     T, H = x.shape
-    R, _ = ref.axis_info(axis_name)
+    R, _ = axis_info(axis_name)
     L = _checks.experts_per_rank(num_experts, R)
     w_gate_up = _weights("w_gate_up", w_gate_up, L, "H, 2I", use_fp8)
     _weights("w_down", w_down, L, "I, H", False)
@@ -129,7 +131,7 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         return matmul_combine(a, w_down, res, axis_name=axis_name, backend=backend,
                               combine_blocks=fused_combine_blocks)
     else:
-        xin = ref.quantize_fp8(x) if use_fp8 else x
+        xin = quantize_fp8(x) if use_fp8 else x
         res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts,
                        axis_name=axis_name, capacity=capacity, layout="expert", backend=backend)
         h = grouped_gemm.grouped_matmul(res.recv_x, w_gate_up, res.expert_sizes,

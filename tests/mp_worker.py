@@ -162,7 +162,7 @@ def scan_check(mesh, kind, steps=200):
 def fused_check(mesh, kind):
     """moe_ffn(fused=True) against fused=False, and the fused dispatch + grouped GEMM's rows and
     h against dispatch(layout="expert") + grouped_matmul, all on the CUDA backend."""
-    from jax_ep.high_throughput import dispatch_matmul
+    from jax_ep.fused import dispatch_matmul
     R = mesh.devices.size
     rng = np.random.default_rng(seed(R, kind, "fused"))
     T, H, I, K, E = 40, 512, 128, 4, 4 * R

@@ -230,7 +230,7 @@ def test_fused_gather_reads_each_token_of_another_rank_once(R, K, L, max_dups):
     rows_dups, highest first, at most D = min(K - 1, max_dups)), and the listed rows are marked
     -2; tokens of this rank and tokens with one row are left alone. One rank: nothing changes.
     (The kernel's max_dups is jax_ep._C.fused_max_dups; the plan takes any.)"""
-    from jax_ep import high_throughput as ht
+    from jax_ep import fused
     T, Cr = 5, 12
     C = Cr * K + 20
     rng = np.random.default_rng(R)
@@ -251,7 +251,7 @@ def test_fused_gather_reads_each_token_of_another_rank_once(R, K, L, max_dups):
     rows_src = rng.integers(-1, R * T, size=(R, C)).astype(np.int32)
 
     got_src, got_dups = jax.vmap(
-        lambda s, o, i, rs: ht._dedup_plan(s, o, i, rs, T, "ep", max_dups), axis_name="ep")(
+        lambda s, o, i, rs: fused._dedup_plan(s, o, i, rs, T, "ep", max_dups), axis_name="ep")(
             rows_src, row_of, ridx, recv_src)
     got_src, got_dups = np.asarray(got_src), np.asarray(got_dups)
     D = 0 if R == 1 else min(K - 1, max_dups)

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_ep
-from jax_ep import high_throughput as ht
-from jax_ep.high_throughput import dispatch_matmul, matmul_combine
+from jax_ep import fused, high_throughput as ht
+from jax_ep.fused import dispatch_matmul, matmul_combine
 from helpers import gpu_devices, gpu_ranks, moe_layer_and_grads, poison_gpu_memory, split_ranks
 
 pytestmark = pytest.mark.gpu
@@ -98,10 +98,10 @@ def _gemm_combine_outputs(E, K, weighted, combine_blocks=0):
         res, a = dispatch_matmul(x, idx, w if weighted else None, wgu, num_experts=E,
                                  backend="cuda")
         handle = res.handle
-        ccfg = ht._CombineConfig(ht._Config(0, handle.rank.recv_src.shape[0], "ep", "cuda"),
-                                 K, combine_blocks)
-        ye, out = ht._gemm_combine_call(a, wd, handle.weights, res.expert_sizes, handle.row_of,
-                                        handle.rank, ccfg)
+        ccfg = fused._GemmCombineConfig(
+            ht._Config(0, handle.rank.recv_src.shape[0], "ep", "cuda"), K, combine_blocks)
+        ye, out = fused._gemm_combine_call(a, wd, handle.weights, res.expert_sizes,
+                                           handle.row_of, handle.rank, ccfg)
         y = jax_ep.grouped_matmul(a, wd, res.expert_sizes, backend="cuda")
         public = matmul_combine(a, wd, res, backend="cuda", combine_blocks=combine_blocks)
         return (ye, out, jax_ep.combine(ye, handle, backend="cuda"), y,
@@ -189,9 +189,9 @@ def test_fused_matmul_combine_rows_past_the_segments_read_as_zero():
 
     def run(row_of):
         def body(a, wd, sizes, row_of, weights, send_rows):
-            ccfg = ht._CombineConfig(ht._Config(0, T, "ep", "cuda"), K, 0)
-            return ht._gemm_combine_call(a, wd, weights, sizes, row_of,
-                                         types.SimpleNamespace(send_rows=send_rows), ccfg)
+            ccfg = fused._GemmCombineConfig(ht._Config(0, T, "ep", "cuda"), K, 0)
+            return fused._gemm_combine_call(a, wd, weights, sizes, row_of,
+                                            types.SimpleNamespace(send_rows=send_rows), ccfg)
         return jax.device_get(gpu_ranks(body, 1)(a, wd, sizes, jnp.asarray(row_of), weights,
                                                  send_rows))
     poison_gpu_memory()

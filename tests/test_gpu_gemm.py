@@ -153,7 +153,7 @@ def test_gradients_match_reference(dtype, kind):
 
 
 def test_weight_gradient_skips_segment_padding():
-    """_padded_segments_matmul (the fused layer's GEMMs: segments aligned to a row block, zero
+    """padded_segments_matmul (the fused layer's GEMMs: segments aligned to a row block, zero
     padding past each count): the forward and the lhs gradient as grouped_matmul over the
     segments; the weight gradient over the first counts[g] rows of each segment only. The
     padding rows here hold noise, so a reduction over them shows; the last segment is padding
@@ -177,9 +177,9 @@ def test_weight_gradient_skips_segment_padding():
     def loss(f, a, b):
         return jnp.sum(f(a, b).astype(jnp.float32) * dout)
     _poison()
-    y = jax.jit(gg._padded_segments_matmul)(a, b, sizes, counts)
+    y = jax.jit(gg.padded_segments_matmul)(a, b, sizes, counts)
     da, db = jax.jit(jax.grad(functools.partial(
-        loss, lambda a, b: gg._padded_segments_matmul(a, b, sizes, counts)), argnums=(0, 1)))(a, b)
+        loss, lambda a, b: gg.padded_segments_matmul(a, b, sizes, counts)), argnums=(0, 1)))(a, b)
 
     def ref(a, b):
         return jax_ep.grouped_matmul(a, b, sizes, backend="reference")

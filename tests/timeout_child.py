@@ -42,21 +42,21 @@ def ht_combine(y, handle):
 
 def ht_gather_gemm(x, rows_src, sizes, wgu):
     """The fused kernel alone (its routing would be the first op to time out otherwise)."""
-    from jax_ep import high_throughput as ht
+    from jax_ep import fused, high_throughput as ht
     C = rows_src.shape[0]
-    fcfg = ht._FusedConfig(ht._Config(E, C, "ep", "cuda"), K, 0)
+    fcfg = fused._GatherMatmulConfig(ht._Config(E, C, "ep", "cuda"), K, 0)
     unused = jnp.zeros((C,), jnp.int32)   # the backward's residuals
     no_dups = jnp.zeros((C, 0), jnp.int32)
-    return ht._gather_matmul(x, wgu, rows_src, no_dups, sizes, unused, unused, unused, fcfg)[1]
+    return fused._gather_matmul(x, wgu, rows_src, no_dups, sizes, unused, unused, unused, fcfg)[1]
 
 
 def ht_gemm_combine(a, sizes, wd, row_of, weights, send_rows):
     """The fused GEMM + combine kernel alone."""
     import types
-    from jax_ep import high_throughput as ht
-    ccfg = ht._CombineConfig(ht._Config(0, row_of.shape[0], "ep", "cuda"), K, 0)
+    from jax_ep import fused, high_throughput as ht
+    ccfg = fused._GemmCombineConfig(ht._Config(0, row_of.shape[0], "ep", "cuda"), K, 0)
     rank = types.SimpleNamespace(send_rows=send_rows)
-    return ht._gemm_combine_call(a, wd, weights, sizes, row_of, rank, ccfg)[1]
+    return fused._gemm_combine_call(a, wd, weights, sizes, row_of, rank, ccfg)[1]
 
 
 run = lambda fn: jax.jit(testing.virtual_ranks(fn, R))  # noqa: E731

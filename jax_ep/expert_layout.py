@@ -1,0 +1,192 @@
+"""The expert-major layout: one row per received (token, local expert) pair, grouped in
+per-expert segments, the layout the grouped GEMMs read.
+
+A receiver-side move of a rank-major receive's rows (no communication): `plan` places the pairs,
+`expand_rows` moves the rows there and `reduce_rows` sums them back per received token with
+their routing weights. Both moves are gathers, and so are their transposes (autodiff of a
+gather would scatter-add). Both backends use this module.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import _ffi
+from jax_ep._common import first_occurrence
+
+
+class ExpertDispatchHandle(NamedTuple):
+    """What combine needs after a `layout="expert"` dispatch. A pytree of arrays."""
+    rank: Any               # the DispatchHandle of the rank-major receive underneath
+    # row_of [C, K] int32: expert-major row of slot (c, k), or -1 (slots naming one expert
+    # share the row)
+    row_of: jax.Array
+    src: jax.Array          # [capacity] int32: c * K + k held by each row, -1 on padding
+    weights: jax.Array      # [C, K] float32: each slot's routing weight (1 without weights)
+    num_dropped: jax.Array  # [] int32: tokens and (token, expert) rows that did not fit
+
+    @property
+    def num_invalid(self):
+        return self.rank.num_invalid
+
+
+class ExpertDispatchResult(NamedTuple):
+    recv_x: Any                          # [capacity, H] expert-major rows (or the FP8 tuple)
+    recv_weights: Optional[jax.Array]    # [capacity] float32 routing weight of each row
+    expert_sizes: jax.Array              # [L] int32 segment lengths (group sizes of a GEMM)
+    expert_offsets: jax.Array            # [L] int32 segment starts
+    recv_tokens_per_expert: jax.Array    # [L] int32 rows holding data per expert
+    recv_count: jax.Array                # [] int32 rows up to the end of the last segment
+    handle: ExpertDispatchHandle
+
+
+def plan(recv_topk_idx, *, num_local_experts, capacity, alignment):
+    """Where each received (row, local expert) pair goes in the expert-major layout.
+
+    A pair is a row and a local expert it names (a row naming one expert in two slots is one
+    pair). Pairs of local expert e form segment e; segments follow in expert order, each
+    starting at a multiple of `alignment`, pairs inside one in row order, i.e. source rank,
+    then token (the received rows' order). Pairs whose row would land at or past `capacity`
+    are dropped.
+
+    Returns a dict: row_of [C, K] (expert-major row of the pair of slot (c, k), -1 when the slot
+    names no local expert or its pair was dropped; slots naming one expert share the row),
+    src [capacity] (c * K + k of the first slot of the pair held by each row, -1 on padding),
+    expert_sizes [L] (segment lengths, padding included: the group sizes of a grouped GEMM
+    over the rows), expert_offsets [L] (segment starts), counts [L] (pairs held per expert),
+    recv_count (rows up to the end of the last segment) and num_dropped (pairs past capacity).
+    """
+    C, K = recv_topk_idx.shape
+    L, P, A = num_local_experts, C * K, alignment
+    first = first_occurrence(recv_topk_idx)
+    key = jnp.where(first, recv_topk_idx, L).reshape(P)                     # L: no new pair
+    counts = jnp.zeros((L + 1,), jnp.int32).at[key].add(1)[:L]
+    padded = (counts + (A - 1)) // A * A
+    offsets = (jnp.cumsum(padded) - padded).astype(jnp.int32)               # aligned starts
+    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)                 # starts unaligned
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)                  # by expert, slot
+    e = jnp.minimum(key[order], L - 1)
+    pos_sorted = jnp.where(key[order] < L,
+                           offsets[e] + jnp.arange(P, dtype=jnp.int32) - starts[e], capacity)
+    pos = jnp.zeros((P,), jnp.int32).at[order].set(pos_sorted, unique_indices=True)
+    keep = pos < capacity
+    src = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(keep, pos, capacity)].set(
+        jnp.arange(P, dtype=jnp.int32), mode="drop")   # dropped pairs share one index
+    # every slot takes the row of the first slot naming its expert
+    same = recv_topk_idx[:, :, None] == recv_topk_idx[:, None, :]           # [C, k, k']
+    first_slot = jnp.argmax(same, axis=2)                                    # [C, K]
+    row = jnp.where(keep, pos, -1).reshape(C, K)
+    row_of = jnp.where(recv_topk_idx >= 0, jnp.take_along_axis(row, first_slot, axis=1), -1)
+    room = jnp.maximum(capacity - offsets, 0)
+    sizes = jnp.minimum(padded, room).astype(jnp.int32)
+    held = jnp.minimum(counts, room).astype(jnp.int32)
+    offsets = jnp.minimum(offsets, capacity)     # a segment dropped whole starts at the end
+    return dict(row_of=row_of, src=src, expert_sizes=sizes, expert_offsets=offsets,
+                counts=held, recv_count=jnp.sum(sizes).astype(jnp.int32),
+                num_dropped=(jnp.sum(counts) - jnp.sum(held)).astype(jnp.int32))
+
+
+def take_rows(a, rows):
+    """a[rows] with zeros where rows is -1."""
+    n = a.shape[0]
+    if n == 0:      # nothing received (T = 0): every row is padding
+        return _ffi.varying([jnp.zeros(rows.shape + a.shape[1:], a.dtype), a, rows])[0]
+    return a.at[jnp.where(rows >= 0, rows, n)].get(mode="fill", fill_value=0)
+
+
+def _pair_weights(w, row_of):
+    """[C, K]: for each slot, the summed weight of the slots sharing its row (0 without one)."""
+    same = (row_of[:, :, None] == row_of[:, None, :]) & (row_of[:, :, None] >= 0)
+    return jnp.sum(jnp.where(same, w.astype(jnp.float32)[:, None, :], 0.0), axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def expand_rows(x, src, row_first, K):
+    """[C, H] received rows -> [capacity, H] expert-major rows (row j holds x[src[j] // K]).
+    row_first: row_of on the first slot of each pair, -1 on the others."""
+    return take_rows(x, jnp.where(src >= 0, src // K, -1))
+
+
+def _expand_rows_fwd(x, src, row_first, K):
+    return expand_rows(x, src, row_first, K), (src, row_first)
+
+
+def expand_rows_transpose(g, src, row_first, K):
+    """The transpose of `expand_rows`: [capacity, H] row cotangents -> [C, H], each received
+    row the sum of its pairs' rows (in float32, rounded once to g's dtype)."""
+    del src
+    C = row_first.shape[0]
+    dx = jnp.sum(take_rows(g, row_first.reshape(C * K)).reshape(C, K, *g.shape[1:])
+                 .astype(jnp.float32), axis=1)
+    return dx.astype(g.dtype)
+
+
+def _expand_rows_bwd(K, res, g):
+    src, row_first = res
+    return expand_rows_transpose(g, src, row_first, K), None, None
+
+
+expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def reduce_rows(y, w, src, row_of, K):
+    """[capacity, H] expert-major rows, [C, K] weights -> [C, H] float32: row c is
+    sum_k w[c, k] * y[row_of[c, k]] over the slots with a row."""
+    C = w.shape[0]
+    # a product and a sum (not an einsum, which XLA would make a batched dot of the gathered
+    # rows): one fusion that reads each row of y once
+    yg = take_rows(y, row_of.reshape(C * K)).reshape(C, K, y.shape[-1]).astype(jnp.float32)
+    return jnp.sum(yg * w.astype(jnp.float32)[:, :, None], axis=1)
+
+
+def _reduce_rows_fwd(y, w, src, row_of, K):
+    return reduce_rows(y, w, src, row_of, K), (y, w, src, row_of)
+
+
+def reduce_rows_vjp(y, w, src, row_of, K, g):
+    """(dy, dw): the VJP of `reduce_rows` in y and w for the cotangent g [C, H] of its output."""
+    C = w.shape[0]
+    wj = take_rows(_pair_weights(w, row_of).reshape(C * K), src)
+    dy = (take_rows(g, jnp.where(src >= 0, src // K, -1)) * wj[:, None]).astype(y.dtype)
+    yg = take_rows(y, row_of.reshape(C * K)).reshape(C, K, y.shape[-1]).astype(jnp.float32)
+    dw = jnp.sum(g[:, None, :] * yg, axis=-1)
+    return dy, dw.astype(w.dtype)
+
+
+def _reduce_rows_bwd(K, res, g):
+    return reduce_rows_vjp(*res, K, g) + (None, None)
+
+
+reduce_rows.defvjp(_reduce_rows_fwd, _reduce_rows_bwd)
+
+
+def plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights):
+    """Where a rank-major receive's rows go in the expert-major layout, without moving them:
+    (the dict of `plan`, the rows' weights or None, the ExpertDispatchHandle)."""
+    C, K = ridx.shape
+    lay = plan(ridx, num_local_experts=L, capacity=capacity, alignment=alignment)
+    src, row_of = lay["src"], lay["row_of"]
+    # without weights each (token, expert) pair weighs 1, however many slots name it
+    w = rw if has_weights else first_occurrence(ridx).astype(jnp.float32)
+    we = take_rows(_pair_weights(w, row_of).reshape(C * K), src)
+    ehandle = ExpertDispatchHandle(handle, row_of, src, w,
+                                   handle.num_dropped + lay["num_dropped"])
+    return lay, (we if has_weights else None), ehandle
+
+
+def to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weights):
+    """A rank-major receive -> ExpertDispatchResult."""
+    K = ridx.shape[1]
+    lay, we, ehandle = plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights)
+    src = lay["src"]
+    if isinstance(recv_x, tuple):    # FP8: forward only
+        rows = jnp.where(src >= 0, src // K, -1)
+        xe = tuple(take_rows(a, rows) for a in recv_x)
+    else:
+        xe = expand_rows(recv_x, src, jnp.where(first_occurrence(ridx), lay["row_of"], -1), K)
+    return ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"], lay["counts"],
+                                lay["recv_count"], ehandle)

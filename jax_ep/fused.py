@@ -1,0 +1,239 @@
+"""The fused halves of `moe_ffn(fused=True)`: the dispatch and the first grouped GEMM in one
+launch (`dispatch_matmul`), the second grouped GEMM and the combine in another
+(`matmul_combine`). Each computes what the unfused ops compute (`dispatch(layout="expert")`
+then `grouped_matmul`; `grouped_matmul` then `combine`), and its backward runs their rules.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import _checks, _ffi, expert_layout as el, grouped_gemm, remat, runtime
+from jax_ep._common import axis_info, first_occurrence
+from jax_ep.high_throughput import (_Config, _combine_diff, _dispatch_diff, _gather_diff,
+                                    _group_checks, _routing_checks, combine, dispatch)
+
+# ---------------------------------------------------------------------------------------------
+# Fused dispatch + first grouped GEMM (moe_ffn(fused=True), docs/kernels.md#fused-gather-gemm):
+# the routing moves no rows (a rank-major dispatch of zero-width rows); one kernel then pulls
+# each expert-major row from its token's rank and multiplies every expert segment by the
+# expert's weights as its rows arrive.
+# ---------------------------------------------------------------------------------------------
+
+
+class _GatherMatmulConfig(NamedTuple):
+    cfg: _Config      # the routing dispatch's (its combine returns the rows' cotangents)
+    K: int
+    copy_blocks: int  # blocks that pull rows (0: the kernel's automatic share)
+
+
+def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name, max_dups):
+    """Each token of another rank crosses the link once: (rows_src with -2 on the rows that are
+    copies of an earlier row of the same token, rows_dups [C, D]: the copies of each token's
+    first row (its lowest expert's), -1 padded, D = min(K - 1, max_dups), the kernel's limit
+    `jax_ep._C.fused_max_dups`). D = 0 (nothing deduplicated) with one rank or one row per
+    token."""
+    C = rows_src.shape[0]
+    R, rank = axis_info(axis_name)
+    D = min(row_of.shape[1] - 1, max_dups)
+    if R == 1 or D <= 0:
+        return rows_src, jnp.zeros((C, 0), jnp.int32)
+    valid = (row_of >= 0) & first_occurrence(ridx)        # the token's distinct rows
+    first = jnp.min(jnp.where(valid, row_of, C), axis=1)      # [Cr] its lowest row
+    remote = (recv_src >= 0) & (recv_src // T != rank)
+    copies = valid & (row_of != first[:, None]) & remote[:, None]
+    dups = -jnp.sort(-jnp.where(copies, row_of, -1), axis=1)[:, :D]   # highest D copies first
+    # only the copies listed are skipped where they lie (a token with more than D copies reads
+    # the rest itself)
+    listed = copies & (row_of >= dups[:, D - 1:D])
+    rows_dups = jnp.full((C, D), -1, jnp.int32).at[
+        jnp.where(jnp.any(copies, axis=1), first, C)].set(dups.astype(jnp.int32), mode="drop")
+    rows_src = rows_src.at[jnp.where(listed, row_of, C).reshape(-1)].set(-2, mode="drop")
+    return rows_src, rows_dups
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, fcfg):
+    """(xe, h): xe[j] = the token of rows_src[j] (zero where -1; where -2, that of the row whose
+    rows_dups name j), h = grouped_matmul(xe, w, sizes), in one launch. counts: the rows of
+    each segment that hold data (the rest is padding up to the row block)."""
+    del counts, src, row_first, handle
+    C, H, N = rows_src.shape[0], x.shape[1], w.shape[2]
+    words = runtime.extension().fused_counter_words(C)
+    xe, h, _ = _ffi.call("jax_ep_ht_gather_gemm", [x, rows_src, rows_dups, sizes, w],
+                         [((C, H), x.dtype), ((C, N), x.dtype), ((words,), jnp.int32)],
+                         axis_name=fcfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
+                         copy_blocks=fcfg.copy_blocks)
+    return xe, h
+
+
+def _gather_matmul_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, fcfg):
+    # Named like dispatch's outputs: under jax.checkpoint(policy=jax_ep.remat_policy) the
+    # backward reuses them instead of running the kernel again.
+    xe, h = remat.named(_gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first,
+                                       handle, fcfg),
+                        remat.DISPATCH)
+    return (xe, h), (xe, w, sizes, counts, src, row_first, handle)
+
+
+def _gather_matmul_bwd(fcfg, res, g):
+    xe, w, sizes, counts, src, row_first, handle = res
+    g_xe, g_h = g
+    # the weight gradient skips each segment's padding rows (zeros in xe)
+    gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts)
+    _, vjp = jax.vjp(gmm, xe, w)
+    d_xe, d_w = vjp(g_h.astype(xe.dtype))
+    d_xe = (d_xe.astype(jnp.float32) + g_xe.astype(jnp.float32)).astype(xe.dtype)
+    d_rows = el.expand_rows_transpose(d_xe, src, row_first, fcfg.K)
+    dx = _combine_diff(d_rows, handle, fcfg.cfg)
+    return dx, d_w, None, None, None, None, None, None, None
+
+
+_gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
+
+
+def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep", capacity=None,
+                    backend="auto", copy_blocks=0):
+    """`dispatch(layout="expert")` fused with `grouped_matmul(recv_x, w, expert_sizes)`.
+
+    Returns (ExpertDispatchResult, h [capacity, N]). On the CUDA backend x and w are bfloat16
+    and the segments start at multiples of the kernel's row block (`expert_alignment` of
+    `jax_ep._C.fused_block_rows`); the reference backend runs the two ops unfused (segments
+    unaligned). Differentiable in x, topk_weights and w. copy_blocks: blocks of the launch that
+    pull rows (0: automatic, docs/kernels.md#fused-gather-gemm).
+    """
+    _checks.expect_rank("x", x, 2, "[T, H]")
+    T, H = x.shape
+    be = _checks.resolve_backend(backend, empty=T == 0)
+    if be == "reference":
+        res = dispatch(x, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
+                       capacity=capacity, layout="expert", backend=be)
+        return res, grouped_gemm.grouped_matmul(res.recv_x, w, res.expert_sizes, backend=be)
+    for name, a in (("x", x), ("w_gate_up", w)):
+        if jnp.dtype(a.dtype) != jnp.bfloat16:
+            raise TypeError(f"{name}: the fused dispatch + grouped GEMM takes bfloat16, got "
+                            f"{jnp.dtype(a.dtype).name} (fused=False takes every dtype)")
+    _routing_checks(T, H, topk_idx, topk_weights)
+    R, L = _group_checks(num_experts, axis_name, T)
+    K = topk_idx.shape[1]
+    A = runtime.extension().fused_block_rows
+    worst = R * T * min(K, L) + L * (A - 1)
+    capacity = worst if capacity is None else _checks.static_int("capacity", capacity, 1)
+    if max(R * T * K, capacity) > _checks.INT32_LIMIT:
+        raise ValueError(f"capacity={capacity}, R * T * K = {R * T * K}: rows are indexed in "
+                         "int32, so each must be < 2^31")
+    copy_blocks = _checks.static_int("copy_blocks", copy_blocks, 0)
+    cfg = _Config(int(num_experts), min(R * T, capacity), axis_name, be)
+    idx = _checks.int32_ids(topk_idx, num_experts)
+    wts = (jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None
+           else topk_weights.astype(jnp.float32))
+    x, wts = _ffi.varying([x, wts, idx], axis_name)[:2]
+    # the routing alone: a dispatch of zero-width rows (differentiable in the weights)
+    _, ridx, rw, _, handle = _dispatch_diff(jnp.zeros((T, 0), x.dtype), wts, idx, cfg)
+    lay, we, ehandle = el.plan_receive(ridx, rw, handle, L, capacity, A, topk_weights is not None)
+    src = lay["src"]
+    rows_src = jnp.where(src >= 0, handle.recv_src[jnp.maximum(src, 0) // K], -1)
+    row_first = jnp.where(first_occurrence(ridx), lay["row_of"], -1)
+    rows_src, rows_dups = _dedup_plan(rows_src, lay["row_of"], ridx, handle.recv_src, T,
+                                      axis_name, runtime.extension().fused_max_dups)
+    xe, h = _gather_matmul(x, w, rows_src, rows_dups, lay["expert_sizes"], lay["counts"], src,
+                           row_first, handle, _GatherMatmulConfig(cfg, K, copy_blocks))
+    return el.ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"],
+                                lay["counts"], lay["recv_count"], ehandle), h
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused second grouped GEMM + combine (moe_ffn(fused=True), docs/kernels.md#fused-gemm-combine):
+# one kernel multiplies each expert segment by the expert's weights and sums every token's
+# rows on its own rank, a token starting once the row blocks of its rows are computed on every
+# rank. The same arithmetic as grouped_matmul followed by combine(handle).
+# ---------------------------------------------------------------------------------------------
+
+class _GemmCombineConfig(NamedTuple):
+    cfg: _Config         # the combine's (axis, backend)
+    K: int
+    combine_blocks: int  # blocks that only combine (0: the kernel's automatic share)
+
+
+def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg):
+    """(ye, out): ye = grouped_matmul(a, w, sizes), out = its combine, in one launch."""
+    C, N = a.shape[0], w.shape[2]
+    T = rank.send_rows.shape[0]
+    words = runtime.extension().fused_counter_words(C)
+    ye, out, _ = _ffi.call("jax_ep_ht_gemm_combine",
+                           [a, sizes, w, row_of, weights, rank.send_rows],
+                           [((C, N), a.dtype), ((T, N), a.dtype), ((words,), jnp.int32)],
+                           axis_name=ccfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
+                           combine_blocks=ccfg.combine_blocks)
+    return ye, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _matmul_combine(a, w, weights, sizes, counts, row_of, src, rank, ccfg):
+    """combine(grouped_matmul(a, w, sizes), handle) in one launch: [T, N] in a's dtype.
+    counts: the rows of each segment that hold data (the backward's weight gradient)."""
+    del counts, src
+    return _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg)[1]
+
+
+def _matmul_combine_fwd(a, w, weights, sizes, counts, row_of, src, rank, ccfg):
+    # Named like combine's outputs (the backward's ye too: see _gather_matmul_fwd).
+    ye, out = remat.named(_gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg),
+                          remat.COMBINE)
+    return out, (a, w, ye, weights, sizes, counts, row_of, src, rank)
+
+
+def _matmul_combine_bwd(ccfg, res, g):
+    # The unfused ops' backward, rule by rule: combine's (a gather), the pre-reduction's (on
+    # the kernel's GEMM rows ye), the GEMM's (its forward, unused, is dropped by XLA).
+    a, w, ye, weights, sizes, counts, row_of, src, rank = res
+    g_rows = _gather_diff(g, rank, ccfg.cfg).astype(jnp.float32)
+    d_ye, d_weights = el.reduce_rows_vjp(ye, weights, src, row_of, ccfg.K, g_rows)
+    gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts)
+    _, vjp = jax.vjp(gmm, a, w)
+    d_a, d_w = vjp(d_ye)
+    return d_a, d_w, d_weights, None, None, None, None, None
+
+
+_matmul_combine.defvjp(_matmul_combine_fwd, _matmul_combine_bwd)
+
+
+def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=0):
+    """`combine(grouped_matmul(a, w, res.expert_sizes), res.handle)` fused in one launch.
+
+    a: `[capacity, I]` expert-major rows of the `ExpertDispatchResult` res of `dispatch_matmul`
+    (on the CUDA backend bfloat16, one process over the group's GPUs; its segments start at
+    multiples of `jax_ep._C.fused_block_rows` rows, which the kernel relies on: a result of
+    `dispatch(layout="expert")` needs that `expert_alignment`); w: `[L, I, N]`. Returns
+    `[T, N]` in a's dtype. Elsewhere (the reference backend, per-process groups) it runs the
+    two ops.
+    Differentiable in a, w and the routing weights. combine_blocks: blocks of the launch that
+    only combine (0: automatic, docs/kernels.md#fused-gemm-combine).
+    """
+    if not isinstance(res, el.ExpertDispatchResult):
+        raise TypeError(f"res: expected the ExpertDispatchResult of dispatch_matmul, got "
+                        f"{type(res).__name__}")
+    handle = res.handle
+    rank = handle.rank
+    combine_blocks = _checks.static_int("combine_blocks", combine_blocks, 0)
+    _checks.expect_rank("a", a, 2, "[capacity, I]")
+    if a.shape[0] != handle.src.shape[0]:
+        raise ValueError(f"a: has {a.shape[0]} rows, expected capacity={handle.src.shape[0]} "
+                         "(one per expert-major row of the dispatch)")
+    be = _checks.resolve_backend(backend, empty=rank.send_rows.shape[0] == 0)
+    if be == "reference" or runtime.per_process():
+        y = grouped_gemm.grouped_matmul(a, w, res.expert_sizes, backend=be)
+        return combine(y, handle, axis_name=axis_name, backend=be)
+    for name, v in (("a", a), ("w_down", w)):
+        if jnp.dtype(v.dtype) != jnp.bfloat16:
+            raise TypeError(f"{name}: the fused grouped GEMM + combine takes bfloat16, got "
+                            f"{jnp.dtype(v.dtype).name}")
+    K = handle.row_of.shape[1]
+    cfg = _Config(0, rank.recv_src.shape[0], axis_name, be)
+    a, weights = _ffi.varying([a, handle.weights, rank.recv_src], axis_name)[:2]
+    return _matmul_combine(a, w, weights, res.expert_sizes, res.recv_tokens_per_expert,
+                           handle.row_of, handle.src, rank,
+                           _GemmCombineConfig(cfg, K, combine_blocks))
