@@ -19,7 +19,7 @@ from jax_ep.runtime import initialize, runtime_info, set_num_blocks
 from jax_ep.layout import get_dispatch_layout
 from jax_ep import routing, testing
 from jax_ep.remat import remat_policy
-from jax_ep.moe import moe_ffn
+from jax_ep.moe import moe_capacity, moe_ffn
 from jax_ep.grouped_gemm import (Fp8Weights, dequantize_fp8_weights, grouped_matmul,
                                  grouped_matmul_masked, quantize_fp8_weights)
 
@@ -34,5 +34,6 @@ __all__ = [
     "initialize", "runtime_info", "set_num_blocks",
     "grouped_matmul", "grouped_matmul_masked", "Fp8Weights", "quantize_fp8_weights",
     "dequantize_fp8_weights", "routing", "testing", "remat_policy", "moe_ffn",
+    "moe_capacity",
 ]
 __version__ = "0.1.0"

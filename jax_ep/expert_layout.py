@@ -13,9 +13,10 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_ep import _ffi
-from jax_ep._common import first_occurrence
+from jax_ep._common import axis_info, first_occurrence
 
 
 class ExpertDispatchHandle(NamedTuple):
@@ -190,3 +191,63 @@ def to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weight
         xe = expand_rows(recv_x, src, jnp.where(first_occurrence(ridx), lay["row_of"], -1), K)
     return ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"], lay["counts"],
                                 lay["recv_count"], ehandle)
+
+
+def passes_needed(tokens, *, num_ranks, num_local_experts, num_topk, capacity, alignment):
+    """Expert-major dispatches of `capacity` rows each that carry every (token, local expert)
+    pair a rank can receive (at most R * T * min(K, L)): each one keeps at least the first
+    capacity - (L - 1) * (alignment - 1) pairs of a rank in expert order (the alignment
+    padding before the last segment is all a pair can lose). 0 pairs: one pass."""
+    R, T, L, K, A = num_ranks, tokens, num_local_experts, num_topk, alignment
+    progress = capacity - (L - 1) * (A - 1)
+    if progress < 1:
+        raise ValueError(f"capacity={capacity}: leaves no row for a pair after the alignment "
+                         f"of {L} segments to {A} rows; at least {(L - 1) * (A - 1) + 1}")
+    return max(1, -(-(R * T * min(K, L)) // progress))
+
+
+def pass_ids(topk_idx, *, num_experts, axis_name, capacity, alignment, passes):
+    """The (token, expert) pairs of this rank split over `passes` expert-major dispatches of
+    `capacity` rows (`plan` with that alignment), so that none is dropped.
+
+    topk_idx: [T, K] ids with -1 for every slot that names no expert. Returns ([passes, T, K]
+    ids: pass p's are the slots whose pair no earlier pass kept, the others -1; [passes] bool:
+    pass p has a pair somewhere in the group, the same on every rank).
+
+    The receive of every token is assumed whole (rows for up to R * T tokens), so a pass keeps,
+    at each rank, the pairs whose expert-major row falls below capacity: for each (source,
+    expert) a prefix of the source's pairs in token order. That follows from the pair counts
+    of every source alone (one all_gather of [E] counts), so every rank knows every pass's
+    pairs, and whether it runs, before any row moves."""
+    R, me = axis_info(axis_name)
+    T, K = topk_idx.shape
+    E, C, A = num_experts, capacity, alignment
+    L = E // R
+    first = first_occurrence(topk_idx)
+    key = jnp.where(first, topk_idx, E).reshape(T * K)
+    mine = jnp.zeros((E + 1,), jnp.int32).at[key].add(1)[:E]
+    cnt = lax.all_gather(mine, axis_name)                                    # [R(s), E]
+    # each pair's rank among this source's pairs of its expert (slots in token order)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    start = (jnp.cumsum(mine) - mine).astype(jnp.int32)
+    rank_sorted = jnp.arange(T * K, dtype=jnp.int32) - start[jnp.minimum(key[order], E - 1)]
+    rank = jnp.zeros((T * K,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+    rank = rank.reshape(T, K)
+    expert = jnp.where(first, topk_idx, 0)
+    # every slot takes the status of the first slot naming its expert
+    same = topk_idx[:, :, None] == topk_idx[:, None, :]
+    first_slot = jnp.argmax(same, axis=2)
+    done = jnp.zeros((R, E), jnp.int32)          # pairs of (source, expert) kept so far
+    ids, run = [], []
+    for _ in range(passes):
+        left = cnt - done
+        run.append(jnp.any(left > 0))
+        per_rank = jnp.sum(left, axis=0).reshape(R, L)
+        padded = (per_rank + (A - 1)) // A * A
+        offsets = (jnp.cumsum(padded, axis=1) - padded).reshape(E)
+        row = offsets[None, :] + jnp.cumsum(left, axis=0) - left         # first left pair's row
+        left_here = first & (rank >= jnp.take(done, me, axis=0)[expert])
+        slot = jnp.take_along_axis(left_here, first_slot, axis=1) & (topk_idx >= 0)
+        ids.append(jnp.where(slot, topk_idx, -1))
+        done = done + jnp.clip(C - row, 0, left)
+    return jnp.stack(ids), jnp.stack(run)

@@ -7,11 +7,15 @@ routed to it).
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jax_ep import _checks, grouped_gemm
-from jax_ep._common import axis_info, quantize_fp8
+from jax_ep import _checks, expert_layout as el, grouped_gemm, runtime
+from jax_ep._common import axis_info, quantize_fp8, sanitize
 from jax_ep.fused import dispatch_matmul, matmul_combine
 from jax_ep.high_throughput import combine, dispatch
 from jax_ep.low_latency import low_latency_combine, low_latency_dispatch
@@ -123,23 +127,133 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
                                 axis_name, use_fp8, max_tokens_per_rank, backend)
     if max_tokens_per_rank is not None:
         raise ValueError("max_tokens_per_rank is a low-latency setting (mode='low_latency')")
+    return _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down,
+                                num_experts=num_experts, axis_name=axis_name, capacity=capacity,
+                                use_fp8=use_fp8, fused=fused, copy_blocks=fused_copy_blocks,
+                                combine_blocks=fused_combine_blocks, backend=backend)
+
+
+def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_name, capacity,
+             use_fp8, fused, copy_blocks, combine_blocks, backend):
+    """One expert-major dispatch of `capacity` rows, the experts, and the combine: [T, H]."""
     if fused:
         res, h = dispatch_matmul(x, topk_idx, topk_weights, w_gate_up, num_experts=num_experts,
                                  axis_name=axis_name, capacity=capacity, backend=backend,
-                                 copy_blocks=fused_copy_blocks)
+                                 copy_blocks=copy_blocks)
         a = swiglu(h).astype(w_down.dtype)
         return matmul_combine(a, w_down, res, axis_name=axis_name, backend=backend,
-                              combine_blocks=fused_combine_blocks)
-    else:
-        xin = quantize_fp8(x) if use_fp8 else x
-        res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts,
-                       axis_name=axis_name, capacity=capacity, layout="expert", backend=backend)
-        h = grouped_gemm.grouped_matmul(res.recv_x, w_gate_up, res.expert_sizes,
-                                        backend=backend)
+                              combine_blocks=combine_blocks)
+    xin = quantize_fp8(x) if use_fp8 else x
+    res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
+                   capacity=capacity, layout="expert", backend=backend)
+    h = grouped_gemm.grouped_matmul(res.recv_x, w_gate_up, res.expert_sizes, backend=backend)
     a = swiglu(h).astype(w_down.dtype)
     y = grouped_gemm.grouped_matmul(a, w_down, res.expert_sizes, backend=backend)
     # combine weights each (token, expert) row and sums per token
     return combine(y.astype(x.dtype), res.handle, axis_name=axis_name, backend=backend)
+
+
+def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts,
+                         axis_name, capacity, backend, **settings):
+    """The layer in passes of `capacity` expert-major rows (docs/design.md#layer-capacity): the
+    first always runs; the others, in a while loop, only when a rank received more pairs than
+    earlier passes held, so that nothing is dropped."""
+    T, K = topk_idx.shape
+    _checks.topk("topk_idx", topk_idx, T)
+    R, _ = axis_info(axis_name)
+    L = num_experts // R
+    be = _checks.resolve_backend(backend, empty=T == 0)
+    A = _alignment(settings["fused"], be)
+    floor = R * T
+    if capacity is None:
+        capacity = moe_capacity(T, num_experts=num_experts, num_topk=K, num_ranks=R,
+                                fused=settings["fused"], backend=be)
+    capacity = _checks.static_int("capacity", capacity, 1)
+    if capacity < floor:
+        raise ValueError(f"capacity={capacity}: moe_ffn receives every token whole, so a pass "
+                         f"needs at least R * T = {floor} rows")
+    passes = el.passes_needed(T, num_ranks=R, num_local_experts=L, num_topk=K,
+                              capacity=capacity, alignment=A)
+    one = functools.partial(_ht_pass, num_experts=num_experts, axis_name=axis_name,
+                            capacity=capacity, backend=backend, **settings)
+    if passes == 1:
+        return one(x, topk_idx, topk_weights, w_gate_up, w_down)
+    idx, _ = sanitize(_checks.int32_ids(topk_idx, num_experts), num_experts)
+    ids, run = el.pass_ids(idx, num_experts=num_experts, axis_name=axis_name,
+                           capacity=capacity, alignment=A, passes=passes)
+    # the passes a routing needs come first: run is True for exactly the first n_run of them
+    n_run = jnp.sum(run.astype(jnp.int32))
+    return _in_passes(one, x, topk_weights, w_gate_up, w_down, ids, n_run)
+
+
+def _more_passes(n_run, body, init):
+    """body(p, carry) for p = 1 .. n_run - 1, in a while loop: nothing runs (one predicate)
+    when the first pass held every pair."""
+    return lax.while_loop(lambda c: c[0] < n_run, lambda c: (c[0] + 1, body(c[0], c[1])),
+                          (jnp.int32(1), init))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _in_passes(one, x, w, w_gate_up, w_down, ids, n_run):
+    """sum over the passes p < n_run of one(x, ids[p], ...): [T, H] in x's dtype, the passes
+    after the first summed in float32."""
+    out = one(x, ids[0], w, w_gate_up, w_down).astype(jnp.float32)
+    return _more_passes(n_run, lambda p, acc: acc + one(x, ids[p], w, w_gate_up, w_down)
+                        .astype(jnp.float32), out).astype(x.dtype)
+
+
+def _in_passes_fwd(one, x, w, w_gate_up, w_down, ids, n_run):
+    # The first pass keeps its residuals (the layer's usual backward, remat policy included);
+    # the others keep none: the backward runs each again (its communication too), with the
+    # same buffers, so the step's memory is one pass's.
+    out, vjp = jax.vjp(lambda *a: one(a[0], ids[0], *a[1:]), x, w, w_gate_up, w_down)
+    out = _more_passes(n_run, lambda p, acc: acc + one(x, ids[p], w, w_gate_up, w_down)
+                       .astype(jnp.float32), out.astype(jnp.float32))
+    return out.astype(x.dtype), (vjp, x, w, w_gate_up, w_down, ids, n_run)
+
+
+def _in_passes_bwd(one, res, g):
+    vjp, x, w, w_gate_up, w_down, ids, n_run = res
+
+    def add(p, grads):
+        _, vjp_p = jax.vjp(lambda *a: one(a[0], ids[p], *a[1:]), x, w, w_gate_up, w_down)
+        return jax.tree.map(jnp.add, grads, vjp_p(g))
+    return tuple(_more_passes(n_run, add, vjp(g))) + (None, None)
+
+
+_in_passes.defvjp(_in_passes_fwd, _in_passes_bwd)
+
+
+def _alignment(fused, backend):
+    """Rows every expert segment starts at a multiple of, for the layer's path."""
+    return runtime.extension().fused_block_rows if fused and backend == "cuda" else 1
+
+
+def moe_capacity(tokens_per_rank, *, num_experts, num_topk, num_ranks, capacity_factor=1.25,
+                 fused=False, backend="auto") -> int:
+    """The expert-major rows of one pass of `moe_ffn` (its `capacity`) from the expected load.
+
+    A rank receives T * min(K, L) (token, local expert) pairs on average when the
+    `num_ranks * tokens_per_rank` tokens pick their `num_topk` experts uniformly; this is that
+    times `capacity_factor`, rounded up to a multiple of 8, at least R * T (every token reaches
+    a rank whole), plus the alignment padding of the L segments (fused=True on the CUDA
+    backend: `jax_ep._C.fused_block_rows` - 1 each), at most the worst case R * T * min(K, L)
+    plus that padding. moe_ffn never drops a pair: a pass that cannot hold every pair of a
+    rank is followed by another (more time, no more memory), so the factor trades memory for
+    how often skewed routing needs a second pass.
+    """
+    T = _checks.static_int("tokens_per_rank", tokens_per_rank, 0)
+    R = _checks.static_int("num_ranks", num_ranks, 1)
+    E = _checks.static_int("num_experts", num_experts, 1)
+    K = _checks.static_int("num_topk", num_topk, 1)
+    f = capacity_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+        raise ValueError(f"capacity_factor must be a finite number above 0, got {f!r}")
+    L = _checks.experts_per_rank(E, R)
+    A = _alignment(_checks.flag("fused", fused), _checks.resolve_backend(backend, empty=T == 0))
+    pairs = T * min(K, L)
+    rows = -(-math.ceil(pairs * f) // 8) * 8
+    return int(min(max(rows, R * T), R * pairs) + L * (A - 1))
 
 
 def _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts, axis_name,

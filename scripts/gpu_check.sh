@@ -2,7 +2,7 @@
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
 #   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [moe] [mp] [ucx] [example] [bench]
 #                        [bench-quick] [bench-gemm] [bench-moe] [bench-moe-ranks] [bench-modes]
-#                        [probe]
+#                        [bench-layer] [probe]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
 #   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
 #   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
@@ -27,6 +27,9 @@
 #   NVSHMEM's peer-to-peer transport off (NVSHMEM_DISABLE_P2P=1) and its UCX transport over TCP
 #   on the loopback device instead (needs the libucx-cu13 wheel): peers are then remote for
 #   real, not by JAX_EP_FORCE_REMOTE_PEERS.
+#   bench-layer: the layer against its expert compute and the plain-JAX layers, forward,
+#   forward + backward and step memory (benchmarks/bench_layer.py; LAYER_RANKS, default
+#   1,2,4; LAYER_ARGS; XLA may use 90 % of each GPU's memory there).
 #   probe: NVLink all-to-all bandwidth per method (benchmarks/nvlink_probe.cu; PROBE_ARGS).
 # Extra args: PYTEST_K="ll_ or layout" (a -k expression, test and mp stages);
 # PYTEST_ARGS="--maxfail=3";
@@ -277,6 +280,12 @@ if has bench-moe-ranks; then
   (cd /tmp && timeout ${MOE_BENCH_TIMEOUT:-580} $PY "$OLDPWD/benchmarks/bench_moe_ranks.py" \
      --ranks ${MOE_RANKS:-$(nvidia-smi -L | wc -l)} --out "$OUT" ${MOE_RANKS_ARGS:-} 2>&1 \
      | tee "$OUT/bench_moe_ranks.log" | tail -12) || rc=1
+fi
+if has bench-layer; then
+  step "MoE layer against its expert compute and plain-JAX layers"
+  (cd /tmp && XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${LAYER_BENCH_TIMEOUT:-580} \
+     $PY "$OLDPWD/benchmarks/bench_layer.py" --ranks ${LAYER_RANKS:-1,2,4} --out "$OUT" \
+     ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layer.log" | tail -40) || rc=1
 fi
 if has bench-modes; then
   step "benchmark: one process vs one process per GPU"

@@ -60,6 +60,27 @@ def test_moe_ffn_matches_reference(R, mode):
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("fused", [False, True])
+def test_moe_ffn_extra_passes_match_reference(R, fused):
+    """Half the tokens name experts 0 and 1 first, and the capacity is the smallest a pass
+    takes: the layer needs extra passes (each under a cond, replayed in the backward), CUDA
+    against the reference, forward and gradients."""
+    T, H, I, K, L = 48, 512, 256, 4, 4
+    x, idx, w, wgu, wd, E = _setup(R, T, H, I, K, L, jnp.bfloat16, 20 + R, masked=True)
+    idx = idx.at[::2, 0].set(0).at[::2, 1].set(1)
+    align = jax_ep.runtime.extension().fused_block_rows if fused else 1
+    cap = max(R * T, (L - 1) * (align - 1) + 32)
+    kw = dict(num_experts=E, capacity=cap, fused=fused)
+    got = gpu_ranks(moe_layer_and_grads("cuda", **kw), R)
+    want = gpu_ranks(moe_layer_and_grads("reference", **kw), R)
+    poison_gpu_memory()
+    g = jax.device_get(got(x, idx, w, wgu, wd))
+    r = jax.device_get(want(x, idx, w, wgu, wd))
+    for name, a, b in zip(NAMES, g, r):
+        assert _rel(a, b) < 2e-2, (name, _rel(a, b))
+
+
 @pytest.mark.parametrize("R", [1, 4])
 def test_moe_ffn_fp8_forward(R):
     """FP8 dispatch into the FP8 grouped GEMM of w_gate_up, against the same FP8 layer on the

@@ -1,0 +1,358 @@
+"""The MoE layer over R GPUs against its own expert compute and the plain-JAX layers a user would
+write: forward, forward + backward, and the memory XLA plans for one training step.
+
+Per rank: T tokens, hidden H, intermediate I, L experts (E = R * L), top-K, bf16; routing
+uniform (softmax top-k of random logits) or Zipf-skewed (expert e drawn with weight
+1 / (1 + rank of e)^s, the ranks of the experts shuffled). For each R and each routing, in one
+run, after warm-up, each figure the median slope between a jit-compiled scan of n_short calls
+and one of n_long calls (benchmarks/harness.py):
+- `moe_ffn` with its default arguments, and with fused=False and fused=True;
+- the expert compute alone: both grouped GEMMs, the activation and the weighted sum over K, on
+  T * K rows per rank in L equal groups, no communication (the layer's floor);
+- the communication alone: `dispatch` and `combine` of the received rows;
+- at R > 1, two plain-JAX layers: a GShard-style layer (a capacity factor per expert,
+  `lax.all_to_all`, batched einsums) and `lax.ragged_all_to_all` + `lax.ragged_dot` (MaxText's
+  GPU path); one that fails (out of memory, say) is reported as failed with its error.
+Memory: temp + arguments + outputs - aliased, per device, from `compiled.memory_analysis()` of
+the forward + backward (one call). Every layer's output is checked against a dense MoE on a
+sample of tokens (float32, every expert evaluated); the GShard layer drops the pairs past its
+capacity, so its error is reported, not asserted.
+Prints a table and the same-run ratios, writes bench_layer.json and bench_layer.png.
+
+  python benchmarks/bench_layer.py --ranks 1,2,4 --out DIR
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/bench_layer.py \
+      --backend reference --ranks 1,2 --tokens 32 --hidden 128 --inter 128 --experts 4 \
+      --topk 2 --reps 1 --out DIR   (checks the script on a CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import math
+import os
+import sys
+import traceback
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+import jax_ep
+from jax_ep import moe as _moe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
+from harness import barh_plot, rank_map, scan_fn, time_slope  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# The plain-JAX layers (per shard, inside shard_map over "ep")
+# ---------------------------------------------------------------------------------------------
+
+def gshard_layer(x, idx, w, wgu, wd, *, num_experts, capacity_factor=1.25, axis_name="ep"):
+    """GShard's pattern: each source gives each expert `C = ceil(T * K * factor / E)` rows
+    (pairs past them are dropped), one `all_to_all` there and one back, batched einsums."""
+    R = lax.axis_size(axis_name)
+    T, K = idx.shape
+    E, H = num_experts, x.shape[1]
+    L = E // R
+    C = max(1, math.ceil(T * K * capacity_factor / E))
+    flat = idx.reshape(-1)
+    onehot = (flat[:, None] == jnp.arange(E)[None, :]).astype(jnp.int32)        # [T*K, E]
+    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+    keep = (flat >= 0) & (pos < C)
+    e = jnp.where(keep, flat, E)
+    p = jnp.where(keep, pos, 0)
+    buf = jnp.zeros((E + 1, C, H), x.dtype).at[e, p].set(jnp.repeat(x, K, axis=0),
+                                                         mode="drop")[:E]
+    got = lax.all_to_all(buf.reshape(R, L, C, H), axis_name, 0, 0, tiled=True)    # [R(s), L]
+    rows = got.transpose(1, 0, 2, 3).reshape(L, R * C, H)
+    h = jnp.einsum("lch,lhf->lcf", rows, wgu, preferred_element_type=jnp.float32)
+    y = jnp.einsum("lci,lih->lch", _moe.swiglu(h).astype(x.dtype), wd,
+                   preferred_element_type=jnp.float32).astype(x.dtype)
+    back = lax.all_to_all(y.reshape(L, R, C, H).transpose(1, 0, 2, 3), axis_name, 0, 0,
+                          tiled=True).reshape(E, C, H)
+    out = back[jnp.minimum(e, E - 1), p].astype(jnp.float32)                     # [T*K, H]
+    wk = jnp.where(keep, w.reshape(-1).astype(jnp.float32), 0.0)
+    return jnp.sum((out * wk[:, None]).reshape(T, K, H), axis=1).astype(x.dtype)
+
+
+def ragged_layer(x, idx, w, wgu, wd, *, num_experts, axis_name="ep"):
+    """Each token once to each rank holding one of its experts with `lax.ragged_all_to_all`
+    (worst-case R * T receive rows), the experts with sort + `lax.ragged_dot`, and back."""
+    R = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    T, K = idx.shape
+    L = num_experts // R
+    dest = jnp.where(idx >= 0, idx // L, -1)
+    in_rank = jnp.any(dest[:, :, None] == jnp.arange(R)[None, None, :], axis=1)   # [T, R]
+    key = jnp.where(in_rank.T, jnp.arange(R)[:, None], R).reshape(-1)            # [R*T]
+    order = jnp.argsort(key, stable=True)
+    tok, valid = order % T, key[order] < R
+    sizes = lax.all_gather(jnp.sum(in_rank, axis=0).astype(jnp.int32), axis_name)  # [s, q]
+    send = sizes[me]
+    send_off = (jnp.cumsum(send) - send).astype(jnp.int32)
+    recv = sizes[:, me]
+    recv_off = (jnp.cumsum(recv) - recv).astype(jnp.int32)
+    lower = jnp.arange(R)[:, None] < me
+    out_off = jnp.sum(jnp.where(lower, sizes, 0), axis=0).astype(jnp.int32)       # on each q
+    back_off = jnp.sum(jnp.where(lower.T, sizes, 0), axis=1).astype(jnp.int32)   # on each s
+
+    def there(a, fill):
+        return lax.ragged_all_to_all(a[tok], jnp.full((R * T,) + a.shape[1:], fill, a.dtype),
+                                     send_off, send, out_off, recv, axis_name=axis_name)
+    rx, ridx, rw = there(x, 0), there(idx, -1), there(w, 0)
+    local = jnp.where((ridx >= 0) & (ridx // L == me), ridx % L, -1)
+    y = baselines.ragged_dot_moe(rx, local, rw, wgu, wd)                        # [R*T, H]
+    got = lax.ragged_all_to_all(y, jnp.zeros_like(y), recv_off, recv, back_off, send,
+                                axis_name=axis_name)
+    got = jnp.where(valid[:, None], got, 0).astype(jnp.float32)
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[tok].add(got).astype(x.dtype)
+
+
+def expert_compute(xr, w, wgu, wd, *, backend):
+    """The layer's floor: both grouped GEMMs, the activation and the weighted sum over K of the
+    T * K rows of this rank (row t * K + k is slot k of token t), in L equal groups."""
+    T, K = w.shape
+    L = wgu.shape[0]
+    sizes = jnp.full((L,), T * K // L, jnp.int32)
+    gm = functools.partial(jax_ep.grouped_matmul, backend=backend)
+    y = gm(_moe.swiglu(gm(xr, wgu, sizes)).astype(wd.dtype), wd, sizes)
+    y = y.reshape(T, K, -1).astype(jnp.float32) * w.astype(jnp.float32)[:, :, None]
+    return jnp.sum(y, axis=1).astype(xr.dtype)
+
+
+def communication(x, idx, w, *, num_experts, backend):
+    """The layer's token traffic alone: each token to its ranks once, and its rows back."""
+    res = jax_ep.dispatch(x, idx, w, num_experts=num_experts, backend=backend)
+    return jax_ep.combine(res.recv_x, res.handle, backend=backend)
+
+
+def dense_moe(x, idx, w, wgu, wd):
+    """out[t] = sum_k w[t, k] * FFN_{idx[t, k]}(x[t]), every expert evaluated, in float32."""
+    x32 = x.astype(jnp.float32)
+
+    def step(acc, ew):
+        e, gu, d = ew
+        h = x32 @ gu.astype(jnp.float32)
+        y = _moe.swiglu(h) @ d.astype(jnp.float32)
+        we = jnp.sum(jnp.where(idx == e, w.astype(jnp.float32), 0.0), axis=1)
+        return acc + we[:, None] * y, None
+    E = wgu.shape[0]
+    acc, _ = lax.scan(step, jnp.zeros(x.shape, jnp.float32), (jnp.arange(E), wgu, wd))
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and memory
+# ---------------------------------------------------------------------------------------------
+
+def keep(*trees):
+    """A scalar that depends on every leaf (XLA drops the work of an unused result)."""
+    return sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree_util.tree_leaves(trees))
+
+
+def with_backward(fn, argnums):
+    """fn's forward and the gradients of sum(fn) in the arguments `argnums`."""
+    def fb(*args):
+        def loss(*diff):
+            full = list(args)
+            for i, a in zip(argnums, diff):
+                full[i] = a
+            return jnp.sum(fn(*full).astype(jnp.float32))
+        v, g = jax.value_and_grad(loss, argnums=tuple(range(len(argnums))))(
+            *[args[i] for i in argnums])
+        return v + keep(g)
+    return fb
+
+
+def step_bytes(compiled):
+    """(total, temp) bytes per device that XLA plans for the executable."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None, None
+    total = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+             - m.alias_size_in_bytes)
+    return int(total), int(m.temp_size_in_bytes)
+
+
+def first_line(e):
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0][:200] if s else ''}"
+
+
+def zipf_logits(rng, n, E, s):
+    """Logits whose softmax top-k draws expert e about in proportion to 1 / (1 + rank e)^s."""
+    rank = rng.permutation(E)
+    return rng.gumbel(size=(n, E)) - s * np.log1p(rank)[None, :]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--ranks", default="1,2,4",
+                    help="comma-separated EP sizes; those above the device count are skipped")
+    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=32, help="per rank")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--routing", default="uniform,zipf")
+    ap.add_argument("--zipf", type=float, default=1.0, help="the Zipf exponent s")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--scan", default="1,3", help="n_short,n_long calls of the timed scans")
+    ap.add_argument("--check-tokens", type=int, default=128,
+                    help="tokens per rank checked against the dense MoE")
+    ap.add_argument("--skip", default="", help="comma-separated layer names not to run")
+    ap.add_argument("--only", default="", help="comma-separated layer names to run alone")
+    ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
+    args = ap.parse_args()
+    T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
+    be = args.backend
+    n_short, n_long = (int(v) for v in args.scan.split(","))
+    skip = set(filter(None, args.skip.split(",")))
+    only = set(filter(None, args.only.split(",")))
+    devs = jax.devices()
+    os.makedirs(args.out, exist_ok=True)
+    print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}, backend {be}")
+    results, summary = [], []
+    rng = np.random.default_rng(0)
+
+    for R in (int(r) for r in args.ranks.split(",")):
+        if R > len(devs):
+            print(f"\n== R={R}: skipped, {len(devs)} devices")
+            continue
+        mesh = Mesh(np.array(devs[:R]), ("ep",))
+        E = R * L
+        wgu = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
+        wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
+        xr = jnp.asarray(rng.standard_normal((R * T * K, H)), jnp.bfloat16)
+        for routing in args.routing.split(","):
+            logits = (rng.standard_normal((R * T, E)) if routing == "uniform"
+                      else zipf_logits(rng, R * T, E, args.zipf))
+            w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
+                jnp.asarray(logits, jnp.float32))
+            w = w.astype(jnp.bfloat16)
+            tag = f"R={R} T={T} H={H} I={I} L={L} K={K} {routing}"
+            group = dict(num_experts=E, num_topk=K, num_ranks=R, backend=be)
+            load = np.bincount(np.asarray(idx).reshape(-1) // L, minlength=R) / (T * K)
+            print(f"\n== {tag}: pairs per rank / T*K: " + " ".join(f"{v:.2f}" for v in load)
+                  + "; moe_ffn's rows per pass: " + ", ".join(
+                      f"{name} {jax_ep.moe_capacity(T, fused=f, **group)}"
+                      for name, f in (("unfused", False), ("fused", True))))
+            lay = (x, idx, w, wgu, wd)
+            layers = {
+                "moe_ffn": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend=be), lay),
+                "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(
+                    *a, num_experts=E, fused=False, backend=be), lay),
+                "moe_ffn(fused=True)": (lambda *a: jax_ep.moe_ffn(
+                    *a, num_experts=E, fused=True, backend=be), lay),
+                "expert compute alone": (functools.partial(expert_compute, backend=be),
+                                         (xr, w, wgu, wd)),
+                "communication alone": (functools.partial(communication, num_experts=E,
+                                                          backend=be), (x, idx, w)),
+            }
+            if R > 1:
+                layers["GShard capacity 1.25 + einsum"] = (
+                    functools.partial(gshard_layer, num_experts=E), lay)
+                layers["ragged_all_to_all + ragged_dot"] = (
+                    functools.partial(ragged_layer, num_experts=E), lay)
+            # the default is timed once, under its own name and that of its setting
+            default = inspect.signature(jax_ep.moe_ffn).parameters["fused"].default
+            same = f"moe_ffn(fused={default})"
+            diff = {"expert compute alone": (0, 1, 2, 3), "communication alone": (0, 2)}
+            rows = {}
+            # the dense MoE on the first check_tokens tokens of every rank
+            S = min(args.check_tokens, T)
+            pick = (np.arange(R)[:, None] * T + np.arange(S)[None, :]).reshape(-1)
+            dense = np.asarray(jax.jit(dense_moe)(x[pick], idx[pick], w[pick], wgu, wd))
+            for name, (fn, fargs) in layers.items():
+                if name in skip or (only and name not in only):
+                    continue
+                if name == same and "moe_ffn" in rows:
+                    rows[name] = dict(rows["moe_ffn"], name=name, same_as="moe_ffn")
+                    results.append(rows[name])
+                    print(f"  {name:<34} the default (above)")
+                    continue
+                row = dict(name=name, shape=tag, ranks=R, routing=routing)
+                try:
+                    out = rank_map(mesh, fn)(*fargs)
+                    if name not in ("expert compute alone", "communication alone"):
+                        got = np.asarray(out, np.float64)[pick]
+                        row["rel_err_vs_dense"] = float(np.linalg.norm(got - dense)
+                                                        / max(np.linalg.norm(dense), 1e-30))
+                    del out
+                    for op, f in (("fwd", fn),
+                                  ("fwd+bwd", with_backward(fn, diff.get(name, (0, 2, 3, 4))))):
+                        fs = scan_fn(mesh, f, n_short).lower(*fargs).compile()
+                        fl = scan_fn(mesh, f, n_long).lower(*fargs).compile()
+                        if op == "fwd+bwd" and n_short == 1:
+                            row["step_bytes"], row["step_temp_bytes"] = step_bytes(fs)
+                        med, lo, hi, _ = time_slope(fs, fl, n_short, n_long, fargs, args.reps)
+                        row[op + "_ms"] = med * 1e3
+                        row[op + "_ms_range"] = [lo * 1e3, hi * 1e3]
+                        del fs, fl
+                except Exception as e:  # a baseline out of memory, say: reported, not fatal
+                    row["failed"] = first_line(e)
+                    if name.startswith("moe_ffn") or name.endswith("alone"):
+                        traceback.print_exc()
+                jax.clear_caches()
+                rows[name] = row
+                results.append(row)
+                gb = row.get("step_bytes")
+                print(f"  {name:<34} fwd {row.get('fwd_ms', float('nan')):9.3f} ms  "
+                      f"fwd+bwd {row.get('fwd+bwd_ms', float('nan')):9.3f} ms  "
+                      f"step {gb / 1e9 if gb else float('nan'):6.2f} GB"
+                      + (f"  err {row['rel_err_vs_dense']:.1e}" if "rel_err_vs_dense" in row
+                         else "") + (f"  FAILED {row['failed']}" if "failed" in row else ""),
+                      flush=True)
+            summary.append(dict(shape=tag, ranks=R, routing=routing, ratios=ratios(rows)))
+            print("  same-run ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                      summary[-1]["ratios"].items()))
+            for name in ("moe_ffn", "moe_ffn(fused=False)", "moe_ffn(fused=True)"):
+                err = rows.get(name, {}).get("rel_err_vs_dense")
+                assert err is None or err < 2e-2, (name, err)
+
+    with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
+        json.dump(dict(device=devs[0].device_kind, jax=jax.__version__, backend=be,
+                       summary=summary, results=results), f, indent=1)
+    ok = [r for r in results if "fwd_ms" in r]
+    barh_plot(os.path.join(args.out, "bench_layer.png"),
+              [f"{r['shape'].split(' ')[0]} {r['routing']}: {r['name']}" for r in ok],
+              [r["fwd_ms"] for r in ok], f"forward ms per layer, {devs[0].device_kind}",
+              log=True, figsize=(11, max(3, 0.3 * len(ok))))
+    print("\nwrote", os.path.join(args.out, "bench_layer.json"))
+
+
+def ratios(rows):
+    """The same-run ratios of one (R, routing): the layer against its floor and the baselines."""
+    out = {}
+
+    def get(name, key):
+        return rows.get(name, {}).get(key)
+    base = "expert compute alone"
+    for key, what in (("fwd_ms", "fwd"), ("fwd+bwd_ms", "fwd+bwd"), ("step_bytes", "memory")):
+        for name, short in (("moe_ffn", "default"), ("moe_ffn(fused=True)", "fused"),
+                            ("moe_ffn(fused=False)", "unfused")):
+            a, b = get(name, key), get(base, key)
+            if a and b:
+                out[f"{short} / expert compute {what}"] = a / b
+        for name, short in (("GShard capacity 1.25 + einsum", "gshard"),
+                            ("ragged_all_to_all + ragged_dot", "ragged")):
+            a, b = get(name, key), get("moe_ffn", key)
+            if a and b and what != "memory":
+                out[f"{short} / default {what}"] = a / b
+    a, b = get("moe_ffn(fused=True)", "fwd_ms"), get("moe_ffn(fused=False)", "fwd_ms")
+    if a and b:
+        out["fused / unfused fwd"] = a / b
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
