@@ -49,6 +49,30 @@ def extension():
     return _load_extension()
 
 
+def cuda_build() -> str | None:
+    """What the install chose for the CUDA build: "built", "off" (JAX_EP_BUILD_CUDA=OFF),
+    "no_nvcc" (no CUDA compiler found), or None (not installed by the build, e.g. a source
+    tree on sys.path). Recorded at build time in jax_ep/_build_info.py."""
+    try:
+        from jax_ep import _build_info  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return getattr(_build_info, "CUDA_BUILD", None)
+
+
+def _missing_extension_notice() -> str:
+    build = cuda_build()
+    if build == "built":
+        return (f"jax_ep: the CUDA extension was built but does not load ({_ext_error}); "
+                "using the pure-JAX reference backend.")
+    why = {
+        "off": "the CUDA build was switched off at install: JAX_EP_BUILD_CUDA=OFF",
+        "no_nvcc": "the install found no CUDA compiler (nvcc)",
+    }.get(build, "not installed with pip, or installed without nvcc")
+    return (f"jax_ep: the CUDA extension is not built ({why}); "
+            "using the pure-JAX reference backend.")
+
+
 def cuda_backend_available() -> bool:
     """True when the CUDA extension is built and JAX's default backend is a CUDA GPU."""
     global _warned
@@ -56,9 +80,7 @@ def cuda_backend_available() -> bool:
     if ext is None:
         if not _warned:
             _warned = True
-            warnings.warn(
-                "jax_ep: the CUDA extension is not built (installed without nvcc?); "
-                "using the pure-JAX reference backend.", stacklevel=3)
+            warnings.warn(_missing_extension_notice(), stacklevel=3)
         return False
     import jax
 
@@ -247,6 +269,7 @@ def runtime_info() -> dict:
     ext = _load_extension()
     info = {
         "extension_built": ext is not None,
+        "cuda_build": cuda_build(),
         "extension_error": _ext_error,
         "jax_backend": jax.default_backend(),
         "default_backend": "cuda" if (ext is not None and jax.default_backend() == "gpu")
