@@ -12,6 +12,10 @@ each scan under jax.profiler also gives the op's kernel durations per call
 and a plot into --out.
 
   python benchmarks/bench.py --ranks 2 4 --mode ht ll --out /tmp/bench
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+      python benchmarks/bench.py --backend reference --ranks 4 --tokens 16 --ll-tokens 8 \
+      --hidden 256 --topk 2 --experts-per-rank 2 --iters 4 --reps 1 --overlap-matmul 64 \
+      --out DIR   (checks the script on a CPU: the reference backend, no --sms sweep)
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ OURS = r"jax_ep|dispatch_kernel|combine_kernel|copy_rows|layout"
 NCCL = r"nccl|all_to_all|ragged"
 ANY = r"."
 TRACE_DIR = None  # --kernel-times: each op's profiler trace goes under it
+BACKEND = "cuda"  # --backend "reference" checks the script on a CPU (test_benchmarks_smoke.py)
 _traces = 0
 
 
@@ -59,7 +64,11 @@ def put(value, dtype, sharding=None):
 def ragged_ok() -> bool:
     """lax.ragged_all_to_all baseline: one process only. With several processes XLA 0.11 runs
     it through an NCCL send/recv fallback (refused unless a flag allows it) that did not finish
-    one timed scan in minutes on 4 x H200; it is left out there, with a note."""
+    one timed scan in minutes on 4 x H200; it is left out there, with a note. XLA:CPU has no
+    ragged-all-to-all: left out on a CPU too."""
+    if jax.default_backend() == "cpu":
+        print("  (lax.ragged_all_to_all baseline skipped: XLA:CPU does not implement it)")
+        return False
     if jax.process_count() == 1:
         return True
     print("  (lax.ragged_all_to_all baseline skipped: several processes)")
@@ -145,29 +154,32 @@ def ht_suite(mesh, R, a, sms_list, rows):
                          egress_GBps=sent_remote * row_bytes / med / 1e9,
                          tokens=T, hidden=H, topk=K, experts=E, **kernel_fields(k)))
 
+    if BACKEND != "cuda":
+        print(f"  (--sms sweep skipped: the {BACKEND} backend has no kernel blocks to set)")
+        sms_list = ["-"]
     for sms in sms_list:
-        jax_ep.set_num_blocks(sms)
+        jax_ep.set_num_blocks(None if sms == "-" else sms)
         t = timed_scan(mesh, lambda x, i, w: jax_ep.dispatch(
-            x, i, w, num_experts=E, backend="cuda").recv_x, (x, idx, w), it, reps)
+            x, i, w, num_experts=E, backend=BACKEND).recv_x, (x, idx, w), it, reps)
         record("dispatch_bf16", "jax_ep", sms, t, row_bf16)
         t = timed_scan(mesh, lambda q, s, i, w: jax_ep.dispatch(
-            (q, s), i, w, num_experts=E, backend="cuda").recv_x[0], (xq, xs, idx, w), it, reps)
+            (q, s), i, w, num_experts=E, backend=BACKEND).recv_x[0], (xq, xs, idx, w), it, reps)
         record("dispatch_fp8", "jax_ep", sms, t, row_fp8)
 
         def comb(x, i, w):
-            r = jax_ep.dispatch(x, i, w, num_experts=E, backend="cuda")
+            r = jax_ep.dispatch(x, i, w, num_experts=E, backend=BACKEND)
             h = r.handle
             return (r.recv_x, h.recv_src, h.send_rows, h.recv_count[None], h.num_dropped[None],
                     h.num_invalid[None])
         hargs = harness.rank_map(mesh, comb)(x, idx, w)
         t = timed_scan(mesh, lambda y, *h: jax_ep.combine(
-            y, jax_ep.DispatchHandle(h[0], h[1], h[2][0], h[3][0], h[4][0]), backend="cuda"),
+            y, jax_ep.DispatchHandle(h[0], h[1], h[2][0], h[3][0], h[4][0]), backend=BACKEND),
             hargs, it, reps)
         record("combine_bf16", "jax_ep", sms, t, row_bf16)
     jax_ep.set_num_blocks(None)
     x8 = x[:, :8]
     t = timed_scan(mesh, lambda x, i, w: jax_ep.dispatch(
-        x, i, w, num_experts=E, backend="cuda").recv_x, (x8, idx, w), it, reps)
+        x, i, w, num_experts=E, backend=BACKEND).recv_x, (x8, idx, w), it, reps)
     record("dispatch_bf16_H8 (layout+sync)", "jax_ep", "-", t, 16)
     cap = int(np.ceil(1.25 * in_rank.reshape(R, T, R).sum(axis=1).mean()))
     t = timed_scan(mesh, lambda x, i: baselines.all_to_all_dispatch(
@@ -210,15 +222,15 @@ def ll_suite(mesh, R, a, rows):
     t = timed_scan(mesh, lambda x, i: x[:1] * 2, (x, idx), it, reps, ANY)
     record("harness (x[:1]*2)", "-", t, 0)
     t = timed_scan(mesh, lambda x, i: jax_ep.low_latency_dispatch(
-        x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=True, backend="cuda").recv_x[0],
+        x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=True, backend=BACKEND).recv_x[0],
         (x, idx), it, reps)
     record("dispatch_fp8", "jax_ep", t, H + 4 * H // 128)
     t = timed_scan(mesh, lambda x, i: jax_ep.low_latency_dispatch(
-        x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=False, backend="cuda").recv_x,
+        x, i, num_experts=E, max_tokens_per_rank=M, use_fp8=False, backend=BACKEND).recv_x,
         (x, idx), it, reps)
     record("dispatch_bf16", "jax_ep", t, 2 * H)
 
-    kw = dict(num_experts=E, max_tokens_per_rank=M, backend="cuda")
+    kw = dict(num_experts=E, max_tokens_per_rank=M, backend=BACKEND)
 
     def disp(x, i):
         r = jax_ep.low_latency_dispatch(x, i, use_fp8=False, **kw)
@@ -229,7 +241,7 @@ def ll_suite(mesh, R, a, rows):
     def handle(s, sl, c, rr, i):
         return jax_ep.LowLatencyHandle(s, sl, c, jnp.zeros((), jnp.int32), rr, i)
     t = timed_scan(mesh, lambda y, s, sl, c, rr, i, w: jax_ep.low_latency_combine(
-        y, i, w, handle(s, sl, c, rr, i), backend="cuda"), hargs + (idx, w), it, reps)
+        y, i, w, handle(s, sl, c, rr, i), backend=BACKEND), hargs + (idx, w), it, reps)
     record("combine_bf16", "jax_ep", t, 2 * H)
     if a.ll_fused_only:
         return
@@ -240,7 +252,7 @@ def ll_suite(mesh, R, a, rows):
         (x, idx), it, reps)
     record("dispatch_fp8", "jax_ep send+recv", t, H + 4 * H // 128)
     t = timed_scan(mesh, lambda y, s, sl, c, rr, i, w: jax_ep.low_latency_combine_recv(
-        jax_ep.low_latency_combine_send(y, i, w, handle(s, sl, c, rr), backend="cuda")),
+        jax_ep.low_latency_combine_send(y, i, w, handle(s, sl, c, rr, i), backend=BACKEND)),
         hargs + (idx, w), it, reps)
     record("combine_bf16", "jax_ep send+recv", t, 2 * H)
 
@@ -258,7 +270,8 @@ def ll_suite(mesh, R, a, rows):
 
     def send_mm_recv(x, i, m):
         pend = jax_ep.low_latency_dispatch_send(x, i, use_fp8=True, **kw)
-        m = m + jax.tree_util.tree_leaves(pend)[0][0].astype(m.dtype) * 0   # after the send
+        first = jax.tree_util.tree_leaves(pend)[0].ravel()[0]             # a scalar of it
+        m = m + first.astype(m.dtype) * 0                                   # after the send
         prod, pend = jax.lax.optimization_barrier((m @ m, pend))            # recv after it
         r = jax_ep.low_latency_dispatch_recv(pend)
         return prod[:1, :1] + r.recv_count[:1, None].astype(m.dtype)
@@ -279,7 +292,7 @@ def ll_suite(mesh, R, a, rows):
 
 
 def main():
-    global TRACE_DIR
+    global TRACE_DIR, BACKEND
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -295,6 +308,8 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--backend", default="cuda", choices=["cuda", "reference"],
+                   help="'reference' checks the script on a CPU (the pure-JAX ops)")
     p.add_argument("--cmd-buffers", action="store_true",
                    help="run under XLA command buffers (CUDA graphs), custom calls included")
     p.add_argument("--ll-fused-only", action="store_true",
@@ -305,6 +320,7 @@ def main():
                         "durations per call (traces kept in OUT/traces)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    BACKEND = a.backend
     if a.kernel_times:
         TRACE_DIR = os.path.join(os.path.abspath(a.out), "traces")
     if jax.process_index() != 0:  # per-process mode: process 0 reports for everyone

@@ -15,6 +15,8 @@ DeepGEMM) are also measured in --rounds rounds that time each side in turn: the 
 per-round ratios. Prints a table, writes bench_gemm.json and bench_gemm.png.
 
   python benchmarks/bench_gemm.py --out DIR [--quick] [--deepgemm .deepgemm]
+  python benchmarks/bench_gemm.py --backend reference --quick --shapes 256x256 --rows 256 \
+      --groups 4 --masked 4,32,256,256 --rounds 1 --out DIR   (checks the script on a CPU)
 """
 from __future__ import annotations
 
@@ -115,7 +117,8 @@ def main():
     ap.add_argument("--rows", type=int, default=32768)
     ap.add_argument("--groups", type=int, default=G_DEFAULT)
     ap.add_argument("--masked", default="32,1024,7168,4096", help="G,C,K,N of the masked layout")
-    ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "reference"],
+                    help="'reference' checks the script on a CPU (CUDA-only rows skipped)")
     ap.add_argument("--skip-ragged-dot", action="store_true")
     ap.add_argument("--cutlass-bin", default=".cutlass/bin",
                     help="folder of CUTLASS example 57 binaries (benchmarks/cutlass_example57.sh)")
@@ -192,8 +195,12 @@ def main():
     sweep = [(128, 128, 64, 5, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 4)]
     if args.quick:
         sweep = sweep[:1]
-    pallas = pallas_ragged_dot(sweep)
-    dgm = dgb.load(args.deepgemm) if args.backend == "cuda" else None
+    cuda = args.backend == "cuda"
+    if not cuda:
+        print(f"  ({args.backend} backend: skipped the CUDA-only rows: our 64-row tiles and "
+              "rhs [G, N, K] kernels, Pallas Mosaic GPU, CUTLASS example 57, DeepGEMM)")
+    pallas = pallas_ragged_dot(sweep) if cuda else None
+    dgm = dgb.load(args.deepgemm) if cuda else None
     rounds = args.rounds
 
     for shp in args.shapes.split(","):
@@ -243,7 +250,7 @@ def main():
         def small(a, w, s, M=M, N=N):
             return _gg.gemm_call(a, w, s, None, None, mode="contiguous", rhs_kn=True,
                                   small_m=True, out_shape=(M, N), out_dtype=jnp.bfloat16)
-        if args.backend == "cuda":
+        if cuda:
             for dist, sz in (("uniform", s_uni), ("Zipf", s_zipf)):
                 record(f"ours bf16 fwd, 64-row tiles ({dist})", tag,
                        time_op(small, (a, w, sz), reps=reps), flops, impl="ours-64",
@@ -316,7 +323,7 @@ def main():
 
         # CUTLASS example 57, best kernel of each of its builds (bf16 builds: best of the two)
         ex = {}
-        if args.backend == "cuda":
+        if cuda:
             for exe, runs in cutlass_example(args.cutlass_bin, M, G, K, N).items():
                 if runs:
                     kind = "fp8" if "fp8" in exe else "bf16"

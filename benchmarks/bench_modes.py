@@ -6,12 +6,17 @@ side by side (jax_ep rows and the lax baselines) and writes results_modes.json a
 bench_modes.png into --out. Arguments after the options go to bench.py unchanged.
 
   python benchmarks/bench_modes.py --ranks 4 --out /tmp/b -- --mode ht ll --sms 24 --iters 10
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+      python benchmarks/bench_modes.py --ranks 2 --out DIR -- --backend reference --mode ll \
+      --ll-fused-only --tokens 16 --ll-tokens 8 --hidden 256 --topk 2 --experts-per-rank 2 \
+      --iters 4 --reps 1   (checks the script on a CPU: R host devices, then R processes)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -26,6 +31,7 @@ def main():
     p.add_argument("rest", nargs=argparse.REMAINDER)
     a = p.parse_args()
     rest = [x for x in a.rest if x != "--"]
+    a.out = os.path.abspath(a.out)  # the runs start in /tmp
     os.makedirs(a.out, exist_ok=True)
     bench = os.path.join(HERE, "bench.py")
     common = ["--ranks", str(a.ranks), "--out", a.out] + rest
@@ -34,7 +40,12 @@ def main():
         "one per GPU": [sys.executable, "-m", "jax_ep.launch", "-n", str(a.ranks), bench,
                         "--tag=_per_process"] + common,
     }
-    envs = {"one process": dict(os.environ), "one per GPU": dict(os.environ)}
+    # One device per process: no forced host devices there (a CPU check's XLA_FLAGS gives the
+    # one-process run its R devices).
+    per = dict(os.environ)
+    per["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                              per.get("XLA_FLAGS", "")).strip()
+    envs = {"one process": dict(os.environ), "one per GPU": per}
     results = {}
     for mode, cmd in runs.items():
         print(f"=== {mode}: {' '.join(cmd)}", flush=True)

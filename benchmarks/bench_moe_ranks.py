@@ -15,7 +15,8 @@ Prints a table and fused / max(communication, GEMMs), writes bench_moe_ranks.jso
   python benchmarks/bench_moe_ranks.py --ranks 4 --out DIR
   XLA_FLAGS=--xla_force_host_platform_device_count=4 \
       python benchmarks/bench_moe_ranks.py --ranks 4 --backend reference --tokens 16 \
-      --hidden 256 --inter 128 --experts 2 --topk 2 --out DIR   (checks the script on a CPU)
+      --hidden 256 --inter 128 --experts 2 --topk 2 --reps 1 --out DIR
+      (checks the script on a CPU)
   python benchmarks/bench_moe_ranks.py --ranks 2 --virtual --out DIR   (R ranks on one GPU)
 """
 from __future__ import annotations
@@ -55,7 +56,8 @@ def main():
                          "layer with, beside the automatic one")
     ap.add_argument("--combine-blocks", default="",
                     help="comma-separated fused_combine_blocks values, likewise")
-    ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "reference"],
+                    help="'reference' checks the script on a CPU")
     ap.add_argument("--capacity", type=int, default=0,
                     help="expert-major rows per rank (0: the worst case, R * T * K rows plus "
                          "the segments' alignment); a larger one pads more rows")
@@ -145,6 +147,10 @@ def main():
                  second_half_unfused_ms=t_fus1 - t_hf, second_half_fused_ms=t_fus - t_hf)
     print("  time split (ms): " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in split.items()))
     sweep = {}
+    if be != "cuda" and (args.copy_blocks or args.combine_blocks):
+        print(f"  (--copy-blocks / --combine-blocks skipped: the {be} backend has no fused "
+              "kernels whose blocks they set)")
+        args.copy_blocks = args.combine_blocks = ""
     for setting, values in (("fused_copy_blocks", args.copy_blocks),
                             ("fused_combine_blocks", args.combine_blocks)):
         sweep[setting] = {int(c): record(f"moe_ffn(fused=True, {setting}={c}) forward",

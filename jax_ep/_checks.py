@@ -6,6 +6,8 @@ import collections
 import functools
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -250,12 +252,23 @@ def _forget_failed_checks():
 atexit.register(_forget_failed_checks)  # runs before JAX's own exit handlers (registered first)
 
 
-def checked(fn):
+def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (e.g. a jitted training step), raising `jax_ep.CheckError` itself when a check of a
     jax_ep op inside it fails, and `jax_ep.PeerTimeoutError` when a wait of a jax_ep op gave up
     (in this call or before), instead of the `jax.errors.JaxRuntimeError` that JAX reports or
     results that are not defined. Waits for fn's results (so that a failure surfaces in this
-    call)."""
+    call).
+
+    Args:
+      fn: any callable whose jax_ep ops should raise typed errors, usually the jitted step.
+
+    Returns:
+      A callable with fn's signature that returns fn's results once they are ready.
+
+    Raises (from the returned callable):
+      CheckError: a `check=True` (or JAX_EP_CHECK=1) check inside fn failed.
+      PeerTimeoutError: a jax_ep wait of this process gave up.
+    """
     from jax_ep._faults import raise_if_timed_out, timeout_error
 
     @functools.wraps(fn)

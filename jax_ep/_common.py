@@ -6,6 +6,7 @@ it depends on neither.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -79,8 +80,19 @@ def round_up_pow2(scale):
     return lax.bitcast_convert_type(exp << 23, jnp.float32)
 
 
-def quantize_fp8(x, round_scale=False):
-    """x [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // 128]); x ~ q * scale."""
+def quantize_fp8(x: jax.Array, round_scale: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Quantise to FP8 e4m3 with one float32 scale per row and 128 columns (DeepEP's format).
+
+    Args:
+      x: `[..., H]` float32, bfloat16 or float16, H a multiple of 128.
+      round_scale: round each scale up to a power of two.
+
+    Returns:
+      `(q, scales)`: `q` `[..., H]` float8_e4m3fn and `scales` `[..., H // 128]` float32 with
+      `x ~ q * scale` per group of 128 columns; scale = amax / 448 of the group (amax at least
+      1e-4). A group holding a NaN or an infinity gets scale NaN and NaN values.
+      `dequantize_fp8(q, scales)` undoes it; the FP8 `dispatch` inputs take this pair.
+    """
     *lead, H = x.shape
     g = x.astype(jnp.float32).reshape(*lead, H // FP8_GROUP, FP8_GROUP)
     amax = jnp.max(jnp.abs(g), axis=-1)
@@ -121,8 +133,17 @@ def to_e4m3_rne(v):
     return lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
 
 
-def dequantize_fp8(q, scales):
-    """(float8_e4m3fn [..., H], float32 scales [..., H // 128]) -> float32 [..., H]."""
+def dequantize_fp8(q: jax.Array, scales: jax.Array) -> jax.Array:
+    """The float32 values of an FP8 pair from `quantize_fp8` (or an FP8 dispatch's `recv_x`).
+
+    Args:
+      q: `[..., H]` float8_e4m3fn, H a multiple of 128.
+      scales: `[..., H // 128]` float32, one per row and group of 128 columns of `q`.
+
+    Returns:
+      `[..., H]` float32: `q * scales`, each scale applied to its 128 columns. Rows that an
+      op left unspecified (e.g. past a low-latency dispatch's `recv_count`) stay unspecified.
+    """
     *lead, H = q.shape
     g = q.astype(jnp.float32).reshape(*lead, H // FP8_GROUP, FP8_GROUP)
     return (g * scales[..., None]).reshape(*lead, H)

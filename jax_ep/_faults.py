@@ -48,7 +48,12 @@ def raise_if_timed_out() -> None:
 
     The results of an op whose wait gave up are undefined. A wait gives up on the device while
     the program runs, so call this after the step's results are ready (`jax.block_until_ready`);
-    `jax_ep.checked(step)` does both. Every later communication op raises anyway."""
+    `jax_ep.checked(step)` does both. Every later communication op raises anyway.
+
+    Raises:
+      PeerTimeoutError: a wait of this process gave up (op, rank, peer and phase in its
+        attributes). Nothing is raised otherwise, nor without the CUDA extension.
+    """
     err = timeout_error()
     if err is not None:
         raise err

@@ -41,11 +41,19 @@ class Fp8Weights(NamedTuple):
     scales: jax.Array
 
 
-def quantize_fp8_weights(w) -> Fp8Weights:
-    """w [G, K, N] (float32 / bfloat16 / float16) -> Fp8Weights, per 128 x 128 block.
+def quantize_fp8_weights(w: jax.Array) -> Fp8Weights:
+    """Expert weights in FP8 e4m3 with one float32 scale per 128 x 128 block.
 
     Each block's scale is its largest magnitude / 448 (the largest e4m3 value); values are
-    rounded to nearest even. K and N must be multiples of 128.
+    rounded to nearest even.
+
+    Args:
+      w: `[G, K, N]` float32, bfloat16 or float16; K and N multiples of 128.
+
+    Returns:
+      Fp8Weights: `data` `[G, N, K]` float8_e4m3fn (each w[g] transposed) and `scales`
+      `[G, K // 128, N // 128]` float32, the `rhs` of an FP8 `grouped_matmul` or
+      `grouped_matmul_masked`.
     """
     _checks.expect_rank("w", w, 3, "[G, K, N]")
     _checks.expect_dtype("w", w, _GEMM_DTYPES)
@@ -60,8 +68,15 @@ def quantize_fp8_weights(w) -> Fp8Weights:
     return Fp8Weights(data, scales)
 
 
-def dequantize_fp8_weights(w: Fp8Weights):
-    """Fp8Weights -> float32 [G, K, N]."""
+def dequantize_fp8_weights(w: Fp8Weights) -> jax.Array:
+    """The float32 weights that `Fp8Weights` stand for (`quantize_fp8_weights` undone).
+
+    Args:
+      w: Fp8Weights (`data` `[G, N, K]` float8_e4m3fn, `scales` `[G, K // 128, N // 128]`).
+
+    Returns:
+      `[G, K, N]` float32: w[g][k, n] = data[g, n, k] * scales[g, k // 128, n // 128].
+    """
     data, scales = w
     G, N, K = data.shape
     x = jnp.swapaxes(data.astype(jnp.float32), 1, 2).reshape(
@@ -321,7 +336,10 @@ _fp8_fwd_only = _no_fp8_grad("grouped_matmul")
 _fp8_masked_fwd_only = _no_fp8_grad("grouped_matmul_masked")
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backend="auto"):
+def grouped_matmul(lhs: jax.Array | tuple[jax.Array, jax.Array], rhs: jax.Array | Fp8Weights,
+                   group_sizes: jax.Array, *,
+                   preferred_element_type: jax.typing.DTypeLike | None = None,
+                   backend: str = "auto") -> jax.Array:
     """Grouped matrix product, the semantics of `jax.lax.ragged_dot`.
 
     Args:
@@ -439,8 +457,10 @@ def _fp8_masked_core(lq, ls, rq, rs, counts, cfg):
                       zero_padding=zero_padding)
 
 
-def grouped_matmul_masked(lhs, rhs, counts, *, preferred_element_type=None, zero_padding=True,
-                          backend="auto"):
+def grouped_matmul_masked(lhs: jax.Array | tuple[jax.Array, jax.Array],
+                          rhs: jax.Array | Fp8Weights, counts: jax.Array, *,
+                          preferred_element_type: jax.typing.DTypeLike | None = None,
+                          zero_padding: bool = True, backend: str = "auto") -> jax.Array:
     """Per-group products in the low-latency receive layout (DeepGEMM's "masked" layout).
 
     Args:

@@ -16,7 +16,8 @@ import numpy as np
 
 from jax_ep import _checks, _ffi, reference as ref, remat, runtime
 from jax_ep._common import FP8_GROUP, as_bytes, axis_info
-from jax_ep.expert_layout import ExpertDispatchHandle, reduce_rows, to_expert_major
+from jax_ep.expert_layout import (ExpertDispatchHandle, ExpertDispatchResult, reduce_rows,
+                                  to_expert_major)
 
 
 class DispatchHandle(NamedTuple):
@@ -29,6 +30,8 @@ class DispatchHandle(NamedTuple):
 
 
 class DispatchResult(NamedTuple):
+    """What `dispatch` returns (layout="rank"): the received rows and the `handle` for
+    `combine`. Fields as in `dispatch`'s Returns."""
     recv_x: Any                          # [C, H] (or (fp8 [C, H], scales [C, H // 128]))
     recv_topk_idx: jax.Array             # [C, K] int32 local expert ids, -1 elsewhere
     recv_topk_weights: Optional[jax.Array]  # [C, K] float32, or None
@@ -238,9 +241,10 @@ def _check_counts(check, res, axis_name):
                                   axis_name, message)
 
 
-def recommended_capacity(tokens_per_rank, *, num_experts, num_topk, num_ranks,
-                         capacity_factor=1.25, multiple=8) -> int:
-    """A `capacity` for `dispatch` from the expected load.
+def recommended_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int,
+                         num_ranks: int, capacity_factor: float = 1.25, multiple: int = 8,
+                         ) -> int:
+    """A `capacity` for `dispatch` (layout="rank") from the expected load.
 
     The rows a rank receives on average when each of the `num_ranks * tokens_per_rank` tokens
     picks `num_topk` distinct experts uniformly (a token reaches a rank when one of its experts
@@ -248,6 +252,16 @@ def recommended_capacity(tokens_per_rank, *, num_experts, num_topk, num_ranks,
     `capacity_factor`, rounded up to a multiple of `multiple`, at most the worst case `R * T`
     (which never drops) and at least 1. Skewed routers need a larger factor: `handle.num_dropped`
     counts what did not fit, and drops are shared fairly across the sources (docs/API.md).
+
+    Args:
+      tokens_per_rank: T, the tokens each rank dispatches.
+      num_experts: E, a multiple of num_ranks. num_topk: K, at most E.
+      num_ranks: R, the ranks of the EP group.
+      capacity_factor: the margin over the mean load (a finite number above 0).
+      multiple: round the result up to a multiple of it.
+
+    Returns:
+      The capacity, a Python int in [1, R * T].
     """
     T = _checks.static_int("tokens_per_rank", tokens_per_rank, 0)
     R = _checks.static_int("num_ranks", num_ranks, 1)
@@ -270,8 +284,11 @@ def recommended_capacity(tokens_per_rank, *, num_experts, num_topk, num_ranks,
     return int(max(1, min(rows, R * T)))
 
 
-def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", capacity=None,
-             layout="rank", expert_alignment=1, backend="auto", check=None):
+def dispatch(x: jax.Array | tuple[jax.Array, jax.Array], topk_idx: jax.Array,
+             topk_weights: jax.Array | None = None, *, num_experts: int, axis_name: str = "ep",
+             capacity: int | None = None, layout: str = "rank", expert_alignment: int = 1,
+             backend: str = "auto", check: bool | None = None,
+             ) -> DispatchResult | ExpertDispatchResult:
     """Send each token once to every rank that holds one of its top-k experts.
 
     Runs per shard inside `jax.shard_map` over `axis_name` (R ranks on that axis; expert e lives
@@ -377,7 +394,9 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name="ep", cap
                                                handle.recv_count, per_expert, handle), axis_name)
 
 
-def combine(y, handle, *, axis_name="ep", backend="auto", check=None):
+def combine(y: jax.Array, handle: DispatchHandle | ExpertDispatchHandle, *,
+            axis_name: str = "ep", backend: str = "auto", check: bool | None = None,
+            ) -> jax.Array:
     """Send expert outputs back to their tokens and sum them: the transpose of `dispatch`.
 
     Args:
@@ -385,7 +404,8 @@ def combine(y, handle, *, axis_name="ep", backend="auto", check=None):
         (typically the weighted sum of the local experts' outputs; with layout="expert", one
         row per (token, expert) row, unweighted).
       handle: the dispatch's `handle` (a DispatchHandle or an ExpertDispatchHandle).
-      axis_name, backend: as for `dispatch`. `check` is accepted and has no effect.
+      axis_name, backend: as for `dispatch`.
+      check: accepted for uniformity, no effect (a combine neither drops nor sees ids).
 
     Returns:
       `[T, H]` in y's dtype: for each token, the sum over the ranks that received it of their

@@ -23,6 +23,8 @@ from jax_ep import config, remat, runtime
 
 
 class LowLatencyHandle(NamedTuple):
+    """What `low_latency_combine` needs from its `low_latency_dispatch`. A pytree of arrays:
+    fine across jit, scan and remat."""
     recv_src: jax.Array     # [L, R*M] int32: src_rank * M + src_token, -1 past recv_count
     recv_slot: jax.Array    # [L, R*M] int32: first top-k slot of the source token naming the
     #                         row's expert (where combine sends the output back), -1 past count
@@ -36,6 +38,8 @@ class LowLatencyHandle(NamedTuple):
 
 
 class LowLatencyResult(NamedTuple):
+    """What `low_latency_dispatch` (and `low_latency_dispatch_recv`) return: the received rows
+    in the expert-major layout and the `handle` for `low_latency_combine`."""
     recv_x: Any             # [L, R*M, H] bf16, or (fp8 [L, R*M, H], scales [L, R*M, H // 128])
     recv_count: jax.Array   # [L] int32
     handle: LowLatencyHandle
@@ -292,9 +296,10 @@ def _check_invalid(res, axis_name, check, what):
 # public ops
 # ----------------------------------------------------------------------------------------------
 
-def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name="ep",
-                         use_fp8=True, round_scale=False, backend="auto",
-                         check=None) -> LowLatencyResult:
+def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
+                         max_tokens_per_rank: int, axis_name: str = "ep", use_fp8: bool = True,
+                         round_scale: bool = False, backend: str = "auto",
+                         check: bool | None = None) -> LowLatencyResult:
     """Decode dispatch: each token to the ranks of its experts, into the expert-major layout.
 
     Runs per shard inside `jax.shard_map` over `axis_name` (R ranks, L = num_experts // R local
@@ -305,6 +310,7 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
         with use_fp8.
       topk_idx: `[T, K]` int32 (int64 accepted); -1 marks an unused slot.
       num_experts: E, a multiple of R. max_tokens_per_rank: M, static, the same on every rank.
+      axis_name: the EP axis of the enclosing shard_map.
       use_fp8: quantise the rows to FP8 e4m3 on the fly (per 128 columns, amax / 448).
       round_scale: with use_fp8, round each scale up to a power of two.
       backend, check: as for `dispatch`.
@@ -327,8 +333,9 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
                           "low_latency_dispatch")
 
 
-def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, axis_name="ep",
-                        backend="auto", check=None):
+def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                        handle: LowLatencyHandle, *, axis_name: str = "ep",
+                        backend: str = "auto", check: bool | None = None) -> jax.Array:
     """Weighted sum of the expert outputs of each token: the decode combine.
 
     Args:
@@ -336,7 +343,9 @@ def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *, 
       topk_idx, topk_weights: the dispatch's `[T, K]` ids and their weights (float32, bfloat16
         or float16, computed in float32).
       handle: the dispatch's `handle`.
-      axis_name, backend: as for `low_latency_dispatch`. `check` is accepted for uniformity.
+      axis_name, backend: as for `low_latency_dispatch`.
+      check: True raises when topk_idx differs from the ids the dispatch sent (default:
+        JAX_EP_CHECK).
 
     Returns:
       `[T, H]` bfloat16: `out[t] = sum_k w[t, k] * y[expert of slot k][row of (t, k)]`,
@@ -397,9 +406,11 @@ def _split_site(kind, pair, layout):
     return runtime.site_for_pair(kind, (pair, layout))
 
 
-def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name="ep",
-                              use_fp8=True, round_scale=False, backend="auto", check=None,
-                              pair=None) -> LowLatencyPending:
+def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
+                              max_tokens_per_rank: int, axis_name: str = "ep",
+                              use_fp8: bool = True, round_scale: bool = False,
+                              backend: str = "auto", check: bool | None = None,
+                              pair: str | None = None) -> LowLatencyPending:
     """First half of `low_latency_dispatch`: quantise and write the rows to the peers.
 
     Returns at once (the kernel does not wait for any peer). `low_latency_dispatch_recv` of the
@@ -407,9 +418,16 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
     `low_latency_dispatch`. Forward only. At most two pending sends per call site: receive
     the first before the same code sends a third time.
 
-    pair: a name shared by the sends whose pendings must have one structure, e.g. the send
-    before a `lax.scan` and the one in its body when the pending is carried across iterations
-    (they then share one call site). Without it every send is a call site of its own.
+    Args:
+      x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, backend,
+        check: as for `low_latency_dispatch`.
+      pair: a name shared by the sends whose pendings must have one structure, e.g. the send
+        before a `lax.scan` and the one in its body when the pending is carried across
+        iterations (they then share one call site). Without it every send is a call site of
+        its own.
+
+    Returns:
+      LowLatencyPending: the in-flight send, for `low_latency_dispatch_recv`.
     """
     _checks.flag("check", check, allow_none=True)
     cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
@@ -433,7 +451,14 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
 
 
 def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyResult:
-    """Second half of a split dispatch: wait for the peers' rows, deliver the outputs."""
+    """Second half of a split dispatch: wait for the peers' rows, deliver the outputs.
+
+    Args:
+      pending: what `low_latency_dispatch_send` returned.
+
+    Returns:
+      LowLatencyResult: the same as `low_latency_dispatch` with the send's arguments.
+    """
     if not isinstance(pending, LowLatencyPending) or pending.meta[0] != "dispatch":
         raise TypeError("pending: expected the result of jax_ep.low_latency_dispatch_send, got "
                         f"{type(pending).__name__}")
@@ -453,16 +478,24 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyResult:
                           "low_latency_dispatch_recv")
 
 
-def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
-                             axis_name="ep", backend="auto", pair=None) -> LowLatencyPending:
+def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                             handle: LowLatencyHandle, *, axis_name: str = "ep",
+                             backend: str = "auto", pair: str | None = None,
+                             ) -> LowLatencyPending:
     """First half of `low_latency_combine`: write the expert outputs back to their sources.
 
     Returns once every peer has started its own combine send (this rank pre-reduces the rows of
     a token that name several of its experts with the token's weights, which each source writes
     to the expert ranks as its send starts), without waiting for any receive;
     `low_latency_combine_recv` of the result waits for the rows from every expert rank and
-    returns the same [T, H] output as `low_latency_combine`. Forward only. pair: as for
-    `low_latency_dispatch_send`.
+    returns the same [T, H] output as `low_latency_combine`. Forward only.
+
+    Args:
+      y, topk_idx, topk_weights, handle, axis_name, backend: as for `low_latency_combine`.
+      pair: as for `low_latency_dispatch_send`.
+
+    Returns:
+      LowLatencyPending: the in-flight send, for `low_latency_combine_recv`.
     """
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
     w = topk_weights.astype(jnp.float32)
@@ -486,8 +519,15 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     return LowLatencyPending((ticket, idx, w, didx), ("combine", cfg, tuple(y.shape), site))
 
 
-def low_latency_combine_recv(pending: LowLatencyPending):
-    """Second half of a split combine: wait for the expert outputs, reduce them per token."""
+def low_latency_combine_recv(pending: LowLatencyPending) -> jax.Array:
+    """Second half of a split combine: wait for the expert outputs, reduce them per token.
+
+    Args:
+      pending: what `low_latency_combine_send` returned.
+
+    Returns:
+      `[T, H]` bfloat16: the same as `low_latency_combine` with the send's arguments.
+    """
     if not isinstance(pending, LowLatencyPending) or pending.meta[0] != "combine":
         raise TypeError("pending: expected the result of jax_ep.low_latency_combine_send, got "
                         f"{type(pending).__name__}")

@@ -15,8 +15,28 @@ from jax.ad_checkpoint import checkpoint_name
 DISPATCH = "jax_ep.dispatch"
 COMBINE = "jax_ep.combine"
 
+_SaveOnlyTheseNames = type(jax.checkpoint_policies.save_only_these_names())
+
+
+class RematPolicy(_SaveOnlyTheseNames):
+    """jax_ep.remat_policy: save the communication, recompute the rest.
+
+    Use it as `jax.checkpoint(f, policy=jax_ep.remat_policy)` (or `jax.remat`, or Flax's
+    `nn.remat(..., policy=jax_ep.remat_policy)`). The outputs of `jax_ep.dispatch` and
+    `jax_ep.low_latency_dispatch` (named "jax_ep.dispatch") and of `jax_ep.combine` and
+    `jax_ep.low_latency_combine` (named "jax_ep.combine") are saved for the backward pass;
+    everything else in f (expert GEMMs, activations, routers) is recomputed from them, so the
+    backward pass never runs a dispatch or combine again beyond the ops' own transposes.
+
+    It is `jax.checkpoint_policies.save_only_these_names("jax_ep.dispatch", "jax_ep.combine")`
+    (an instance of a subclass of that policy's type, for this text). To save names of your
+    own as well, build `jax.checkpoint_policies.save_only_these_names(jax_ep.remat.DISPATCH,
+    jax_ep.remat.COMBINE, *your_names)`.
+    """
+
+
 # Save the communication ops' outputs, recompute everything else.
-remat_policy = jax.checkpoint_policies.save_only_these_names(DISPATCH, COMBINE)
+remat_policy = RematPolicy(frozenset((DISPATCH, COMBINE)))
 
 
 def named(tree, name):

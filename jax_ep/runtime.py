@@ -19,8 +19,14 @@ import contextlib
 import itertools
 import threading
 import warnings
+from typing import TYPE_CHECKING
 
 from jax_ep import config
+
+if TYPE_CHECKING:  # jax itself is imported where it is used (python -m jax_ep.launch)
+    from collections.abc import Sequence
+
+    import jax
 
 _lock = threading.Lock()
 _ext = None
@@ -113,6 +119,12 @@ def set_num_blocks(n: int | None) -> None:
     """CTAs (~SMs) used by the bandwidth kernels of calls traced from now on (None: default).
 
     The default is JAX_EP_NUM_SMS, else 32. Takes effect for functions traced afterwards.
+
+    Args:
+      n: the block count, 1 to the extension's maximum; None restores the default.
+
+    Raises:
+      ValueError: n outside that range.
     """
     global _num_blocks
     hi = max_num_blocks()
@@ -235,13 +247,20 @@ def ensure_peer_runtime(devices, groups=None) -> None:
             ext.init_group([int(v) for v in g])
 
 
-def initialize(devices=None) -> None:
+def initialize(devices: Sequence[jax.Device] | None = None) -> None:
     """Set up the runtime ahead of time (optional: the first lowered op does it lazily).
 
     One process: workspaces and peer access on `devices` (default: all local GPUs). Several
     processes (after jax.distributed.initialize, one GPU each): NVSHMEM through nvshmem4py with a
     unique id shared over jax.distributed's key-value store, the symmetric arena and a self-test
     kernel (collective: every process must call it, or lower its first op).
+
+    Args:
+      devices: the GPUs of the EP groups; default `jax.local_devices()` in one process,
+        `jax.devices()` with several.
+
+    Raises:
+      RuntimeError: the CUDA extension is not built (the reference backend needs no set-up).
     """
     import jax
 
@@ -263,7 +282,14 @@ def _process_mode(ext) -> str:
 
 
 def runtime_info() -> dict:
-    """Which backend and process mode is in use, the peers and the buffer sizes."""
+    """Which backend and process mode is in use, the peers and the buffer sizes.
+
+    Returns:
+      A dict, for logs and bug reports: `extension_built`, `extension_error`, `jax_backend`,
+      `default_backend` ("cuda" or "reference": what backend="auto" picks), `process_mode`,
+      `timeout_s` (JAX_EP_TIMEOUT_S), `num_blocks`; with the extension also the peer devices,
+      EP groups, workspace and call-site buffer sizes, leases and slots.
+    """
     import jax
 
     ext = _load_extension()

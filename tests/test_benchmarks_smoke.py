@@ -1,0 +1,100 @@
+"""Every benchmark script that can run without a GPU, run on a CPU as a user would run it.
+
+Each script runs as a subprocess on the reference backend with tiny shapes (4 host devices,
+PYTHONPATH at this checkout, output into a temporary folder) and must exit 0, write its JSON,
+and print the line saying which CUDA-only parts it skipped. The figures mean nothing here; the
+point is that no script can break unseen (issue 44, item 7: bench.py's LL split combine had
+crashed on GPUs with a TypeError that this test shows on a CPU).
+
+A new file in benchmarks/ must be listed below, in SCRIPTS or in EXCLUDED with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+_COMM = ["--tokens", "16", "--hidden", "256", "--topk", "2", "--experts-per-rank", "2"]
+_LL = ["--ll-tokens", "8"]
+_MOE = ["--tokens", "16", "--hidden", "256", "--inter", "128", "--topk", "2"]
+
+# script: (arguments, the JSON it writes into --out, lines it must print)
+SCRIPTS = {
+    # the command that crashed on 4 x H100, on the reference backend
+    "bench.py": (["--backend", "reference", "--mode", "ht", "ll", "--ranks", "4", *_COMM, *_LL,
+                  "--sms", "24", "132", "--iters", "4", "--reps", "1", "--overlap-matmul", "64",
+                  "--kernel-times"],
+                 "results.json", ["(--sms sweep skipped", "(lax.ragged_all_to_all baseline "
+                                  "skipped: XLA:CPU"]),
+    # one process over 2 host devices, then 2 processes (jax_ep.launch) of one each
+    "bench_modes.py": (["--ranks", "2", "--", "--backend", "reference", "--mode", "ll",
+                        "--ll-fused-only", *_COMM, *_LL, "--iters", "4", "--reps", "1"],
+                       "results_modes.json", ["=== one process", "=== one per GPU"]),
+    "bench_moe.py": (["--backend", "reference", *_MOE, "--experts", "4", "--quick",
+                      "--rounds", "1", "--copy-blocks", "8"],
+                     "bench_moe.json", ["(--copy-blocks / --combine-blocks skipped"]),
+    "bench_moe_ranks.py": (["--backend", "reference", "--ranks", "4", *_MOE, "--experts", "2",
+                            "--reps", "1", "--combine-blocks", "2"],
+                           "bench_moe_ranks.json", ["(--copy-blocks / --combine-blocks skipped"]),
+    "bench_gemm.py": (["--backend", "reference", "--quick", "--shapes", "256x256", "--rows",
+                       "256", "--groups", "4", "--masked", "4,32,256,256", "--rounds", "1"],
+                      "bench_gemm.json", ["reference backend: skipped the CUDA-only rows"]),
+    "bench_virtual.py": (["--backend", "reference", "--ranks", "2", *_COMM, *_LL, "--reps", "1"],
+                         "bench_virtual.json", []),
+}
+
+# 4 host devices; XLA:CPU's cheapest code generation (compiling is most of each run's time)
+XLA_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+             "--xla_llvm_disable_expensive_passes=true")
+
+EXCLUDED = {
+    "trace_phases.py": "reads the CUDA kernels' in-kernel phase marks "
+                       "(jax_ep.runtime.phase_traces): the reference backend has none",
+    "nvlink_probe.cu": "a CUDA program (NVLink bandwidth between GPUs)",
+    "cutlass_example57.sh": "builds CUTLASS example 57 with nvcc (bench_gemm.py's baseline)",
+    "deepgemm.sh": "prepares DeepGEMM, which needs torch and a GPU (bench_gemm.py's baseline)",
+    "deepgemm_baseline.py": "module of bench_gemm.py: DeepGEMM needs torch and a GPU (bench_gemm "
+                            "skips it on the reference backend, with a line)",
+    "harness.py": "module of the scripts (timing), tested in tests/test_bench_harness.py",
+    "kernel_times.py": "module of bench.py (--kernel-times, run above), tested in "
+                       "tests/test_bench_harness.py",
+    "baselines.py": "module of the scripts (lax baselines), run by bench.py and bench_moe.py",
+    "moe_parts.py": "module of bench_moe.py and bench_moe_ranks.py, run by them",
+}
+
+
+def test_every_benchmark_file_is_listed():
+    files = sorted(f for f in os.listdir(BENCH)
+                   if os.path.isfile(os.path.join(BENCH, f)) and not f.startswith("."))
+    unlisted = [f for f in files if f not in SCRIPTS and f not in EXCLUDED]
+    assert not unlisted, (f"benchmarks/{unlisted}: add to SCRIPTS (a CPU run on the reference "
+                          "backend) or to EXCLUDED (why it cannot run without a GPU)")
+    gone = [f for f in list(SCRIPTS) + list(EXCLUDED) if f not in files]
+    assert not gone, f"listed but not in benchmarks/: {gone}"
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_benchmark_runs_on_cpu(script, tmp_path):
+    args, out_json, lines = SCRIPTS[script]
+    out = tmp_path / "out"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS,
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env.pop("OUT", None)
+    cmd = [sys.executable, os.path.join(BENCH, script), "--out", str(out), *args]
+    p = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                       timeout=600)
+    log = f"$ {' '.join(cmd)}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    assert p.returncode == 0, log
+    path = out / out_json
+    assert path.is_file(), f"{path} not written\n{log}"
+    data = json.loads(path.read_text())
+    rows = data.get("rows", data.get("results"))
+    assert rows, f"{path}: no rows\n{log}"
+    for line in lines:
+        assert line in p.stdout, f"expected a line with {line!r}\n{log}"
