@@ -66,8 +66,10 @@ class MoE(nnx.Module):
       renormalize: scale the top-k weights to sum to 1 (before `scaling_factor`), for either
         router: the `norm_topk_prob` of Hugging Face's configs (Qwen2-MoE and Qwen3-MoE
         default to False, DeepSeek-V3 uses True; Mixtral always renormalizes).
-      mode, capacity, max_tokens_per_rank, backend: as for `moe_ffn`.
-      dtype: the compute dtype of the experts (bfloat16 runs the grouped-GEMM kernels on GPUs).
+      mode, capacity, max_tokens_per_rank, backend: as for `moe_ffn` (max_tokens_per_rank
+        defaults to the tokens per device).
+      dtype: the compute dtype of the experts (bfloat16 runs the grouped-GEMM kernels on GPUs;
+        bfloat16 only in low-latency mode).
       param_dtype: the parameters' dtype.
       rngs: `nnx.Rngs` for the initialisation.
     """
@@ -92,6 +94,13 @@ class MoE(nnx.Module):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; expected one of {MODES}")
         self.renormalize = _checks.flag("renormalize", renormalize)
+        if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _checks.FLOAT_DTYPES]:
+            raise TypeError(f"dtype={jnp.dtype(dtype).name} is not supported; expected one of "
+                            "float32, bfloat16, float16")
+        if mode == "low_latency" and jnp.dtype(dtype) != jnp.bfloat16:
+            raise TypeError(f"dtype={jnp.dtype(dtype).name}: mode='low_latency' computes in "
+                            "bfloat16 (the low-latency ops take bfloat16); pass "
+                            "dtype=jnp.bfloat16")
         self.hidden, self.intermediate, self.num_experts, self.top_k = H, I, E, K
         self.mesh, self.axis_name, self.router_kind = mesh, axis_name, router
         self.n_groups, self.topk_groups, self.scaling_factor = n_groups, topk_groups, \

@@ -184,6 +184,27 @@ def test_hugging_face_moe_blocks_load_unchanged(mesh4, name):
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
 
 
+def test_low_latency_mode(mesh4):
+    """mode="low_latency" in bfloat16 runs without max_tokens_per_rank (the tokens per device)
+    and gives the dense layer's output; another dtype is refused when the module is built."""
+    E = 8
+    m = MoE(H, I, E, K, mesh=mesh4, mode="low_latency", backend="reference", rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((16, H)), jnp.float32)
+    y = nnx.jit(lambda m, x: m(x))(m, x.astype(jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16
+    params = [jnp.asarray(a[...], jnp.bfloat16).astype(jnp.float32)
+              for a in (m.w_gate_up, m.w_down)]
+    want, _, _ = _dense_layer(x.astype(jnp.bfloat16).astype(jnp.float32), m.router[...],
+                              *params)
+    err = np.linalg.norm(np.asarray(y, np.float32) - want) / np.linalg.norm(want)
+    assert err < 3e-2, err
+    with pytest.raises(TypeError, match="dtype=float32: mode='low_latency' computes in "
+                                        "bfloat16"):
+        _module(mesh4, E, mode="low_latency")
+    with pytest.raises(TypeError, match="dtype=int32 is not supported"):
+        MoE(H, I, E, K, mesh=mesh4, dtype=jnp.int32, rngs=nnx.Rngs(0))
+
+
 def test_bad_arguments(mesh4):
     with pytest.raises(ValueError, match="num_experts=6 must be a multiple"):
         _module(mesh4, 6)
