@@ -93,6 +93,10 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         raise ValueError("fused=True: the fused dispatch + grouped GEMM is high-throughput mode "
                          "in bfloat16 (use_fp8=False)")
     _checks.expect_rank("x", x, 2, "[T, H]")
+    _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
+    if mode == "low_latency" and jnp.dtype(x.dtype) != jnp.bfloat16:
+        raise TypeError(f"x: dtype {jnp.dtype(x.dtype).name}; mode='low_latency' takes bfloat16 "
+                        "(x, w_gate_up and w_down)")
     T, H = x.shape
     R, _ = axis_info(axis_name)
     L = _checks.experts_per_rank(num_experts, R)
