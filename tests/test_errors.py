@@ -237,8 +237,8 @@ MOE_BAD = [
      r"^x: dtype float32; mode='low_latency' takes bfloat16"),
     (f32, f32, {"mode": "low_latency"}, TypeError,
      r"^x: dtype float32; mode='low_latency' takes bfloat16"),
-    (f16, bf16, {"mode": "low_latency", "max_tokens_per_rank": 8}, TypeError,
-     r"^x: dtype float16; mode='low_latency'"),
+    (f32, f32, {"mode": "low_latency", "max_tokens_per_rank": 8}, TypeError,
+     r"^x: dtype float32; mode='low_latency' takes bfloat16"),
 ]
 
 
