@@ -45,6 +45,14 @@ class MoE(nnx.Module):
     (softmax router) as `nnx.Intermediate` "load_balance_loss": read it with
     `y, inter = nnx.capture(model, nnx.Intermediate)(x)`, `inter["load_balance_loss"][0]`.
 
+    A Hugging Face MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) loads unchanged:
+    `router = gate.weight.T`, `w_gate_up = experts.gate_up_proj.transpose(0, 2, 1)` (its
+    `[E, 2I, H]` gate rows first become the first I columns here), `w_down =
+    experts.down_proj.transpose(0, 2, 1)`, `router_bias = gate.e_score_correction_bias`, with
+    `renormalize = norm_topk_prob` and, for DeepSeek-V3, `n_groups = n_group`,
+    `topk_groups = topk_group`, `scaling_factor = routed_scaling_factor`. Shared experts are not
+    part of this module.
+
     Args:
       hidden: H.
       intermediate: I, each expert's gated-FFN width (`w_gate_up [E, H, 2I]`, `w_down [E, I, H]`).
@@ -52,18 +60,23 @@ class MoE(nnx.Module):
       top_k: experts per token.
       mesh: the `jax.sharding.Mesh`; `axis_name` must be one of its axes.
       axis_name: the EP axis.
-      router: "softmax" (`routing.softmax_topk`, renormalized) or "deepseek"
+      router: "softmax" (`routing.softmax_topk`: Mixtral, Qwen-MoE) or "deepseek"
         (`routing.grouped_topk` with `n_groups`, `topk_groups`, `scaling_factor` and the
-        `router_bias` variable).
-      mode, capacity, max_tokens_per_rank, backend: as for `moe_ffn`.
-      dtype: the compute dtype of the experts (bfloat16 runs the grouped-GEMM kernels on GPUs).
+        `router_bias` variable: DeepSeek-V3).
+      renormalize: scale the top-k weights to sum to 1 (before `scaling_factor`), for either
+        router: the `norm_topk_prob` of Hugging Face's configs (Qwen2-MoE and Qwen3-MoE
+        default to False, DeepSeek-V3 uses True; Mixtral always renormalizes).
+      mode, capacity, max_tokens_per_rank, backend: as for `moe_ffn` (max_tokens_per_rank
+        defaults to the tokens per device).
+      dtype: the compute dtype of the experts (bfloat16 runs the grouped-GEMM kernels on GPUs;
+        bfloat16 only in low-latency mode).
       param_dtype: the parameters' dtype.
       rngs: `nnx.Rngs` for the initialisation.
     """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, *, mesh, axis_name="ep",
                  router="softmax", n_groups=1, topk_groups=1, scaling_factor=1.0,
-                 mode="high_throughput", capacity=None, max_tokens_per_rank=None,
+                 renormalize=True, mode="high_throughput", capacity=None, max_tokens_per_rank=None,
                  dtype=jnp.bfloat16, param_dtype=jnp.float32, backend="auto", rngs):
         H = _checks.static_int("hidden", hidden, 1)
         I = _checks.static_int("intermediate", intermediate, 1)
@@ -80,6 +93,14 @@ class MoE(nnx.Module):
             raise ValueError(f"router={router!r}; expected one of {ROUTERS}")
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; expected one of {MODES}")
+        self.renormalize = _checks.flag("renormalize", renormalize)
+        if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _checks.FLOAT_DTYPES]:
+            raise TypeError(f"dtype={jnp.dtype(dtype).name} is not supported; expected one of "
+                            "float32, bfloat16, float16")
+        if mode == "low_latency" and jnp.dtype(dtype) != jnp.bfloat16:
+            raise TypeError(f"dtype={jnp.dtype(dtype).name}: mode='low_latency' computes in "
+                            "bfloat16 (the low-latency ops take bfloat16); pass "
+                            "dtype=jnp.bfloat16")
         self.hidden, self.intermediate, self.num_experts, self.top_k = H, I, E, K
         self.mesh, self.axis_name, self.router_kind = mesh, axis_name, router
         self.n_groups, self.topk_groups, self.scaling_factor = n_groups, topk_groups, \
@@ -104,10 +125,11 @@ class MoE(nnx.Module):
 
     def _route(self, logits, bias):
         if self.router_kind == "softmax":
-            return routing.softmax_topk(logits, self.top_k)
+            return routing.softmax_topk(logits, self.top_k, renormalize=self.renormalize)
         return routing.grouped_topk(logits, self.top_k, n_groups=self.n_groups,
                                     topk_groups=self.topk_groups, bias=bias,
-                                    scaling_factor=self.scaling_factor)
+                                    scaling_factor=self.scaling_factor,
+                                    renormalize=self.renormalize)
 
     def __call__(self, x):
         if x.ndim < 2 or x.shape[-1] != self.hidden:

@@ -306,7 +306,9 @@ def dispatch(x: jax.Array | tuple[jax.Array, jax.Array], topk_idx: jax.Array,
       capacity: rows of the receive buffer (static, below 2^31). Default R * T, the worst
         case: nothing is ever dropped. Tokens past it are dropped and counted in
         `handle.num_dropped`. With layout="expert": rows of the expert-major buffer, default
-        R * T * min(K, L) + L * (expert_alignment - 1), the worst case.
+        R * T * min(K, L) + L * (expert_alignment - 1), the worst case; a smaller one first
+        limits the tokens a rank receives to min(capacity, R * T) (shared fairly across the
+        sources), then drops the rows at or past capacity, last expert first (docs/API.md).
       layout: "rank" (one row per received token, by source rank) or "expert" (one row per
         (token, local expert) pair, grouped by expert: `ExpertDispatchResult`).
       expert_alignment: with layout="expert", every expert's segment starts at a multiple of

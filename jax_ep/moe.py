@@ -66,6 +66,8 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         R * T * min(K, L), nothing dropped); rows past it are dropped.
       use_fp8: dispatch FP8 activations into the FP8 GEMM of w_gate_up (an `Fp8Weights`);
         forward only.
+      max_tokens_per_rank: low-latency mode, M of `low_latency_dispatch` (static, the same on
+        every rank); default T, this shard's tokens (at least 1).
       fused: high-throughput mode, bfloat16: the dispatch and the first grouped GEMM in one
         launch, each expert tile starting as soon as its rows have arrived
         (docs/kernels.md#fused-gather-gemm), and the second grouped GEMM and the combine in
@@ -94,10 +96,11 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
     if fused and (mode != "high_throughput" or use_fp8):
         raise ValueError("fused=True: the fused dispatch + grouped GEMM is high-throughput mode "
                          "in bfloat16 (use_fp8=False)")
-    if mode == "low_latency" and max_tokens_per_rank is None:
-        raise ValueError("max_tokens_per_rank: mode='low_latency' needs it (the static receive "
-                         "capacity per source rank)")
     _checks.expect_rank("x", x, 2, "[T, H]")
+    _checks.expect_dtype("x", x, _checks.FLOAT_DTYPES)
+    if mode == "low_latency" and jnp.dtype(x.dtype) != jnp.bfloat16:
+        raise TypeError(f"x: dtype {jnp.dtype(x.dtype).name}; mode='low_latency' takes bfloat16 "
+                        "(x, w_gate_up and w_down)")
     T, H = x.shape
     R, _ = axis_info(axis_name)
     L = _checks.experts_per_rank(num_experts, R)
@@ -123,8 +126,9 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
             raise TypeError(f"{name}: dtype {jnp.dtype(w.dtype).name}, expected {want.name} "
                             "(x's dtype; bfloat16 in low-latency and FP8 modes)")
     if mode == "low_latency":
+        M = max(T, 1) if max_tokens_per_rank is None else max_tokens_per_rank
         return _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts,
-                                axis_name, use_fp8, max_tokens_per_rank, backend)
+                                axis_name, use_fp8, M, backend)
     if max_tokens_per_rank is not None:
         raise ValueError("max_tokens_per_rank is a low-latency setting (mode='low_latency')")
     return _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down,

@@ -33,7 +33,10 @@ def softmax_topk(logits, k, *, renormalize=True):
         False keeps the softmax probabilities over all E experts.
 
     Returns:
-      `(topk_weights [T, k] float32, topk_idx [T, k] int32)`, highest first.
+      `(topk_weights [T, k] float32, topk_idx [T, k] int32)`, highest first. Equal
+      probabilities go to the lowest expert index first (`torch.topk` promises no order among
+      ties, so with tied logits, frequent in bfloat16, a PyTorch model may choose other
+      experts).
     """
     x = _logits("logits", logits)
     k = _k(k, x.shape[1])
@@ -67,7 +70,8 @@ def grouped_topk(logits, k, *, n_groups, topk_groups, bias=None, scaling_factor=
       renormalize: divide the k scores by their sum before scaling.
 
     Returns:
-      `(topk_weights [T, k] float32, topk_idx [T, k] int32)`, by selection score, highest first.
+      `(topk_weights [T, k] float32, topk_idx [T, k] int32)`, by selection score, highest first;
+      ties (of experts and of groups) go to the lowest index first.
     """
     x = _logits("logits", logits)
     T, E = x.shape

@@ -121,7 +121,13 @@ def ht_combine(ys, recv_srcs, num_tokens):
 def expert_dispatch(xs, idxs, ws, num_experts, alignment=1, capacity=None):
     """The expert-major layout (dispatch(layout="expert")), per receiving rank a dict with
     recv_x, recv_weights, expert_sizes, expert_offsets, recv_tokens_per_expert, recv_count,
-    num_dropped, num_invalid, and for the combine: row_of [C_tok, K], recv_src, pair_w."""
+    num_dropped, num_invalid, row_src [C] (s * T + t of each row's token, -1 on padding), and
+    for the combine: row_of [C_tok, K], recv_src, pair_w.
+
+    A short capacity drops in two stages: the transfer receives at most min(C, R * T) tokens
+    (ht_dispatch's fair shares), then the kept tokens' (token, expert) pairs whose row lands at
+    or past C are dropped. num_dropped: the tokens of the first stage plus the pairs of the
+    second."""
     R = len(idxs)
     T, K = np.asarray(idxs[0]).shape
     L = num_experts // R
@@ -139,6 +145,7 @@ def expert_dispatch(xs, idxs, ws, num_experts, alignment=1, capacity=None):
         parts = d["recv_x"] if tup else (d["recv_x"],)
         recv = [np.zeros((C,) + a.shape[1:], a.dtype) for a in parts]
         recv_w = np.zeros(C, np.float32)
+        row_src = np.full(C, -1, np.int64)
         row_of = np.full((Ct, K), -1, np.int64)
         offsets, sizes, held = [], [], []
         pos = 0
@@ -154,6 +161,7 @@ def expert_dispatch(xs, idxs, ws, num_experts, alignment=1, capacity=None):
                     for a, b in zip(recv, parts):
                         a[pos + i] = b[c]
                     recv_w[pos + i] = sum(w[c, k] for k in slots)
+                    row_src[pos + i] = d["recv_src"][c]
             held.append(max(0, min(len(pairs), C - pos)))
             padded = -(-len(pairs) // alignment) * alignment
             sizes.append(max(0, min(padded, C - pos)))
@@ -165,7 +173,7 @@ def expert_dispatch(xs, idxs, ws, num_experts, alignment=1, capacity=None):
             expert_sizes=np.array(sizes, np.int32), expert_offsets=np.array(offsets, np.int32),
             recv_tokens_per_expert=np.array(held, np.int32), recv_count=sum(sizes),
             num_dropped=d["num_dropped"] + total - sum(held), num_invalid=d["num_invalid"],
-            row_of=row_of, recv_src=d["recv_src"], pair_w=w))
+            row_src=row_src, row_of=row_of, recv_src=d["recv_src"], pair_w=w))
     return out
 
 

@@ -211,6 +211,53 @@ def test_ll_combine_good_input_traces(mesh4):
 
 
 # --------------------------------------------------------------------------------------------
+# moe_ffn: a wrong dtype is reported on the argument that has it
+# --------------------------------------------------------------------------------------------
+
+f64 = jnp.float64
+
+
+def moe(**kw):
+    kw = {"num_experts": E, "backend": BACKEND, **kw}
+    return lambda x, i, w, a, b: jax_ep.moe_ffn(x, i, w, a, b, **kw)
+
+
+def moe_args(x_dtype, w_dtype, T=4, H=128, I=64):
+    L = E // 4
+    return (S((T, H), x_dtype), S((T, 2), i32), S((T, 2), f32), S((L, H, 2 * I), w_dtype),
+            S((L, I, H), w_dtype))
+
+
+MOE_BAD = [
+    # (x dtype, weights' dtype, kwargs, exception, regex the message must match)
+    (f64, f32, {}, TypeError,
+     r"^x: dtype float64 is not supported; expected one of float32, bfloat16, float16"),
+    (f64, f64, {}, TypeError, r"^x: dtype float64 is not supported"),
+    (f32, bf16, {"mode": "low_latency"}, TypeError,
+     r"^x: dtype float32; mode='low_latency' takes bfloat16"),
+    (f32, f32, {"mode": "low_latency"}, TypeError,
+     r"^x: dtype float32; mode='low_latency' takes bfloat16"),
+    (f32, f32, {"mode": "low_latency", "max_tokens_per_rank": 8}, TypeError,
+     r"^x: dtype float32; mode='low_latency' takes bfloat16"),
+]
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype,kw,exc,match", MOE_BAD,
+                         ids=[str(i) for i in range(len(MOE_BAD))])
+def test_moe_ffn_bad_dtype_names_the_argument(mesh4, x_dtype, w_dtype, kw, exc, match):
+    with jax.enable_x64(True):     # else float64 becomes float32 before moe_ffn sees it
+        with pytest.raises(exc, match=match):
+            trace(mesh4, moe(**kw), *moe_args(x_dtype, w_dtype))
+
+
+def test_moe_ffn_good_input_traces(mesh4):
+    """The baseline of the table above; low-latency mode needs no max_tokens_per_rank (T)."""
+    assert trace(mesh4, moe(), *moe_args(f32, f32)).shape == (4, 4, 128)
+    out = trace(mesh4, moe(mode="low_latency"), *moe_args(bf16, bf16))
+    assert out.shape == (4, 4, 128) and out.dtype == bf16
+
+
+# --------------------------------------------------------------------------------------------
 # layout
 # --------------------------------------------------------------------------------------------
 

@@ -17,11 +17,13 @@ E = 8
 
 
 @functools.lru_cache(maxsize=None)
-def expert_fn(mesh, alignment=1, capacity=None, has_w=True, check=None, backend=BACKEND):
+def expert_fn(mesh, alignment=1, capacity=None, has_w=True, check=None, backend=BACKEND,
+              num_experts=E):
     """(x, idx, w, y) -> (ExpertDispatchResult, combine(y, handle))."""
 
     def f(x, idx, w, y):
-        res = jax_ep.dispatch(x, idx, w if has_w else None, num_experts=E, layout="expert",
+        res = jax_ep.dispatch(x, idx, w if has_w else None, num_experts=num_experts,
+                              layout="expert",
                               expert_alignment=alignment, capacity=capacity, backend=backend,
                               check=check)
         return res, jax_ep.combine(y, res.handle, backend=backend)
@@ -29,29 +31,29 @@ def expert_fn(mesh, alignment=1, capacity=None, has_w=True, check=None, backend=
     return smap(mesh, f)
 
 
-def capacity_of(mesh, T, K, alignment, capacity):
+def capacity_of(mesh, T, K, alignment, capacity, num_experts=E):
     R = ep_size(mesh)
-    L = E // R
+    L = num_experts // R
     return R * T * min(K, L) + L * (alignment - 1) if capacity is None else capacity
 
 
-def check_case(mesh, xs, idxs, ws, alignment=1, capacity=None, seed=1):
+def check_case(mesh, xs, idxs, ws, alignment=1, capacity=None, seed=1, num_experts=E):
     rng = np.random.default_rng(seed)
     n = num_shards(mesh)
     T, K = idxs[0].shape
     fp8 = isinstance(xs[0], tuple)
     H = (xs[0][0] if fp8 else xs[0]).shape[1]
-    C = capacity_of(mesh, T, K, alignment, capacity)
+    C = capacity_of(mesh, T, K, alignment, capacity, num_experts)
     ydt = BF16 if fp8 else xs[0].dtype
     ys = [(rng.standard_normal((C, H)) * 2).astype(ydt) for _ in range(n)]  # padding random too
     w_arg = stack(ws) if ws is not None else jnp.zeros((n, T, K), jnp.float32)
-    res, out = to_np(expert_fn(mesh, alignment, capacity, ws is not None)(
-        x_arg(xs), stack(idxs), w_arg, stack(ys)))
-    L = E // ep_size(mesh)
+    res, out = to_np(expert_fn(mesh, alignment, capacity, ws is not None,
+                               num_experts=num_experts)(x_arg(xs), stack(idxs), w_arg, stack(ys)))
+    L = num_experts // ep_size(mesh)
     for group in ep_groups(mesh):
         exp = oracle.expert_dispatch([xs[i] for i in group], [idxs[i] for i in group],
-                                     None if ws is None else [ws[i] for i in group], E,
-                                     alignment, capacity)
+                                     None if ws is None else [ws[i] for i in group],
+                                     num_experts, alignment, capacity)
         exp_out = oracle.expert_combine([ys[i] for i in group], exp, T)
         for j, i in enumerate(group):
             e, where = exp[j], f"shard {i} (ep rank {j})"
@@ -69,6 +71,10 @@ def check_case(mesh, xs, idxs, ws, alignment=1, capacity=None, seed=1):
                 assert got.shape == (n, L) and got.dtype == np.int32, name
                 np.testing.assert_array_equal(got[i], e[name], f"{name} {where}")
             assert res.recv_count[i] == e["recv_count"], where
+            # the token of each row (source rank * T + token), -1 on padding
+            src, recv_src = res.handle.src[i], res.handle.rank.recv_src[i]
+            row_src = np.where(src >= 0, recv_src[np.maximum(src, 0) // K], -1)
+            np.testing.assert_array_equal(row_src, e["row_src"], f"row sources {where}")
             assert res.handle.num_dropped[i] == e["num_dropped"], where
             assert res.handle.num_invalid[i] == e["num_invalid"], where
             want = exp_out[j].astype(ydt).astype(np.float32)
@@ -142,6 +148,37 @@ def test_expert_layout_capacity_drops_are_counted(mesh2):
     expect_runtime_error(
         lambda: expert_fn(mesh2, 4, 9, True, True)(x, idx, stack(ws), jnp.zeros((2, 9, 8))),
         rf"tokens or \(token, expert\) rows dropped.*\(0 and {total} over all shards\)")
+
+
+@pytest.mark.parametrize("case", ["one_expert", "two_experts"])
+def test_expert_layout_short_capacity_drops_in_two_stages(mesh2, case):
+    """A short capacity first limits the tokens a rank receives to min(capacity, R * T), shared
+    fairly across the sources, then drops the kept tokens' rows at or past capacity (last
+    expert first); num_dropped counts the tokens of the first stage and the rows of the second.
+    R = 2, T = 2: token t of source s carries the value 10 * s + t."""
+    T = 2
+    xs = [np.full((T, 4), 10 * s, np.float32) + np.arange(T, dtype=np.float32)[:, None]
+          for s in range(2)]
+    ws = [np.full((T, 2), 0.5, np.float32)] * 2
+    if case == "one_expert":
+        # E = 2, every token -> expert 0, capacity 2: one token of each source crosses (the
+        # fair share), not both tokens of source 0; the two others are dropped.
+        idxs = [np.zeros((T, 1), np.int32)] * 2
+        res = check_case(mesh2, xs, idxs, [w[:, :1] for w in ws], capacity=2, num_experts=2)
+        np.testing.assert_array_equal(res.recv_x[0][:, 0], [0, 10])
+        np.testing.assert_array_equal(res.recv_tokens_per_expert[0], [2])
+        np.testing.assert_array_equal(res.handle.num_dropped, [2, 0])
+    else:
+        # E = 4, every token -> experts 0 and 1 (both on rank 0), capacity 3: three of the
+        # four tokens cross (a source's fair share is 1, the row left over goes to source 1,
+        # the next after rank 0); expert 0's rows fill the buffer, expert 1's three are
+        # dropped: 1 token + 3 rows.
+        idxs = [np.tile(np.array([0, 1], np.int32), (T, 1))] * 2
+        res = check_case(mesh2, xs, idxs, ws, capacity=3, num_experts=4)
+        np.testing.assert_array_equal(res.recv_x[0][:, 0], [0, 10, 11])
+        np.testing.assert_array_equal(res.recv_tokens_per_expert[0], [3, 0])
+        np.testing.assert_array_equal(res.expert_offsets[0], [0, 3])
+        np.testing.assert_array_equal(res.handle.num_dropped, [4, 0])
 
 
 def test_expert_layout_empty_shards(mesh2):

@@ -92,8 +92,10 @@ def test_moe_ffn_bad_arguments(mesh4):
             x, idx, w, wgu, wd)
     with pytest.raises(ValueError, match="mode='fast'"):
         call(mode="fast")
-    with pytest.raises(ValueError, match="max_tokens_per_rank: mode='low_latency' needs it"):
+    with pytest.raises(TypeError, match="x: dtype float32; mode='low_latency' takes bfloat16"):
         call(mode="low_latency")
+    with pytest.raises(ValueError, match="max_tokens_per_rank is a low-latency setting"):
+        call(max_tokens_per_rank=T)
     with pytest.raises(TypeError, match="w_gate_up: use_fp8=True takes FP8 weights"):
         call(use_fp8=True)
     with pytest.raises(TypeError, match="use_fp8 must be a bool"):
@@ -151,3 +153,27 @@ def test_moe_ffn_with_empty_shards(mesh4, mode):
     assert out.shape == (0, H)
     assert float(jnp.abs(g[2].astype(jnp.float32)).sum()) == 0.0
     assert float(jnp.abs(g[3].astype(jnp.float32)).sum()) == 0.0
+
+
+@pytest.mark.parametrize("tokens", [T, 0])
+def test_moe_ffn_low_latency_max_tokens_defaults_to_T(mesh4, tokens):
+    """Low-latency mode without max_tokens_per_rank takes this shard's T (1 when T = 0): the
+    same layer as with it given."""
+    x, idx, w, wgu, wd, E, S = _setup(mesh4, jnp.bfloat16, seed=4)
+    keep = np.arange(S * T).reshape(S, T)[:, :tokens].reshape(-1)
+    x, idx, w = x[keep], idx[keep], w[keep]
+
+    def ll(M):
+        extra = {} if M is None else {"max_tokens_per_rank": M}
+        kw = dict(num_experts=E, mode="low_latency", backend="reference", **extra)
+        f = lambda x, i, w, a, b: jax_ep.moe_ffn(x, i, w, a, b, **kw)  # noqa: E731
+        return jax.jit(jax.shard_map(f, mesh=mesh4, in_specs=P("ep"), out_specs=P("ep")))(
+            x, idx, w, wgu, wd)
+    got = ll(None)
+    assert got.shape == (S * tokens, H) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(ll(max(tokens, 1)), np.float32))
+    if tokens:
+        want = np.asarray(_dense_moe(x, idx, w, wgu, wd))
+        err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
+        assert err < 3e-2, err

@@ -117,3 +117,16 @@ def test_router_argument_errors():
         routing.softmax_topk(x, 2, renormalize="yes")
     with pytest.raises(ValueError, match=r"logits: expected a rank-2 array \[T, E\]"):
         routing.softmax_topk(x[0], 2)
+
+
+def test_ties_go_to_the_lowest_index():
+    """Equal logits (frequent in bfloat16) choose the lowest expert index first, for experts
+    and for DeepSeek's groups."""
+    logits = jnp.asarray([[1.0, 3.0, 3.0, 0.0, 3.0, 3.0],
+                          [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]], jnp.bfloat16)
+    w, idx = routing.softmax_topk(logits, 3)
+    np.testing.assert_array_equal(np.asarray(idx), [[1, 2, 4], [0, 1, 2]])
+    np.testing.assert_allclose(np.asarray(w), np.full((2, 3), 1 / 3), rtol=1e-6)
+    # every score equal: groups 0 and 1 of four, then their lowest experts
+    w, idx = routing.grouped_topk(jnp.zeros((2, 8)), 3, n_groups=4, topk_groups=2)
+    np.testing.assert_array_equal(np.asarray(idx), [[0, 1, 2], [0, 1, 2]])
