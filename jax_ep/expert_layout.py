@@ -35,6 +35,8 @@ class ExpertDispatchHandle(NamedTuple):
 
 
 class ExpertDispatchResult(NamedTuple):
+    """What `dispatch(layout="expert")` returns: one row per received (token, local expert)
+    pair, grouped in per-expert segments (docs/API.md)."""
     recv_x: Any                          # [capacity, H] expert-major rows (or the FP8 tuple)
     recv_weights: Optional[jax.Array]    # [capacity] float32 routing weight of each row
     expert_sizes: jax.Array              # [L] int32 segment lengths (group sizes of a GEMM)

@@ -42,9 +42,13 @@ def swiglu(h):
     return jax.nn.silu(h[..., :I]) * h[..., I:]
 
 
-def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_name="ep",
-            mode="high_throughput", capacity=None, use_fp8=False, max_tokens_per_rank=None,
-            fused=False, fused_copy_blocks=0, fused_combine_blocks=0, backend="auto"):
+def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
+            w_gate_up: jax.Array | grouped_gemm.Fp8Weights, w_down: jax.Array, *,
+            num_experts: int, axis_name: str = "ep", mode: str = "high_throughput",
+            capacity: int | None = None, use_fp8: bool = False,
+            max_tokens_per_rank: int | None = None, fused: bool = False,
+            fused_copy_blocks: int = 0, fused_combine_blocks: int = 0,
+            backend: str = "auto") -> jax.Array:
     """One MoE feed-forward layer, per shard inside `jax.shard_map` over `axis_name`.
 
     `out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`, e the
@@ -59,11 +63,16 @@ def moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_n
         L = num_experts // R; `Fp8Weights` of it with use_fp8.
       w_down: `[L, I, H]` the down projections (bfloat16 in FP8 mode).
       num_experts: E, a multiple of R.
+      axis_name: the EP axis of the enclosing shard_map (R ranks on it).
       mode: "high_throughput" (training, prefill: `dispatch` / `combine`, `grouped_matmul`) or
         "low_latency" (decoding: `low_latency_dispatch` / `low_latency_combine`,
         `grouped_matmul_masked`; needs max_tokens_per_rank).
-      capacity: high-throughput (token, expert) rows of the expert-major dispatch (default
-        R * T * min(K, L), nothing dropped); rows past it are dropped.
+      capacity: high-throughput mode, the (token, expert) rows of one pass, at least R * T
+        (static). Default `moe_capacity(T, ...)`: the expected load times 1.25. No pair is
+        ever dropped: when a rank receives more pairs than a pass holds, the layer runs
+        extra passes (in a while loop that costs nothing when the first pass held all;
+        their backward runs their forward again). R * T * min(K, L) (plus the fused
+        alignment) is the worst case: always one pass.
       use_fp8: dispatch FP8 activations into the FP8 GEMM of w_gate_up (an `Fp8Weights`);
         forward only.
       max_tokens_per_rank: low-latency mode, M of `low_latency_dispatch` (static, the same on
@@ -233,8 +242,9 @@ def _alignment(fused, backend):
     return runtime.extension().fused_block_rows if fused and backend == "cuda" else 1
 
 
-def moe_capacity(tokens_per_rank, *, num_experts, num_topk, num_ranks, capacity_factor=1.25,
-                 fused=False, backend="auto") -> int:
+def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_ranks: int,
+                 capacity_factor: float = 1.25, fused: bool = False,
+                 backend: str = "auto") -> int:
     """The expert-major rows of one pass of `moe_ffn` (its `capacity`) from the expected load.
 
     A rank receives T * min(K, L) (token, local expert) pairs on average when the
@@ -245,6 +255,19 @@ def moe_capacity(tokens_per_rank, *, num_experts, num_topk, num_ranks, capacity_
     plus that padding. moe_ffn never drops a pair: a pass that cannot hold every pair of a
     rank is followed by another (more time, no more memory), so the factor trades memory for
     how often skewed routing needs a second pass.
+
+    Args:
+      tokens_per_rank: T, the tokens of each shard.
+      num_experts: E, a multiple of num_ranks.
+      num_topk: K, the top-k slots of each token.
+      num_ranks: R, the ranks of the EP axis.
+      capacity_factor: the rows of a pass over the expected pairs (a finite number above 0).
+      fused: the capacity of `moe_ffn(fused=True)` (its segments' alignment).
+      backend: the layer's backend ("auto", "reference" or "cuda"): the alignment is the
+        CUDA kernels'.
+
+    Returns:
+      The `capacity` argument of `moe_ffn` (a Python int).
     """
     T = _checks.static_int("tokens_per_rank", tokens_per_rank, 0)
     R = _checks.static_int("num_ranks", num_ranks, 1)

@@ -3,8 +3,8 @@
 Each script runs as a subprocess on the reference backend with tiny shapes (4 host devices,
 PYTHONPATH at this checkout, output into a temporary folder) and must exit 0, write its JSON,
 and print the line saying which CUDA-only parts it skipped. The figures mean nothing here; the
-point is that no script can break unseen (issue 44, item 7: bench.py's LL split combine had
-crashed on GPUs with a TypeError that this test shows on a CPU).
+point is that no script can break unseen (bench.py's low-latency split combine once crashed
+on GPUs with a TypeError that this test shows on a CPU).
 
 A new file in benchmarks/ must be listed below, in SCRIPTS or in EXCLUDED with the reason.
 """
@@ -45,6 +45,10 @@ SCRIPTS = {
     "bench_gemm.py": (["--backend", "reference", "--quick", "--shapes", "256x256", "--rows",
                        "256", "--groups", "4", "--masked", "4,32,256,256", "--rounds", "1"],
                       "bench_gemm.json", ["reference backend: skipped the CUDA-only rows"]),
+    "bench_layer.py": (["--backend", "reference", "--ranks", "2", "--routing", "zipf",
+                        "--tokens", "8", "--hidden", "128", "--inter", "128", "--experts", "2",
+                        "--topk", "2", "--reps", "1", "--check-tokens", "4"],
+                       "bench_layer.json", ["same-run ratios"]),
     "bench_virtual.py": (["--backend", "reference", "--ranks", "2", *_COMM, *_LL, "--reps", "1"],
                          "bench_virtual.json", []),
 }
