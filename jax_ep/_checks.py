@@ -178,6 +178,7 @@ class CheckError(RuntimeError):
         self.op, self.counts, self.totals = op, dict(counts), dict(totals)
 
 
+_log = logging.getLogger("jax_ep")
 _raised = collections.deque(maxlen=64)  # recent CheckErrors, for jax_ep.checked
 _raised_lock = threading.Lock()
 
@@ -211,8 +212,12 @@ def checked_result(out, op, counts, axis_name, message):
         v, t = [int(a) for a in np.asarray(v)], [int(a) for a in np.asarray(t)]
         if any(t):
             err = CheckError(op, dict(zip(names, v)), dict(zip(names, t)), message(v, t))
-            with _raised_lock:
+            with _raised_lock:   # the shards of one check raise back to back: one line
+                told = bool(_raised) and (_raised[-1].op, _raised[-1].totals) == (op, err.totals)
                 _raised.append(err)
+            if not told:   # JAX's own report starts with its callback's traceback
+                _log.error("%s. The step stops with jax.errors.JaxRuntimeError; wrap it in "
+                           "jax_ep.checked(step) to get jax_ep.CheckError.", err)
             raise err
         return np.zeros((), np.int32)
 

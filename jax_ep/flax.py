@@ -66,8 +66,8 @@ class MoE(nnx.Module):
       renormalize: scale the top-k weights to sum to 1 (before `scaling_factor`), for either
         router: the `norm_topk_prob` of Hugging Face's configs (Qwen2-MoE and Qwen3-MoE
         default to False, DeepSeek-V3 uses True; Mixtral always renormalizes).
-      mode, capacity, max_tokens_per_rank, backend: as for `moe_ffn` (max_tokens_per_rank
-        defaults to the tokens per device).
+      mode, capacity, max_tokens_per_rank, backend, check: as for `moe_ffn`
+        (max_tokens_per_rank defaults to the tokens per device).
       dtype: the compute dtype of the experts (bfloat16 runs the grouped-GEMM kernels on GPUs;
         bfloat16 only in low-latency mode).
       param_dtype: the parameters' dtype.
@@ -77,7 +77,8 @@ class MoE(nnx.Module):
     def __init__(self, hidden, intermediate, num_experts, top_k, *, mesh, axis_name="ep",
                  router="softmax", n_groups=1, topk_groups=1, scaling_factor=1.0,
                  renormalize=True, mode="high_throughput", capacity=None, max_tokens_per_rank=None,
-                 dtype=jnp.bfloat16, param_dtype=jnp.float32, backend="auto", rngs):
+                 dtype=jnp.bfloat16, param_dtype=jnp.float32, backend="auto", check=None,
+                 rngs):
         H = _checks.static_int("hidden", hidden, 1)
         I = _checks.static_int("intermediate", intermediate, 1)
         E = _checks.static_int("num_experts", num_experts, 1)
@@ -107,6 +108,7 @@ class MoE(nnx.Module):
             scaling_factor
         self.mode, self.capacity, self.max_tokens_per_rank = mode, capacity, max_tokens_per_rank
         self.dtype, self.backend = jnp.dtype(dtype), backend
+        self.check = _checks.flag("check", check, allow_none=True)
 
         def put(a, spec):
             return jax.device_put(a, NamedSharding(mesh, spec))
@@ -152,7 +154,7 @@ class MoE(nnx.Module):
             y = moe_ffn(x.astype(self.dtype), idx, weights, wgu.astype(self.dtype),
                         wd.astype(self.dtype), num_experts=E, axis_name=ep, mode=self.mode,
                         capacity=self.capacity, max_tokens_per_rank=self.max_tokens_per_rank,
-                        backend=self.backend)
+                        backend=self.backend, check=self.check)
             return y, aux, counts
 
         tokens, experts = P(axes), P(ep)

@@ -48,7 +48,7 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
             capacity: int | None = None, use_fp8: bool = False,
             max_tokens_per_rank: int | None = None, fused: bool = False,
             fused_copy_blocks: int = 0, fused_combine_blocks: int = 0,
-            backend: str = "auto") -> jax.Array:
+            backend: str = "auto", check: bool | None = None) -> jax.Array:
     """One MoE feed-forward layer, per shard inside `jax.shard_map` over `axis_name`.
 
     `out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`, e the
@@ -91,6 +91,9 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
       fused_combine_blocks: with fused=True, how many of the second launch's blocks only
         combine (the others compute tiles, then combine); 0: automatic (one).
       backend: "auto", "reference" or "cuda" for every op of the layer.
+      check: True raises `jax_ep.CheckError` (through `jax_ep.checked`) when topk_idx holds
+        ids outside [-1, E), which act as -1; default: the JAX_EP_CHECK setting. The layer
+        itself never drops a token.
 
     Returns:
       `[T, H]` in x's dtype. Differentiable in x, topk_weights, w_gate_up and w_down (not with
@@ -98,6 +101,26 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; expected one of {MODES}")
+    check = _checks.flag("check", check, allow_none=True)
+    out = _moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts=num_experts,
+                   axis_name=axis_name, mode=mode, capacity=capacity, use_fp8=use_fp8,
+                   max_tokens_per_rank=max_tokens_per_rank, fused=fused,
+                   fused_copy_blocks=fused_copy_blocks, fused_combine_blocks=fused_combine_blocks,
+                   backend=backend)
+    if not runtime.check_enabled(check):
+        return out
+    E = num_experts
+    invalid = jnp.sum((topk_idx < -1) | (topk_idx >= E)).astype(jnp.int32)
+
+    def message(v, t):
+        return (f"jax_ep.moe_ffn(check=True): {v[0]} expert ids of topk_idx outside [-1, "
+                f"E={E}) on this rank ({t[0]} over all shards); they act as -1")
+    return _checks.checked_result(out, "moe_ffn", {"num_invalid": invalid}, axis_name, message)
+
+
+def _moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_name, mode,
+             capacity, use_fp8, max_tokens_per_rank, fused, fused_copy_blocks,
+             fused_combine_blocks, backend):
     use_fp8 = _checks.flag("use_fp8", use_fp8)
     fused = _checks.flag("fused", fused)
     fused_copy_blocks = _checks.static_int("fused_copy_blocks", fused_copy_blocks, 0)
