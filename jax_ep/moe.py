@@ -275,9 +275,9 @@ def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_r
     times `capacity_factor`, rounded up to a multiple of 8, at least R * T (every token reaches
     a rank whole), plus the alignment padding of the L segments (fused=True on the CUDA
     backend: `jax_ep._C.fused_block_rows` - 1 each), at most the worst case R * T * min(K, L)
-    plus that padding. moe_ffn never drops a pair: a pass that cannot hold every pair of a
-    rank is followed by another (more time, no more memory), so the factor trades memory for
-    how often skewed routing needs a second pass.
+    plus that padding, and at least 1. moe_ffn never drops a pair: a pass that cannot hold
+    every pair of a rank is followed by another (more time, no more memory), so the factor
+    trades memory for how often skewed routing needs a second pass.
 
     Args:
       tokens_per_rank: T, the tokens of each shard.
@@ -303,7 +303,7 @@ def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_r
     A = _alignment(_checks.flag("fused", fused), _checks.resolve_backend(backend, empty=T == 0))
     pairs = T * min(K, L)
     rows = -(-math.ceil(pairs * f) // 8) * 8
-    return int(min(max(rows, R * T), R * pairs) + L * (A - 1))
+    return int(max(1, min(max(rows, R * T), R * pairs) + L * (A - 1)))
 
 
 def _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts, axis_name,

@@ -125,7 +125,7 @@ def test_moe_capacity_values():
     assert cap(4096, num_experts=128, num_topk=8, num_ranks=4, capacity_factor=9) == 131072
     assert cap(100, num_experts=16, num_topk=1, num_ranks=8) == 800          # R * T
     assert cap(10, num_experts=4, num_topk=8, num_ranks=2) == 32             # K > L: min(K, L)
-    assert cap(0, num_experts=4, num_topk=2, num_ranks=2) == 0
+    assert cap(0, num_experts=4, num_topk=2, num_ranks=2) == 1                # T = 0
 
 
 @pytest.mark.parametrize("kw,err,match", [
