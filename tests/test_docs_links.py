@@ -63,6 +63,24 @@ def test_relative_links_reach_files_and_anchors():
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
+SOURCES = [p for d in ("jax_ep", "csrc", "tests", "scripts", "benchmarks", "examples")
+           for p in sorted((ROOT / d).rglob("*"))
+           if p.is_file() and p.suffix in (".py", ".sh", ".cc", ".cu", ".cuh", ".h")]
+DOC_REF = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def test_code_cites_existing_docs_and_anchors():
+    """Docstrings and comments cite `docs/<page>.md#<anchor>`: the page and the anchor exist."""
+    broken = []
+    for src in SOURCES:
+        for page, anchor in DOC_REF.findall(src.read_text(encoding="utf-8", errors="replace")):
+            dest = ROOT / "docs" / page
+            if not dest.exists() or (anchor and anchor not in _anchors(dest)):
+                ref = f"docs/{page}#{anchor}" if anchor else f"docs/{page}"
+                broken.append(f"{src.relative_to(ROOT)}: {ref}")
+    assert not broken, "references to missing docs or anchors:\n" + "\n".join(broken)
+
+
 def _cites(text, name):
     """Whether `text` names the results file `name`: in full, or by its run's name without the
     extension (a run's .json and .png sit beside the .log that the docs link)."""
