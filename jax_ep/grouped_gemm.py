@@ -360,11 +360,11 @@ def grouped_matmul(lhs: jax.Array | tuple[jax.Array, jax.Array], rhs: jax.Array 
     Returns:
       `[M, N]`: row i of group g is `lhs[i] @ rhs[g]`.
 
-    Differentiable in lhs and rhs (float operands; FP8 is forward-only and raises TypeError
-    under differentiation). The CUDA kernels serve bfloat16 and float16 operands (output in the
-    operand dtype) and FP8 (bfloat16 output) with K and N multiples of 8 (128 for FP8);
-    other calls run on XLA's `ragged_dot` (`backend="cuda"` raises instead). Works under `jit`,
-    `scan`, `remat`, CUDA graphs, and inside or outside `shard_map`.
+    Differentiable in lhs and rhs (FP8 is forward-only: TypeError). The CUDA kernels serve
+    16-bit and FP8 operands with K and N multiples of 8 (128 for FP8); other calls run on XLA's
+    `ragged_dot` (`backend="cuda"` raises instead). Works under `jit`, `scan`, `remat`, CUDA
+    graphs, and inside or outside `shard_map`. The contract in full:
+    docs/API.md#grouped-gemms-the-experts.
     """
     _checks.backend_name(backend)
     rq, rs, K, N = _rhs_parts(rhs)
@@ -479,6 +479,8 @@ def grouped_matmul_masked(lhs: jax.Array | tuple[jax.Array, jax.Array],
     Returns:
       `[G, C, N]`: `out[g, i] = lhs[g, i] @ rhs[g]` for `i < counts[g]`, zeros past it. The
       products cost work in proportion to the counts; the zero rows are written, not computed.
+
+    The contract in full: docs/API.md#grouped-gemms-the-experts.
     """
     zero_padding = _checks.flag("zero_padding", zero_padding)
     _checks.backend_name(backend)

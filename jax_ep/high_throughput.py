@@ -251,7 +251,8 @@ def recommended_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: in
     is there: probability 1 - C(E - L, K) / C(E, K) with L = E / R experts per rank), times
     `capacity_factor`, rounded up to a multiple of `multiple`, at most the worst case `R * T`
     (which never drops) and at least 1. Skewed routers need a larger factor: `handle.num_dropped`
-    counts what did not fit, and drops are shared fairly across the sources (docs/API.md).
+    counts what did not fit, and drops are shared fairly across the sources
+    (docs/API.md#high-throughput-mode-training-prefill).
 
     Args:
       tokens_per_rank: T, the tokens each rank dispatches.
@@ -304,11 +305,10 @@ def dispatch(x: jax.Array | tuple[jax.Array, jax.Array], topk_idx: jax.Array,
       num_experts: E, a multiple of R.
       axis_name: the EP axis of the enclosing shard_map.
       capacity: rows of the receive buffer (static, below 2^31). Default R * T, the worst
-        case: nothing is ever dropped. Tokens past it are dropped and counted in
-        `handle.num_dropped`. With layout="expert": rows of the expert-major buffer, default
-        R * T * min(K, L) + L * (expert_alignment - 1), the worst case; a smaller one first
-        limits the tokens a rank receives to min(capacity, R * T) (shared fairly across the
-        sources), then drops the rows at or past capacity, last expert first (docs/API.md).
+        case: nothing is ever dropped. Tokens past it are dropped, fairly across the sources,
+        and counted in `handle.num_dropped`. With layout="expert": rows of the expert-major
+        buffer, default R * T * min(K, L) + L * (expert_alignment - 1), the worst case; what a
+        smaller one drops: docs/API.md#expert-major-layout.
       layout: "rank" (one row per received token, by source rank) or "expert" (one row per
         (token, local expert) pair, grouped by expert: `ExpertDispatchResult`).
       expert_alignment: with layout="expert", every expert's segment starts at a multiple of
@@ -322,15 +322,14 @@ def dispatch(x: jax.Array | tuple[jax.Array, jax.Array], topk_idx: jax.Array,
       after); `recv_topk_idx` `[capacity, K]` local expert ids (-1 for other ranks' experts and
       padding); `recv_topk_weights` `[capacity, K]` float32 (0 where the id is -1; None without
       topk_weights); `recv_count` `[]`; `recv_tokens_per_expert` `[L]`; `handle` for `combine`.
-      With layout="expert", an ExpertDispatchResult: `recv_x` `[capacity, H]` with expert e's
-      rows at `[expert_offsets[e], expert_offsets[e] + recv_tokens_per_expert[e])` (source
-      rank, then token), zeros elsewhere; `recv_weights` `[capacity]` float32 (None without
-      topk_weights); `expert_sizes` `[L]` (segment lengths with alignment padding: the
-      `group_sizes` of `grouped_matmul` over recv_x); `recv_count`; `handle` for `combine`.
+      With layout="expert", an ExpertDispatchResult: `recv_x` `[capacity, H]`, one row per
+      (token, local expert) pair in expert segments; `recv_weights` `[capacity]` float32 (None
+      without topk_weights); `expert_sizes` `[L]` (the `group_sizes` of `grouped_matmul` over
+      recv_x); `expert_offsets`, `recv_tokens_per_expert`, `recv_count`; `handle` for `combine`.
 
-    Differentiable in x (its cotangent is `combine` of recv_x's; with layout="expert" the
-    unweighted sum of its rows' cotangents) and topk_weights; an FP8 dispatch is forward-only.
-    The contract in full: docs/API.md.
+    Differentiable in x and topk_weights; an FP8 dispatch is forward-only. The contract in
+    full: docs/API.md#high-throughput-mode-training-prefill (layout="rank") and
+    docs/API.md#expert-major-layout (layout="expert").
     """
     fp8 = isinstance(x, (tuple, list))
     if fp8:
@@ -412,10 +411,12 @@ def combine(y: jax.Array, handle: DispatchHandle | ExpertDispatchHandle, *,
     Returns:
       `[T, H]` in y's dtype: for each token, the sum over the ranks that received it of their
       row, accumulated in float32; a token sent nowhere gives 0. After a layout="expert"
-      dispatch each rank first sums its rows of the token weighted by their routing weights
-      (1 per pair without topk_weights), in float32, rounded once to y's dtype.
+      dispatch each rank first sums its rows of the token weighted by their routing weights.
       Differentiable in y (its cotangent is the dispatch of out's, weighted for the expert
       layout) and, for the expert layout, in the routing weights of the dispatch.
+
+    The contract in full: docs/API.md#high-throughput-mode-training-prefill and
+    docs/API.md#expert-major-layout.
     """
     del check  # combine cannot drop or see invalid ids; accepted for uniformity
     expert = isinstance(handle, ExpertDispatchHandle)

@@ -321,7 +321,8 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
       order, the rest unspecified. `recv_count` `[L]` int32. `handle` for
       `low_latency_combine` (recv_src `[L, R * M]`: src_rank * M + src_token, -1 past the count).
 
-    Differentiable in x when use_fp8 is False. The contract in full: docs/API.md.
+    Differentiable in x when use_fp8 is False. The contract in full:
+    docs/API.md#low-latency-mode-decode.
     """
     _checks.flag("check", check, allow_none=True)
     cfg, idx = _dispatch_cfg(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
@@ -351,6 +352,9 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
       `[T, H]` bfloat16: `out[t] = sum_k w[t, k] * y[expert of slot k][row of (t, k)]`,
       accumulated in float32; -1 slots contribute nothing. Differentiable in y and
       topk_weights.
+
+    The contract in full (slots that differ from the dispatch's, the CUDA kernels' 16-bit
+    partial sums): docs/API.md#low-latency-mode-decode.
     """
     _checks.flag("check", check, allow_none=True)
     cfg, idx = _combine_cfg(y, topk_idx, topk_weights, handle, axis_name, backend)
@@ -416,7 +420,8 @@ def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, *, num_experts:
     Returns at once (the kernel does not wait for any peer). `low_latency_dispatch_recv` of the
     result waits for the peers' rows and returns the same `LowLatencyResult` as
     `low_latency_dispatch`. Forward only. At most two pending sends per call site: receive
-    the first before the same code sends a third time.
+    the first before the same code sends a third time. The contract in full:
+    docs/API.md#send--receive-split-jax_ep-addition.
 
     Args:
       x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, backend,
@@ -484,11 +489,11 @@ def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: ja
                              ) -> LowLatencyPending:
     """First half of `low_latency_combine`: write the expert outputs back to their sources.
 
-    Returns once every peer has started its own combine send (this rank pre-reduces the rows of
-    a token that name several of its experts with the token's weights, which each source writes
-    to the expert ranks as its send starts), without waiting for any receive;
-    `low_latency_combine_recv` of the result waits for the rows from every expert rank and
-    returns the same [T, H] output as `low_latency_combine`. Forward only.
+    Returns once every peer has started its own combine send (where each source writes its
+    token weights to the expert ranks, which pre-reduce with them), without waiting for any
+    receive; `low_latency_combine_recv` of the result returns the same [T, H] output as
+    `low_latency_combine`. Forward only. The contract in full:
+    docs/API.md#send--receive-split-jax_ep-addition.
 
     Args:
       y, topk_idx, topk_weights, handle, axis_name, backend: as for `low_latency_combine`.

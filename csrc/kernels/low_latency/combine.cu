@@ -70,7 +70,7 @@ __device__ __forceinline__ void combine_send_weights(const CombineParams& p, int
 // Whole warp: columns [v0, v1) (vectors V) of the partial sum_k w_k * y[row_k] over the slots
 // in `has` (lane k: row_k, w_k), in k order, split into hi / lo (split24). kU vectors per lane
 // per pass, one slot's loads at a time: loading 2 or 4 slots at once (more registers, spills)
-// made the combine 4-7 us slower at R = 4 (docs/design.md#rejected-partial-loads).
+// made the combine 4-7 us slower at R = 4 (docs/notes.md#rejected-partial-loads).
 template <typename V, int kU>
 __device__ __forceinline__ void partial_columns(const V* y, int nvec_row, unsigned has, int rr,
                                                 float w, int v0, int v1, V* hi,
