@@ -8,10 +8,11 @@ contract is the project's docs/API.md.
 from jax_ep.high_throughput import (DispatchHandle, DispatchResult, combine, dispatch,
                                     recommended_capacity)
 from jax_ep.expert_layout import ExpertDispatchHandle, ExpertDispatchResult
-from jax_ep.low_latency import (LowLatencyHandle, LowLatencyPending, LowLatencyResult,
-                                low_latency_combine, low_latency_combine_recv,
-                                low_latency_combine_send, low_latency_dispatch,
-                                low_latency_dispatch_recv, low_latency_dispatch_send)
+from jax_ep.low_latency import (LowLatencyHandle, LowLatencyResult, low_latency_combine,
+                                low_latency_dispatch)
+from jax_ep.low_latency_split import (LowLatencyPending, low_latency_combine_recv,
+                                      low_latency_combine_send, low_latency_dispatch_recv,
+                                      low_latency_dispatch_send)
 from jax_ep._common import dequantize_fp8, quantize_fp8
 from jax_ep._checks import CheckError, checked
 from jax_ep._faults import PeerTimeoutError, raise_if_timed_out
@@ -21,7 +22,8 @@ from jax_ep import routing, testing
 from jax_ep.remat import remat_policy
 from jax_ep.moe import moe_capacity, moe_ffn
 from jax_ep.grouped_gemm import (Fp8Weights, dequantize_fp8_weights, grouped_matmul,
-                                 grouped_matmul_masked, quantize_fp8_weights)
+                                 quantize_fp8_weights)
+from jax_ep.grouped_gemm_masked import grouped_matmul_masked
 
 __all__ = [
     "dispatch", "combine", "DispatchResult", "DispatchHandle", "ExpertDispatchResult",

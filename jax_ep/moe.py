@@ -17,6 +17,7 @@ from jax import lax
 from jax_ep import _checks, expert_layout as el, grouped_gemm, runtime
 from jax_ep._common import axis_info, quantize_fp8, sanitize
 from jax_ep.fused import dispatch_matmul, matmul_combine
+from jax_ep.grouped_gemm_masked import grouped_matmul_masked
 from jax_ep.high_throughput import combine, dispatch
 from jax_ep.low_latency import low_latency_combine, low_latency_dispatch
 
@@ -311,11 +312,11 @@ def _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts, 
     res = low_latency_dispatch(x, topk_idx, num_experts=num_experts,
                                max_tokens_per_rank=max_tokens_per_rank, axis_name=axis_name,
                                use_fp8=use_fp8, backend=backend)
-    h = grouped_gemm.grouped_matmul_masked(res.recv_x, w_gate_up, res.recv_count,
+    h = grouped_matmul_masked(res.recv_x, w_gate_up, res.recv_count,
                                            zero_padding=False, backend=backend)
     a = swiglu(h).astype(w_down.dtype)
     # rows past the counts are never read by the combine: neither GEMM writes zeros there
-    y = grouped_gemm.grouped_matmul_masked(a, w_down, res.recv_count, zero_padding=False,
+    y = grouped_matmul_masked(a, w_down, res.recv_count, zero_padding=False,
                                            backend=backend)
     return low_latency_combine(y.astype(jnp.bfloat16), topk_idx, topk_weights, res.handle,
                                axis_name=axis_name, backend=backend)
