@@ -28,8 +28,8 @@ SETTINGS = {s.name: s for s in (
             "other processes) lasts before giving up; generous, as a slow peer is normal",
             "lowering (attribute)", False),
     Setting("JAX_EP_NUM_SMS", "32",
-            "CTAs of the bandwidth kernels (jax_ep.set_num_blocks overrides it)", "trace",
-            False),
+            "SMs (one thread block each) of the high-throughput communication kernels "
+            "(jax_ep.set_num_blocks overrides it)", "trace", False),
     Setting("JAX_EP_CHECK", "0",
             "1: check=None means check=True (raise on invalid expert ids or dropped tokens)",
             "trace", True),

@@ -116,9 +116,11 @@ def timeout_ns() -> int:
 
 
 def set_num_blocks(n: int | None) -> None:
-    """CTAs (~SMs) used by the bandwidth kernels of calls traced from now on (None: default).
+    """How many SMs (one thread block each) the high-throughput communication kernels take.
 
     The default is JAX_EP_NUM_SMS, else 32. Takes effect for functions traced afterwards.
+    More blocks can speed up an op that runs alone; fewer leave more of the GPU to work that
+    runs at the same time (docs/API.md, "Backends and runtime").
 
     Args:
       n: the block count, 1 to the extension's maximum; None restores the default.
