@@ -5,7 +5,8 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "CONTRIBUTING.md",
+        *sorted((ROOT / "docs").glob("*.md"))]
 RESULTS = ROOT / "docs" / "results"
 # Besides the docs, a script or test that names a results file cites it.
 CODE = [p for d in ("scripts", "benchmarks", "tests") for p in sorted((ROOT / d).rglob("*"))
