@@ -31,6 +31,12 @@ def _ll_layer(x, idx, w, wl):
         jnp.float32)
 
 
+def _moe_layer(x, idx, w, wl):
+    """moe_ffn at its default capacity (extra passes possible: the while loop and custom VJP)."""
+    wgu = jnp.concatenate([wl, wl], axis=2)
+    return jax_ep.moe_ffn(x, idx, w, wgu, wl, num_experts=E)
+
+
 def _grad(mesh, layer, remat):
     def loss(x, w, wl, idx):
         f = layer if remat is False else jax.checkpoint(layer, policy=remat)
@@ -44,7 +50,8 @@ def _count(jaxpr, names):
     return sum(text.count(n) for n in names)
 
 
-@pytest.mark.parametrize("layer", [_ht_layer, _ll_layer], ids=["high_throughput", "low_latency"])
+@pytest.mark.parametrize("layer", [_ht_layer, _ll_layer, _moe_layer],
+                         ids=["high_throughput", "low_latency", "moe_ffn"])
 def test_policy_saves_the_communication(mesh4, layer):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32)
