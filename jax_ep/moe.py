@@ -195,8 +195,9 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
     """The layer in passes of `capacity` expert-major rows (docs/design.md#layer-capacity): the
     first always runs; the others, in a while loop, only when a rank received more pairs than
     earlier passes held, so that nothing is dropped."""
-    T, K = topk_idx.shape
+    T = x.shape[0]
     _checks.topk("topk_idx", topk_idx, T)
+    K = topk_idx.shape[1]
     R, _ = axis_info(axis_name)
     L = num_experts // R
     be = _checks.resolve_backend(backend, empty=T == 0)
