@@ -7,11 +7,11 @@
 #   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
 #   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
 #   (tests/test_gpu_leases.py); timeouts: waits that give up cleanly (tests/test_gpu_timeouts.py);
-#   planted: builds with planted bugs 5 to 14 (csrc/transport/peer.cuh
+#   planted: builds with planted bugs 5 to 15 (csrc/testing/mutations.h
 #   lists them), each against the tests that must catch it (PLANTED="M:TEST ..."; planted.log);
 #   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
-#   bug of csrc/transport/peer.cuh (MUTATIONS="1 2 3 4", MUTATION_K: the tests to run,
+#   bug 1 to 4 of csrc/testing/mutations.h (MUTATIONS="1 2 3 4", MUTATION_K: the tests to run,
 #   MUTATION_R: their rank count, 4); a table
 #   of which tests catch which bug goes to $OUT/mutations.log;
 #   bench-gemm: the grouped-GEMM benchmark (benchmarks/bench_gemm.py; GEMM_BENCH_ARGS), with
@@ -101,7 +101,7 @@ if has timeouts; then
      | tail -15) || rc=1
 fi
 if has planted; then
-  step "planted-bug check: each planted bug (lease.cc 5, 6, 9 and 10, combine.cu 7, peer.cuh 8, gather_gemm.cu 11 and 13, gemm_combine.cu 12, fp8_mainloop.cuh 14, high_throughput.cc 15) must fail its tests"
+  step "planted-bug check: each planted bug (csrc/testing/mutations.h: 5 to 15) must fail its tests"
   # MUTATION:TEST pairs, each test in a process of its own (table: planted.log)
   L=tests/test_gpu_leases.py
   pairs="${PLANTED:-5:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
@@ -173,7 +173,7 @@ if has gemm-mutations; then
   done
 fi
 if has mutations; then
-  step "multi-rank mutation check: each planted bug (csrc/transport/peer.cuh) must fail tests"
+  step "multi-rank mutation check: each planted bug (csrc/testing/mutations.h) must fail tests"
   # Each selected test at R = MUTATION_R in a process of its own: a planted bug may leave its
   # process unable to communicate (a wait that times out fails every later op), and the rest
   # must still run. Table: mutations.log.

@@ -60,7 +60,8 @@ def meshes(mesh2, mesh4, mesh_dp_ep, mesh_permuted, mesh_dp_ep_permuted):
 
 # Mutation check: JAX_EP_GEMM_MUTATION=<name> plants a bug between the op and its kernels; the
 # GEMM suites (test_gpu_gemm.py, test_gpu_moe.py) must then fail (scripts/gpu_check.sh
-# gemm-mutations runs each and counts the failures).
+# gemm-mutations runs each and counts the failures). The bugs planted in the native code are
+# numbered in csrc/testing/mutations.h (a build's: jax_ep._C.planted_bug()).
 _MUTATIONS = {
     # every group's rows shifted to the next group's weights
     "shift_sizes": lambda sizes, kw: (jax.numpy.roll(sizes, 1), kw),

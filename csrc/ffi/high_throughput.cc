@@ -20,6 +20,7 @@
 #include "runtime/device.h"
 #include "runtime/virtual_ranks.h"
 #include "nvshmem/remote.h"
+#include "testing/mutations.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -100,9 +101,9 @@ ffi::Error fused_split(const char* op, int32_t device, int64_t requested, const 
                        int (*automatic)(int), int* other, int* gemm) {
   int share = 0;
   JAX_EP_RETURN_IF_ERROR(read_sm_count(op, device, &share));
-#if JAX_EP_MUTATION == 15  // planted bug 15: the share divided by R once more
-  if (const jax_ep::VirtualRank* vr = jax_ep::virtual_rank()) share /= vr->num_ranks;
-#endif
+  if constexpr (JAX_EP_PLANTED(kFusedShareTwice)) {
+    if (const jax_ep::VirtualRank* vr = jax_ep::virtual_rank()) share /= vr->num_ranks;
+  }
   const int64_t n = requested > 0 ? requested : automatic(share);
   if (n < 1 || n >= share)
     return jax_ep::op_error(op, std::string(attr) + " (" + std::to_string(n) +

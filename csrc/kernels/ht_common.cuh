@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include "testing/mutations.h"
 #include "transport/pull.cuh"
 
 namespace jax_ep {
@@ -69,9 +70,7 @@ __device__ __forceinline__ bool publish_and_wait(const PeerSlots& ps, const void
     }
     __syncwarp();  // orders the publication before the lanes' loads of the ready flags
     good = __shfl_sync(kFull, good, 0);
-#if JAX_EP_MUTATION == 2  // planted bug 2 (transport/peer.cuh): the previous call's addresses
-    e = e > 1 ? e - 1 : e;
-#endif
+    if constexpr (JAX_EP_PLANTED(kHtStaleAddresses)) e = e > 1 ? e - 1 : e;
     if (good && static_cast<int>(threadIdx.x) < ps.num_ranks && !is_remote(ps, threadIdx.x) &&
         !wait_flag_geq(ps, &ps.slot[threadIdx.x]->ready, e, timeout_ns, threadIdx.x, phase))
       good = false;

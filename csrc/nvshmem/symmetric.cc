@@ -15,10 +15,7 @@
 
 #include "nvshmem/glue.h"
 #include "runtime/fault.h"
-
-#ifndef JAX_EP_MUTATION
-#define JAX_EP_MUTATION 0
-#endif
+#include "testing/mutations.h"
 
 namespace jax_ep {
 namespace sym {
@@ -351,7 +348,7 @@ std::string check_lease(const LedgerEntry& mine, const std::vector<std::vector<i
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
   const uint64_t n = mine.number_plus1;
   for (const auto& [pe, mapped] : where) {
-    if (JAX_EP_MUTATION == 10 && mapped == nullptr) continue;  // planted bug 10 (lease.cc)
+    if (JAX_EP_PLANTED(kLedgerSkipsRemote) && mapped == nullptr) continue;
     for (;;) {
       LedgerEntry theirs;
       const cudaError_t e = read_entry(ring_entry, pe, mapped, &theirs, deadline);

@@ -15,15 +15,7 @@
 #include "runtime/device.h"
 #include "runtime/virtual_ranks.h"
 #include "runtime/workspace.h"
-
-// Planted bugs of the mutation check (scripts/gpu_check.sh planted; 0 in real builds):
-// 5: a released lease keeps its slot and buffers (memory never comes back);
-// 6: every push lease takes the first push slot (call sites share epochs and pending sends);
-// 9: per-process leases are not compared with the peers' (the lease ledger goes unread);
-// 10 (nvshmem/symmetric.cc): peers that loads and stores do not reach are not compared.
-#ifndef JAX_EP_MUTATION
-#define JAX_EP_MUTATION 0
-#endif
+#include "testing/mutations.h"
 
 namespace jax_ep {
 namespace {
@@ -102,7 +94,7 @@ Reaper& reaper() {
 
 int take_slot(bool push) {  // caller holds reg().mu; -1 when none is free
   const int lo = push ? kFirstPushSlot : 0, hi = push ? kNumSlots : kFirstPushSlot;
-  if (JAX_EP_MUTATION == 6 && push) return kFirstPushSlot;
+  if (JAX_EP_PLANTED(kOnePushSlot) && push) return kFirstPushSlot;
   for (int s = lo; s < hi; ++s)
     if (!reg().slot_used[s]) {
       reg().slot_used[s] = true;
@@ -180,7 +172,7 @@ Lease::~Lease() {
   std::lock_guard<std::mutex> lock(reg().mu);
   auto it = reg().leases.find(request.site);
   if (it != reg().leases.end() && it->second.expired()) reg().leases.erase(it);
-  if (JAX_EP_MUTATION == 5) return;
+  if (JAX_EP_PLANTED(kLeaseKeepsSlot)) return;
   if (slot >= 0) reg().slot_used[slot] = false;
   // Per-process buffers are arena memory, never reused (nvshmem/symmetric.h): nothing to free.
   if (sym::active() || request.bytes == 0) return;
@@ -275,7 +267,7 @@ std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r) {
   // Per-process mode: the peers must have made the same lease (same number, slot, offset and
   // call sites so far) before this one is published and its program may run. This waits for
   // the peers' compiles (not under the registry's lock).
-  if (sym::active() && JAX_EP_MUTATION != 9) {
+  if (sym::active() && !JAX_EP_PLANTED(kLedgerUnread)) {
     const std::string why = sym::check_lease(entry, table, r.timeout_ns);
     if (!why.empty()) {
       give_back(r, slot, bufs);  // per-process: the slot only (arena memory is never reused)

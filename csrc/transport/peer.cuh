@@ -4,35 +4,12 @@
 // Every wait gives up after timeout_ns without trapping (runtime/fault.h): it records the rank,
 // the peer and the phase, and the kernels end; the host turns the record into an error.
 #pragma once
-// Planted bugs for the mutation checks (scripts/gpu_check.sh mutations and planted, CMake
-// variable JAX_EP_MUTATION); 1 to 8 sit in code every one-process run executes, 9 and 10 in
-// per-process code only:
-// 1, low-latency dispatch: a count or position word of the buffer half's previous use passes
-// as this call's (word_older, kernels/low_latency/common.cuh); 2, high-throughput: the wait for
-// the peers' addresses accepts those of the previous call (publish_and_wait,
-// kernels/high_throughput.cu); 3, the ready flag stored relaxed, with no fence after the addresses
-// it publishes (publish, transport/pull.cuh); 4, low-latency: a row tag of the half's previous use
-// passes (tag_older); 5, 6 and 9, call-site lease bugs (runtime/lease.cc); 7, low-latency
-// combine: a row of y named by a tampered handle is read without the bound (combine_send_item);
-// 8, a wait that timed out traps (give_up), which ends the CUDA context; 10, the per-process
-// lease ledger skips the peers that loads do not reach (nvshmem/symmetric.cc); 11, the fused
-// gather + grouped GEMM: a tile does not wait for its rows (kernels/fused/gather_gemm.cu); 12,
-// the fused grouped GEMM + combine: a token's rows are read without waiting for their tiles
-// (kernels/fused/gemm_combine.cu); 13, the fused gather + grouped GEMM: a token's first row
-// counts its copies on the rank but does not write them (kernels/fused/gather_gemm.cu); 14, the
-// FP8 grouped GEMM: the last of an even number of K tiles is promoted with the scales of the one
-// before it (kernels/gemm/fp8_mainloop.cuh); 15, the fused kernels' grids in the one-GPU
-// multi-rank mode: the rank's share of the SMs divided by R once more (fused_split,
-// ffi/high_throughput.cc).
-// 0 (every real build) changes no code.
-#ifndef JAX_EP_MUTATION
-#define JAX_EP_MUTATION 0
-#endif
 #include <cstdint>
 #include <cstdio>
 
 #include "runtime/fault.h"
 #include "runtime/workspace.h"
+#include "testing/mutations.h"
 #include "transport/ordering.cuh"
 #include "transport/trace_marks.h"
 
@@ -160,9 +137,9 @@ static __device__ JAX_EP_WAIT_FN void give_up(Waiter me, int64_t timeout_ns, boo
     }
   }
   __threadfence_system();
-#if JAX_EP_MUTATION == 8  // planted bug 8: the timed-out wait traps
-  if (timed_out) __trap();
-#endif
+  if constexpr (JAX_EP_PLANTED(kTimeoutTraps)) {
+    if (timed_out) __trap();
+  }
 }
 
 struct Patience {

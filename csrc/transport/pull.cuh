@@ -8,6 +8,7 @@
 //      wait until our own done[s] >= e for all s, then slot.epoch = e. After it nobody reads
 //      our buffers any more, so XLA may reuse them, and the next call may publish again.
 #pragma once
+#include "testing/mutations.h"
 #include "transport/peer.cuh"
 
 namespace jax_ep {
@@ -22,12 +23,12 @@ __device__ __forceinline__ void publish(const PeerSlots& ps, const void* const* 
                                         unsigned long long e) {
   Slot* me = ps.slot[ps.rank];
   for (int i = 0; i < n; ++i) me->ptrs[i] = reinterpret_cast<unsigned long long>(ptrs[i]);
-#if JAX_EP_MUTATION == 3  // planted bug 3: the flag unordered with the addresses before it
-  st_relaxed_sys(&me->ready, e);
-#else
-  __threadfence_system();
-  st_release_sys(&me->ready, e);
-#endif
+  if constexpr (JAX_EP_PLANTED(kReadyUnfenced)) {
+    st_relaxed_sys(&me->ready, e);
+  } else {
+    __threadfence_system();
+    st_release_sys(&me->ready, e);
+  }
 }
 
 // Address number i that rank s published for this call (valid once its ready >= e).

@@ -28,6 +28,7 @@
 #include "kernels/fused/gather_gemm.h"
 
 #include "kernels/fused/tiles.cuh"
+#include "testing/mutations.h"
 
 namespace jax_ep {
 namespace fused {
@@ -97,11 +98,8 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
         const int nd = __popc(mask);
         if (copy) s_copies[tid >> 5][__popc(mask & ((1u << lane) - 1))] = d;
         __syncwarp();
-#if JAX_EP_MUTATION == 13  // planted bug 13: a first row counts its copies but does not write them
-        ht::copy_row_to(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5], 0);
-#else
-        ht::copy_row_to(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5], nd);
-#endif
+        ht::copy_row_to(dst, s_x[s] + (src % T) * Hb, Hb, vec, lane, xe, s_copies[tid >> 5],
+                        JAX_EP_PLANTED(kCopiesUnwritten) ? 0 : nd);
         __syncwarp();  // every lane's stores (and reads of the copies) before the releases
         if (copy) red_release_gpu_add(a.counters + d / kBlockM, 1);
       } else {
@@ -162,9 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   bool failed = false;  // a wait gave up: the tiles compute whatever the rows hold
   auto wait_for_rows = [&](int b) {
     const int target = min(kBlockM, min(ss.block_start[a.L] * kBlockM, a.C) - b * kBlockM);
-#if JAX_EP_MUTATION == 11  // planted bug 11: a tile does not wait for its rows
-    failed = true;
-#endif
+    if constexpr (JAX_EP_PLANTED(kTileSkipsRows)) failed = true;
     if (lane == 0 && !failed) {
       const int* c = a.counters + b;
       failed = !wait_count_geq(me, a.timeout_ns, kPhaseRows, -1, target,

@@ -29,6 +29,7 @@
 #include "kernels/fused/gemm_combine.h"
 
 #include "kernels/fused/tiles.cuh"
+#include "testing/mutations.h"
 
 namespace jax_ep {
 namespace fused {
@@ -121,11 +122,7 @@ __device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int
       for (int base = 0; base < entries; base += 32) {
         const Entry x = entry(a, pv, my_row, base + lane);
         bool good = true;
-#if JAX_EP_MUTATION == 12  // planted bug 12: a token's rows are read without their tiles' wait
-        if (false)
-#else
-        if (x.j >= 0)
-#endif
+        if (x.j >= 0 && !JAX_EP_PLANTED(kCombineSkipsTiles))
           good = wait_count_geq(
               me, a.timeout_ns, kPhaseTiles, x.s, col_blocks,
               [c = pv.counters[x.s] + x.j / kBlockM] { return ld_acquire_sys_s32(c); });

@@ -14,9 +14,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 
-#ifndef JAX_EP_MUTATION
-#define JAX_EP_MUTATION 0  // planted bugs: transport/peer.cuh
-#endif
+#include "testing/mutations.h"
 
 namespace jax_ep::gemm {
 
@@ -137,11 +135,10 @@ struct OverlappedPromotion : Base {
     if (k < k_tile_count) {
       issue(t1, s1);
       promote(t0, s0, _1{}, true);
-#if JAX_EP_MUTATION == 14  // planted bug 14: the last of an even count takes the scales before
-      promote(t1, s0, _0{}, false);
-#else
-      promote(t1, s1, _0{}, false);
-#endif
+      if constexpr (JAX_EP_PLANTED(kFp8StaleScales))
+        promote(t1, s0, _0{}, false);
+      else
+        promote(t1, s1, _0{}, false);
     } else {
       promote(t0, s0, _0{}, false);
     }

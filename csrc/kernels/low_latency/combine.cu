@@ -6,6 +6,7 @@
 #include "kernels/low_latency/codec24.cuh"
 #include "kernels/low_latency/common.cuh"
 #include "kernels/low_latency/geometry.cuh"
+#include "testing/mutations.h"
 
 namespace jax_ep {
 namespace ll {
@@ -137,7 +138,7 @@ __device__ __noinline__ void combine_send_item(const CombineParams& p, int s, in
   for (int kb = 0; kb < p.K; kb += 32) {  // one pass when K <= 32 (partials need K <= 32)
     const int k = kb + lane;
     int rr = k < p.K ? __ldg(rows + k) : -1;
-    if (rr >= nrows && JAX_EP_MUTATION != 7) rr = -1;  // 7: the planted bug of this bound
+    if (rr >= nrows && !JAX_EP_PLANTED(kLlRowUnbounded)) rr = -1;
     const unsigned has = __ballot_sync(kFull, rr >= 0);
     if (has == 0) continue;
     const unsigned rest = has & (has - 1);

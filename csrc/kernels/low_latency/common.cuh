@@ -12,6 +12,7 @@
 #include "kernels/low_latency.cuh"
 #include "runtime/device.h"
 #include "runtime/virtual_ranks.h"
+#include "testing/mutations.h"
 
 namespace jax_ep {
 namespace ll {
@@ -123,9 +124,7 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64
 // Whether 32-bit epoch tag v is older than e32 (wrap-safe). A newer one passes: XLA may run a
 // split receive twice, after the row was written again for call e + 2.
 __device__ __forceinline__ bool tag_older(int v, unsigned int e32) {
-#if JAX_EP_MUTATION == 4  // planted bug 4 (transport/peer.cuh): a tag of the half's last use
-  e32 -= 2;
-#endif
+  if constexpr (JAX_EP_PLANTED(kLlStaleTag)) e32 -= 2;
   return static_cast<int>(static_cast<unsigned int>(v) - e32) < 0;
 }
 // A word that carries its epoch (pos, count, data flag): (epoch << 32) | value.
@@ -134,9 +133,7 @@ __device__ __forceinline__ unsigned long long with_epoch(unsigned long long e, u
 }
 // Whether such a word is older than call er (wrap-safe in the epoch's low 32 bits, as the tags).
 __device__ __forceinline__ bool word_older(unsigned long long w, unsigned long long er) {
-#if JAX_EP_MUTATION == 1  // planted bug 1 (transport/peer.cuh): a word of the half's last use
-  er -= 2;
-#endif
+  if constexpr (JAX_EP_PLANTED(kLlStaleWord)) er -= 2;
   return static_cast<int>(static_cast<unsigned int>(w >> 32) - static_cast<unsigned int>(er)) < 0;
 }
 
