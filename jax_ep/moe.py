@@ -242,8 +242,8 @@ def _in_passes(one, x, w, w_gate_up, w_down, ids, n_run):
 
 def _in_passes_fwd(one, x, w, w_gate_up, w_down, ids, n_run):
     # The first pass keeps its residuals (the layer's usual backward, remat policy included);
-    # the others keep none: the backward runs each again (its communication too), with the
-    # same buffers, so the step's memory is one pass's.
+    # the others keep none: the backward runs each again (its communication too) and adds its
+    # gradients (XLA plans that loop's second set of weight gradients even when it runs none).
     out, vjp = jax.vjp(lambda *a: one(a[0], ids[0], *a[1:]), x, w, w_gate_up, w_down)
     out = _more_passes(n_run, lambda p, acc: acc + one(x, ids[p], w, w_gate_up, w_down)
                        .astype(jnp.float32), out.astype(jnp.float32))
