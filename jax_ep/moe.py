@@ -272,14 +272,15 @@ def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_r
                  backend: str = "auto") -> int:
     """The expert-major rows of one pass of `moe_ffn` (its `capacity`) from the expected load.
 
-    A rank receives T * min(K, L) (token, local expert) pairs on average when the
+    A rank receives T * min(K, E) (token, local expert) pairs on average when the
     `num_ranks * tokens_per_rank` tokens pick their `num_topk` experts uniformly; this is that
     times `capacity_factor`, rounded up to a multiple of 8, at least R * T (every token reaches
     a rank whole), plus the alignment padding of the L segments (fused=True on the CUDA
     backend: `jax_ep._C.fused_block_rows` - 1 each), at most the worst case R * T * min(K, L)
     plus that padding, and at least 1. moe_ffn never drops a pair: a pass that cannot hold
-    every pair of a rank is followed by another (more time, no more memory), so the factor
-    trades memory for how often skewed routing needs a second pass.
+    every pair of a rank is followed by another (more time, and a backward that plans a second
+    set of weight gradients), so the factor trades memory for how often skewed routing needs a
+    second pass.
 
     Args:
       tokens_per_rank: T, the tokens of each shard.
@@ -303,9 +304,8 @@ def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_r
         raise ValueError(f"capacity_factor must be a finite number above 0, got {f!r}")
     L = _checks.experts_per_rank(E, R)
     A = _alignment(_checks.flag("fused", fused), _checks.resolve_backend(backend, empty=T == 0))
-    pairs = T * min(K, L)
-    rows = -(-math.ceil(pairs * f) // 8) * 8
-    return int(max(1, min(max(rows, R * T), R * pairs) + L * (A - 1)))
+    rows = -(-math.ceil(T * min(K, E) * f) // 8) * 8
+    return int(max(1, min(max(rows, R * T), R * T * min(K, L)) + L * (A - 1)))
 
 
 def _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts, axis_name,

@@ -64,7 +64,7 @@ def test_moe_ffn_matches_reference(R, mode):
 @pytest.mark.parametrize("fused", [False, True])
 def test_moe_ffn_extra_passes_match_reference(R, fused):
     """Half the tokens name experts 0 and 1 first, and the capacity is the smallest a pass
-    takes: the layer needs extra passes (each under a cond, replayed in the backward), CUDA
+    takes: the layer needs extra passes (a while loop, replayed in the backward), CUDA
     against the reference, forward and gradients."""
     T, H, I, K, L = 48, 512, 256, 4, 4
     x, idx, w, wgu, wd, E = _setup(R, T, H, I, K, L, jnp.bfloat16, 20 + R, masked=True)

@@ -119,12 +119,13 @@ def test_moe_ffn_default_capacity_is_the_expected_load():
 
 def test_moe_capacity_values():
     cap = jax_ep.moe_capacity
-    # T * min(K, L) * factor rounded up to 8, at least R * T, at most R * T * min(K, L)
+    # T * min(K, E) * factor rounded up to 8, at least R * T, at most R * T * min(K, L)
     assert cap(4096, num_experts=128, num_topk=8, num_ranks=4) == 40960
     assert cap(4096, num_experts=128, num_topk=8, num_ranks=4, capacity_factor=2) == 65536
     assert cap(4096, num_experts=128, num_topk=8, num_ranks=4, capacity_factor=9) == 131072
     assert cap(100, num_experts=16, num_topk=1, num_ranks=8) == 800          # R * T
-    assert cap(10, num_experts=4, num_topk=8, num_ranks=2) == 32             # K > L: min(K, L)
+    assert cap(10, num_experts=4, num_topk=8, num_ranks=2) == 40             # K > E: the worst
+    assert cap(64, num_experts=16, num_topk=8, num_ranks=4) == 640           # K > L: T * K * 1.25
     assert cap(0, num_experts=4, num_topk=2, num_ranks=2) == 1                # T = 0
 
 
