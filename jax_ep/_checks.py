@@ -5,6 +5,7 @@ import atexit
 import collections
 import functools
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,13 @@ def expect_dtype(name, a, allowed):
     if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in allowed]:
         raise TypeError(f"{name}: dtype {dtype_name(a.dtype)} is not supported; expected one of "
                         f"{', '.join(dtype_name(d) for d in allowed)}")
+
+
+def capacity_factor(f):
+    """A capacity factor: a finite number above 0."""
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+        raise ValueError(f"capacity_factor must be a finite number above 0, got {f!r}")
+    return f
 
 
 def static_int(name, v, minimum=None):

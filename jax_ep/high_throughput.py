@@ -273,9 +273,7 @@ def recommended_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: in
         raise ValueError(f"num_experts={E} must be divisible by num_ranks={R}")
     if K > E:
         raise ValueError(f"num_topk={K} is more than num_experts={E}")
-    f = capacity_factor
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
-        raise ValueError(f"capacity_factor must be a finite number above 0, got {f!r}")
+    f = _checks.capacity_factor(capacity_factor)
     L = E // R
     miss = 1.0
     for i in range(K):  # probability that none of the K distinct experts is on a given rank

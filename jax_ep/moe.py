@@ -299,9 +299,7 @@ def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_r
     R = _checks.static_int("num_ranks", num_ranks, 1)
     E = _checks.static_int("num_experts", num_experts, 1)
     K = _checks.static_int("num_topk", num_topk, 1)
-    f = capacity_factor
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
-        raise ValueError(f"capacity_factor must be a finite number above 0, got {f!r}")
+    f = _checks.capacity_factor(capacity_factor)
     L = _checks.experts_per_rank(E, R)
     A = _alignment(_checks.flag("fused", fused), _checks.resolve_backend(backend, empty=T == 0))
     rows = -(-math.ceil(T * min(K, E) * f) // 8) * 8
