@@ -46,8 +46,9 @@ def _register_targets():
     _registered = True
 
 
-def _abstract_eval(*avals, target, out_types, attrs, axis_name, has_groups, pure, vranks):
-    del target, attrs, axis_name, has_groups, pure, vranks
+def _abstract_eval(*avals, target, out_types, attrs, axis_name, has_groups, pure, vranks,
+                   aliases):
+    del target, attrs, axis_name, has_groups, pure, vranks, aliases
     core.standard_vma_rule("jax_ep_call", *avals)
     base = avals[0]
     sharding = core.get_cur_mesh_sharding()
@@ -99,7 +100,8 @@ def _lowering_device(ctx) -> int:
     return runtime.current_cuda_device()
 
 
-def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure, vranks):
+def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure, vranks,
+              aliases):
     del out_types
     _register_targets()
     kwargs = dict(attrs)
@@ -135,19 +137,20 @@ def _lowering(ctx, *args, target, out_types, attrs, axis_name, has_groups, pure,
             kwargs["stage_bytes"] = np.int64(
                 _stage_bytes(ext, target, ctx.avals_in) if runtime.per_process() else 0)
     name = target + "_vr" if vranks else target
-    return jax.ffi.ffi_lowering(name, has_side_effect=not pure)(ctx, *args, **kwargs)
+    return jax.ffi.ffi_lowering(name, has_side_effect=not pure,
+                                operand_output_aliases=dict(aliases) or None)(ctx, *args, **kwargs)
 
 
 mlir.register_lowering(ep_call_p, _lowering, platform="cuda")
 
 
 def _batch(axis_data, vals, dims, *, target, out_types, attrs, axis_name, has_groups, pure,
-           vranks):
+           vranks, aliases):
     """vmap. Over the op's own EP axis: the one-GPU multi-rank mode, one custom call running
     every rank (operands and results stacked along a leading axis of ranks). Over any other
     axis: one call per element, in order (a `lax.map`)."""
     params = dict(target=target, attrs=attrs, axis_name=axis_name, has_groups=has_groups,
-                  pure=pure)
+                  pure=pure, aliases=aliases)
     size = int(axis_data.size)
 
     def stacked(v, d):
@@ -212,8 +215,10 @@ def varying(args, axis_name=None):
     return [_varying(a, axes) for a in args] if axes else list(args)
 
 
-def call(target, args, out_types, *, axis_name=None, pure=False, **attrs):
-    """Bind a custom call. out_types: [(shape, dtype)]; attrs: static scalars.
+def call(target, args, out_types, *, axis_name=None, pure=False, aliases=(), **attrs):
+    """Bind a custom call. out_types: [(shape, dtype)]; attrs: static scalars; aliases:
+    (operand index, result index) pairs, each result written in its operand's buffer (XLA
+    copies the operand first when it is still needed).
 
     Calls are side-effecting (XLA never merges or drops them) unless `pure`: a computation
     without communication, which XLA may then remove when its result is unused.
@@ -227,7 +232,7 @@ def call(target, args, out_types, *, axis_name=None, pure=False, **attrs):
     out_types = tuple((tuple(int(x) for x in s), np.dtype(d).name) for s, d in out_types)
     return ep_call_p.bind(*args, target=target, out_types=out_types, attrs=frozen,
                           axis_name=axis_name, has_groups=axis_name is not None, pure=bool(pure),
-                          vranks=0)
+                          vranks=0, aliases=tuple((int(a), int(b)) for a, b in aliases))
 
 
 def _freeze(v):

@@ -192,9 +192,10 @@ def _cuda_ok(backend, dtype, out_dtype, shape_check, what):
 
 
 def gemm_call(lhs, rhs, sizes, lhs_scales, rhs_scales, *, mode, rhs_kn, small_m, out_shape,
-               out_dtype, zero_padding=True, row_counts=None):
+               out_dtype, zero_padding=True, row_counts=None, acc=None):
     """One jax_ep_grouped_gemm custom call (docs/ffi.md). row_counts (mode "transposed"): [G]
-    rows of each group's segment to reduce over (the rest is padding), or None: all."""
+    rows of each group's segment to reduce over (the rest is padding), or None: all. acc (mode
+    "transposed"): None, or [G, K, N] that the product is added to, in acc's buffer."""
     ext = runtime.extension()
     dtype_code = ext.gemm_dtypes[jnp.dtype(lhs.dtype).name]
     mode_code = ext.gemm_modes[mode]
@@ -210,10 +211,12 @@ def gemm_call(lhs, rhs, sizes, lhs_scales, rhs_scales, *, mode, rhs_kn, small_m,
         "jax_ep_grouped_gemm",
         [lhs, rhs, sizes, empty if lhs_scales is None else lhs_scales,
          empty if rhs_scales is None else rhs_scales,
-         jnp.zeros((0,), jnp.int32) if row_counts is None else row_counts],
+         jnp.zeros((0,), jnp.int32) if row_counts is None else row_counts,
+         jnp.zeros((0,), out_dtype) if acc is None else acc],
         [(out_shape, out_dtype), ((ws,), jnp.uint8)], pure=True,
+        aliases=() if acc is None else ((6, 0),),
         mode=mode_code, rhs_kn=bool(rhs_kn), small_m=bool(small_m),
-        zero_padding=bool(zero_padding))
+        zero_padding=bool(zero_padding), accumulate=acc is not None)
     return out
 
 
@@ -257,15 +260,17 @@ def _gmm_core(lhs, rhs, sizes, counts, cfg):
                       small_m=small_m, out_shape=(M, N), out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gmm_diff(lhs, rhs, sizes, counts, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gmm_diff(lhs, rhs, sizes, counts, acc, cfg):
     """The float path. counts: None, or [G] rows of each group that hold data (the rest of its
-    `sizes` rows are zero padding, which the weight gradient skips; the CUDA backend's only)."""
+    `sizes` rows are zero padding, which the weight gradient skips; the CUDA backend's only).
+    acc: None, or [G, K, N] in rhs's dtype that rhs's cotangent is added to (its own buffer on
+    the CUDA backend); acc gets no cotangent."""
     return _gmm_core(lhs, rhs, sizes, counts, cfg)
 
 
-def _gmm_fwd(lhs, rhs, sizes, counts, cfg):
-    return _gmm_core(lhs, rhs, sizes, counts, cfg), (lhs, rhs, sizes, counts)
+def _gmm_fwd(lhs, rhs, sizes, counts, acc, cfg):
+    return _gmm_core(lhs, rhs, sizes, counts, cfg), (lhs, rhs, sizes, counts, acc)
 
 
 def _ref_vjp(product, lhs, rhs, g):
@@ -276,10 +281,13 @@ def _ref_vjp(product, lhs, rhs, g):
 
 
 def _gmm_bwd(cfg, res, g):
-    lhs, rhs, sizes, counts = res
+    lhs, rhs, sizes, counts, acc = res
     use_cuda = cfg.use_cuda
     if not use_cuda:
-        return _ref_vjp(lambda a, b: _ref_gmm(a, b, sizes, jnp.float32), lhs, rhs, g) + (None,)
+        dlhs, drhs, _ = _ref_vjp(lambda a, b: _ref_gmm(a, b, sizes, jnp.float32), lhs, rhs, g)
+        if acc is not None:
+            drhs = (acc.astype(jnp.float32) + drhs.astype(jnp.float32)).astype(rhs.dtype)
+        return dlhs, drhs, None, None, None
     M, K = lhs.shape
     G, _, N = rhs.shape
     g = g.astype(lhs.dtype)
@@ -289,8 +297,8 @@ def _gmm_bwd(cfg, res, g):
     # d rhs[g] = lhs[rows of g]^T @ dout[rows of g] (zeros for groups without rows).
     drhs = gemm_call(lhs, g, sizes, None, None, mode="transposed", rhs_kn=True,
                       small_m=False, out_shape=(G, K, N), out_dtype=rhs.dtype,
-                      row_counts=counts)
-    return dlhs, drhs, None, None
+                      row_counts=counts, acc=acc)
+    return dlhs, drhs, None, None, None
 
 
 _gmm_diff.defvjp(_gmm_fwd, _gmm_bwd)
@@ -384,15 +392,33 @@ def grouped_matmul(lhs: jax.Array | tuple[jax.Array, jax.Array], rhs: jax.Array 
         raise ValueError(f"lhs: K={a.shape[1]} does not match rhs [G, K, N] with K={K}")
     sizes = _sizes("group_sizes", group_sizes, G, total=a.shape[0])
     out_dtype = _out_dtype(preferred_element_type, a.dtype)
+    return _gmm_diff(a, rq, sizes, None, None, _float_config(a, rq, out_dtype, backend))
+
+
+def _float_config(a, rq, out_dtype, backend):
+    G, K, N = rq.shape
     M = a.shape[0]
-    small = _small_m(M, G)
 
     def shapes_ok():
         return (_unsupported("contiguous", a.dtype, True, G, M, K, N)
                 or _unsupported("contiguous", a.dtype, False, G, M, N, K)
                 or _unsupported("transposed", a.dtype, True, G, M, K, N))
     use_cuda = _cuda_ok(backend, a.dtype, out_dtype, shapes_ok, "grouped_matmul")
-    return _gmm_diff(a, rq, sizes, None, _Config(out_dtype, use_cuda, small_m=small))
+    return _Config(out_dtype, use_cuda, small_m=_small_m(M, G))
+
+
+def matmul_accumulating_grad(lhs, rhs, sizes, acc, *, backend):
+    """grouped_matmul(lhs, rhs, sizes) (lhs [M, K] and rhs [G, K, N] of one float dtype) whose
+    rhs cotangent is `acc` + the product's own, made in acc's buffer on the CUDA backend (the
+    weight gradient adds to its output, docs/ffi.md#jax_ep_grouped_gemm-local-no-communication):
+    a loop that sums weight gradients over passes then holds one set of them. acc: [G, K, N]
+    in rhs's dtype; it gets no cotangent."""
+    if tuple(acc.shape) != tuple(rhs.shape) or jnp.dtype(acc.dtype) != jnp.dtype(rhs.dtype):
+        raise ValueError(f"acc: {acc.dtype}{list(acc.shape)}, expected rhs's "
+                         f"{rhs.dtype}{list(rhs.shape)}")
+    sizes = _sizes("group_sizes", sizes, rhs.shape[0], total=lhs.shape[0])
+    cfg = _float_config(lhs, rhs, jnp.dtype(lhs.dtype), backend)
+    return _gmm_diff(lhs, rhs, sizes, None, acc, cfg)
 
 
 def padded_segments_matmul(lhs, rhs, sizes, counts):
@@ -400,4 +426,5 @@ def padded_segments_matmul(lhs, rhs, sizes, counts):
     for segments whose rows past counts[g] are zero padding (an aligned expert-major layout):
     its weight gradient reduces over the first counts[g] rows of each segment only."""
     small = _small_m(lhs.shape[0], rhs.shape[0])
-    return _gmm_diff(lhs, rhs, sizes, counts, _Config(jnp.dtype(lhs.dtype), True, small_m=small))
+    return _gmm_diff(lhs, rhs, sizes, counts, None,
+                     _Config(jnp.dtype(lhs.dtype), True, small_m=small))

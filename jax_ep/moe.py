@@ -170,9 +170,11 @@ def _moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_
                                 combine_blocks=fused_combine_blocks, backend=backend)
 
 
-def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_name, capacity,
-             use_fp8, fused, copy_blocks, combine_blocks, backend):
-    """One expert-major dispatch of `capacity` rows, the experts, and the combine: [T, H]."""
+def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, grad_acc=None, *, num_experts,
+             axis_name, capacity, use_fp8, fused, copy_blocks, combine_blocks, backend):
+    """One expert-major dispatch of `capacity` rows, the experts, and the combine: [T, H].
+    grad_acc (unfused, 16-bit): None, or (acc_gate_up, acc_down) that the weights' cotangents
+    are added to in place (`_accumulates`)."""
     if fused:
         res, h = dispatch_matmul(x, topk_idx, topk_weights, w_gate_up, num_experts=num_experts,
                                  axis_name=axis_name, capacity=capacity, backend=backend,
@@ -183,9 +185,14 @@ def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_
     xin = quantize_fp8(x) if use_fp8 else x
     res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
                    capacity=capacity, layout="expert", backend=backend)
-    h = grouped_gemm.grouped_matmul(res.recv_x, w_gate_up, res.expert_sizes, backend=backend)
+    if grad_acc is None:
+        gm_gu = gm_d = functools.partial(grouped_gemm.grouped_matmul, backend=backend)
+    else:
+        gm_gu, gm_d = (functools.partial(grouped_gemm.matmul_accumulating_grad, acc=acc,
+                                         backend=backend) for acc in grad_acc)
+    h = gm_gu(res.recv_x, w_gate_up, res.expert_sizes)
     a = swiglu(h).astype(w_down.dtype)
-    y = grouped_gemm.grouped_matmul(a, w_down, res.expert_sizes, backend=backend)
+    y = gm_d(a, w_down, res.expert_sizes)
     # combine weights each (token, expert) row and sums per token
     return combine(y.astype(x.dtype), res.handle, axis_name=axis_name, backend=backend)
 
@@ -221,7 +228,14 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
                            capacity=capacity, alignment=A, passes=passes)
     # the passes a routing needs come first: run is True for exactly the first n_run of them
     n_run = jnp.sum(run.astype(jnp.int32))
-    return _in_passes(one, x, topk_weights, w_gate_up, w_down, ids, n_run)
+    return _in_passes(one, _accumulates(settings["fused"], settings["use_fp8"]), x, topk_weights,
+                      w_gate_up, w_down, ids, n_run)
+
+
+def _accumulates(fused, use_fp8):
+    """Whether a pass's backward can add its weight gradients to a running sum in place (the
+    unfused 16-bit path); else the extra passes' backward adds them to a second set."""
+    return not fused and not use_fp8
 
 
 def _more_passes(n_run, body, init):
@@ -231,8 +245,8 @@ def _more_passes(n_run, body, init):
                           (jnp.int32(1), init))[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _in_passes(one, x, w, w_gate_up, w_down, ids, n_run):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _in_passes(one, accumulates, x, w, w_gate_up, w_down, ids, n_run):
     """sum over the passes p < n_run of one(x, ids[p], ...): [T, H] in x's dtype, the passes
     after the first summed in float32."""
     out = one(x, ids[0], w, w_gate_up, w_down).astype(jnp.float32)
@@ -240,22 +254,29 @@ def _in_passes(one, x, w, w_gate_up, w_down, ids, n_run):
                         .astype(jnp.float32), out).astype(x.dtype)
 
 
-def _in_passes_fwd(one, x, w, w_gate_up, w_down, ids, n_run):
+def _in_passes_fwd(one, accumulates, x, w, w_gate_up, w_down, ids, n_run):
     # The first pass keeps its residuals (the layer's usual backward, remat policy included);
     # the others keep none: the backward runs each again (its communication too) and adds its
-    # gradients (XLA plans that loop's second set of weight gradients even when it runs none).
+    # gradients, the weights' in place where the pass accumulates (else XLA plans the loop a
+    # second set of weight gradients, even when it runs none).
     out, vjp = jax.vjp(lambda *a: one(a[0], ids[0], *a[1:]), x, w, w_gate_up, w_down)
     out = _more_passes(n_run, lambda p, acc: acc + one(x, ids[p], w, w_gate_up, w_down)
                        .astype(jnp.float32), out.astype(jnp.float32))
     return out.astype(x.dtype), (vjp, x, w, w_gate_up, w_down, ids, n_run)
 
 
-def _in_passes_bwd(one, res, g):
+def _in_passes_bwd(one, accumulates, res, g):
     vjp, x, w, w_gate_up, w_down, ids, n_run = res
 
     def add(p, grads):
-        _, vjp_p = jax.vjp(lambda *a: one(a[0], ids[p], *a[1:]), x, w, w_gate_up, w_down)
-        return jax.tree.map(jnp.add, grads, vjp_p(g))
+        dx, dw, dgu, dd = grads
+        acc = (dgu, dd) if accumulates else None
+        _, vjp_p = jax.vjp(lambda *a: one(a[0], ids[p], *a[1:], grad_acc=acc), x, w, w_gate_up,
+                           w_down)
+        px, pw, pgu, pd = vjp_p(g)
+        if not accumulates:
+            pgu, pd = dgu + pgu, dd + pd
+        return dx + px, dw + pw, pgu, pd
     return tuple(_more_passes(n_run, add, vjp(g))) + (None, None)
 
 

@@ -159,7 +159,7 @@ if has moe; then
 fi
 if has gemm-mutations; then
   step "grouped-GEMM mutation check: each planted bug must fail tests"
-  for m in ${GEMM_MUTATIONS:-shift_sizes drop_last_group masked_no_zero_fill ignore_row_counts}; do
+  for m in ${GEMM_MUTATIONS:-shift_sizes drop_last_group masked_no_zero_fill ignore_row_counts drop_accumulation}; do
     (cd /tmp && JAX_EP_GEMM_MUTATION=$m timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu \
        "$OLDPWD/tests/test_gpu_gemm.py" \
        -k "${GEMM_MUTATION_K:-forward or masked or gradient}" \

@@ -69,6 +69,8 @@ _MUTATIONS = {
     "drop_last_group": lambda sizes, kw: (sizes.at[-1].set(0), kw),
     # the weight gradient reduces over each segment's padding rows too
     "ignore_row_counts": lambda sizes, kw: (sizes, dict(kw, row_counts=None)),
+    # the weight gradient overwrites its accumulator instead of adding to it
+    "drop_accumulation": lambda sizes, kw: (sizes, dict(kw, acc=None)),
     # the masked layout's rows past each count never written
     "masked_no_zero_fill": lambda sizes, kw: (
         sizes, dict(kw, zero_padding=False) if kw.get("mode") == "masked" else kw),

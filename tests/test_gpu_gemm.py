@@ -200,6 +200,56 @@ def test_weight_gradient_skips_segment_padding():
             a, b).block_until_ready()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("kind", ["zipf", "empty_groups"])
+def test_weight_gradient_accumulates_into_acc(dtype, kind):
+    """matmul_accumulating_grad: the rhs cotangent is acc + the product's weight gradient (CUDA
+    against the reference), groups without rows keep acc exactly; in a loop over passes the
+    sum lives in acc's buffer (XLA plans no second [G, K, N] set)."""
+    _gpu()
+    from jax_ep import grouped_gemm as gg
+    M, K, N, G = 2048, 512, 768, 16
+    rng = np.random.default_rng(17)
+    a, b = _operands(rng, M, K, N, G, dtype)
+    sizes = jnp.asarray(_sizes(kind, rng, M, G))
+    acc = jnp.asarray(rng.standard_normal((G, K, N)), dtype)
+    dout = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+
+    def grad_b(backend, acc, b):
+        def loss(b):
+            y = gg.matmul_accumulating_grad(a, b, sizes, acc, backend=backend)
+            return jnp.sum(y.astype(jnp.float32) * dout)
+        return jax.grad(loss)(b)
+    _poison()
+    got = jax.jit(functools.partial(grad_b, "cuda"))(acc, b)
+    want = jax.jit(functools.partial(grad_b, "reference"))(acc, b)
+    assert got.dtype == jnp.dtype(dtype)
+    assert _rel(got, want) < 1e-2
+    empty = np.asarray(sizes) == 0
+    assert np.array_equal(np.asarray(got)[empty], np.asarray(acc)[empty]), \
+        "groups without rows: the gradient is acc unchanged"
+
+    # three passes summed in a loop: with accumulation the loop holds one [G, K, N] set
+    def plain_grad_b(b):
+        return jax.grad(lambda b: jnp.sum(jax_ep.grouped_matmul(a, b, sizes, backend="cuda")
+                                          .astype(jnp.float32) * dout))(b)
+
+    def loop(accumulate, b):
+        def body(_, s):
+            return grad_b("cuda", s, b) if accumulate else s + plain_grad_b(b)
+        return jax.lax.fori_loop(0, 3, body, jnp.zeros_like(b))
+    one_set = G * K * N * jnp.dtype(dtype).itemsize
+    temps = {}
+    for accumulate in (True, False):
+        c = jax.jit(functools.partial(loop, accumulate)).lower(b).compile()
+        temps[accumulate] = c.memory_analysis().temp_size_in_bytes
+        if accumulate:
+            out = c(b)
+    assert temps[False] - temps[True] >= one_set, (temps, one_set)
+    total = want.astype(jnp.float32) - acc.astype(jnp.float32)   # one pass's gradient
+    assert _rel(out, 3 * total) < 2e-2
+
+
 # K = 1024, 512, 128, 384 and 640: 8, 4, 1, 3 and 5 K tiles (the FP8 mainloop alternates two
 # accumulators over the K tiles: even and odd counts end differently)
 @pytest.mark.parametrize("shape", [(4096, 1024, 512, 8), (600, 512, 256, 16), (1, 128, 128, 2),

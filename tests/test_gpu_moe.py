@@ -60,7 +60,7 @@ def test_moe_ffn_matches_reference(R, mode):
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
 
 
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2, 4, 8])
 @pytest.mark.parametrize("fused", [False, True])
 def test_moe_ffn_extra_passes_match_reference(R, fused):
     """Half the tokens name experts 0 and 1 first, and the capacity is the smallest a pass

@@ -25,9 +25,10 @@ ffi::Error bad(const std::string& m) { return jax_ep::op_error("jax_ep_grouped_g
 ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
                            ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> sizes,
                            ffi::Buffer<ffi::F32> lhs_scales, ffi::Buffer<ffi::F32> rhs_scales,
-                           ffi::Buffer<ffi::S32> row_counts, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::Buffer<ffi::U8>> ws, int64_t mode, bool rhs_kn,
-                           bool small_m, bool zero_padding) {
+                           ffi::Buffer<ffi::S32> row_counts, ffi::AnyBuffer acc,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::U8>> ws,
+                           int64_t mode, bool rhs_kn, bool small_m, bool zero_padding,
+                           bool accumulate) {
   gemm::Call c;
   gemm::GemmShape& s = c.s;
   if (mode < 0 || mode > 2) return bad("mode must be 0, 1 or 2, got " + std::to_string(mode));
@@ -35,6 +36,7 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
   s.rhs_kn = rhs_kn;
   s.small_m = small_m;
   s.zero_padding = zero_padding;
+  s.accumulate = accumulate;
   const ffi::DataType et = lhs.element_type();
   ffi::DataType out_type = et;
   if (et == ffi::DataType::BF16) {
@@ -99,6 +101,12 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
     JAX_EP_EXPECT_DIMS(row_counts, "row_counts", s.G);
     c.row_counts = row_counts.typed_data();
   }
+  if (accumulate) {
+    if (acc.element_type() != out->element_type()) return bad("acc must have out's dtype");
+    JAX_EP_EXPECT_DIMS(acc, "acc", s.G, s.K, s.N);
+  } else if (acc.element_count() > 0) {
+    return bad("acc applies with accumulate only; pass [0]");
+  }
   c.device = device;
   c.sm_count = jax_ep::sm_count(device);
   if (c.sm_count <= 0)
@@ -115,6 +123,12 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
   c.out = out->untyped_data();
   c.workspace = ws->untyped_data();
   c.workspace_bytes = ws->element_count();
+  // accumulate: out starts as acc. XLA aliases the two (one buffer); a copy when it did not.
+  if (accumulate && acc.untyped_data() != c.out) {
+    const cudaError_t e = cudaMemcpyAsync(c.out, acc.untyped_data(), acc.size_bytes(),
+                                          cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return bad(std::string("copying acc into out: ") + cudaGetErrorString(e));
+  }
   if (auto err = gemm::run(c, stream); !err.empty())
     return ffi::Error(ffi::ErrorCode::kInternal, "jax_ep_grouped_gemm: " + err);
   return jax_ep::cuda_error("jax_ep_grouped_gemm launch");
@@ -132,10 +146,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemm, GroupedGemmImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lhs_scales (FP8; else [0])
                                   .Arg<ffi::Buffer<ffi::F32>>()  // rhs_scales (FP8; else [0])
                                   .Arg<ffi::Buffer<ffi::S32>>()  // row_counts (mode 2; or [0])
+                                  .Arg<ffi::AnyBuffer>()         // acc (accumulate; or [0])
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::Buffer<ffi::U8>>()   // workspace
                                   .Attr<int64_t>("mode")
                                   .Attr<bool>("rhs_kn")
                                   .Attr<bool>("small_m")
-                                  .Attr<bool>("zero_padding"),
+                                  .Attr<bool>("zero_padding")
+                                  .Attr<bool>("accumulate"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -8,7 +8,8 @@
 //   kTransposed:  out[g] = lhs[rows of g]^T @ rhs2[rows of g]         lhs [M, K], rhs2 [M, N],
 //                                                                      out [G, K, N]
 //                 (with row_counts, only the first row_counts[g] rows of group g: the rest of
-//                 its segment is padding, skipped)
+//                 its segment is padding, skipped; with accumulate, out[g] += the product, in
+//                 float32 before the one rounding, and a group without rows keeps out[g])
 // op(rhs[g]) is rhs[g] for rhs [G, K, N] (rhs_kn) or rhs[g]^T for rhs [G, N, K]. The rows of group
 // g in the contiguous layouts start at the sum of the earlier (non-negative) group sizes and are
 // clipped to [0, M). Every output element outside the groups' rows is written with zeros
@@ -37,6 +38,7 @@ struct GemmShape {
   bool rhs_kn = true;        // rhs [G, K, N] (true) or [G, N, K] (false)
   bool small_m = false;      // the tile shape for few rows per group (64-row tiles)
   bool zero_padding = true;  // kMasked: write zeros past each count (else leave those rows)
+  bool accumulate = false;   // kTransposed: add the product to out's contents
   int64_t G = 0, M = 0, K = 0, N = 0;
 };
 

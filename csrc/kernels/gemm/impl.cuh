@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -35,22 +36,26 @@ using ColMajor = cutlass::layout::ColumnMajor;
 // Kernel configurations. D = A @ B per group, A (M, K), B (N, K) in CUTLASS's terms; D row-major.
 // ---------------------------------------------------------------------------------------------
 
-template <class Tile, class Cluster, class EpiSchedule, class ElementD>
+// ElementC void: D = acc (no source read); else D = acc + C, C read from D's own memory (the
+// weight gradient accumulating into its output, run_config).
+template <class Tile, class Cluster, class EpiSchedule, class ElementD, class ElementC = void>
 using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor*,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor*,
     16 / sizeof(ElementD), ElementD, RowMajor*, 16 / sizeof(ElementD), EpiSchedule,
     cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
 
 // 16-bit operands (bf16 / f16), float32 accumulation, output in the operand dtype.
+// ElementC: void, or T for a call that adds its product to the output's contents.
 template <class T, class LayoutA, class LayoutB, class Tile, class Cluster, class Schedule,
-          class EpiSchedule>
+          class EpiSchedule, class ElementC_ = void>
 struct Cfg16 {
   static constexpr bool kFp8 = false;
   using ElementA = T;
   using ElementB = T;
+  using ElementC = ElementC_;
   using ElementD = T;
-  using Epilogue = EpilogueFor<Tile, Cluster, EpiSchedule, ElementD>;
+  using Epilogue = EpilogueFor<Tile, Cluster, EpiSchedule, ElementD, ElementC>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, 8, ElementB,
       LayoutB*, 8, float, Tile, Cluster,
@@ -72,6 +77,7 @@ struct CfgFp8 {
   static constexpr bool kFp8 = true;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
+  using ElementC = void;
   using ElementD = cutlass::bfloat16_t;
   using Epilogue = EpilogueFor<Tile, Cluster, EpiSchedule, ElementD>;
   using Mainloop = OverlappedPromotion<typename cutlass::gemm::collective::CollectiveBuilder<
@@ -107,6 +113,9 @@ using FwdNK = Cfg16<T, RowMajor, ColMajor, cute::Shape<_256, _128, _64>, cute::S
 template <class T>  // lhs^T @ rhs2 per group: the weight gradient
 using Tgrad = Cfg16<T, ColMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
                     Coop, CoopEpi>;
+template <class T>  // the weight gradient added to the output's contents (GemmShape::accumulate)
+using TgradAcc = Cfg16<T, ColMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
+                       Coop, CoopEpi, T>;
 // FP8: cooperative 128 x 128 tiles (larger ones need more accumulator registers than a thread
 // has: blockwise scaling keeps temporaries beside the accumulator, fp8_mainloop.cuh); 64 x 128
 // ping-pong tiles for few rows per group. On one H200, 32 groups of 1024 rows at (K, N) =
@@ -263,12 +272,22 @@ std::string run_config(const Call& c, cudaStream_t stream) {
                      reinterpret_cast<const typename A::EB**>(w.ptr_b),
                      reinterpret_cast<typename A::StrideB*>(w.stride_b)};
   }
-  args.epilogue.ptr_C = nullptr;
   args.epilogue.ptr_D = reinterpret_cast<typename A::ED**>(w.ptr_d);
   args.epilogue.dD = reinterpret_cast<typename A::StrideD*>(w.stride_d);
   auto& fusion = args.epilogue.thread;
   fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
+  if constexpr (std::is_void_v<typename C::ElementC>) {
+    args.epilogue.ptr_C = nullptr;
+    fusion.beta = 0.0f;
+  } else {
+    // D = acc + D in place: every element is read (as C) and then written (as D) by the one
+    // tile that owns it, so C and D may be the same memory.
+    using StrideC = typename C::Kernel::InternalStrideC;
+    static_assert(std::is_same_v<StrideC, typename A::StrideD>);
+    args.epilogue.ptr_C = static_cast<const typename C::ElementC**>(static_cast<void*>(w.ptr_d));
+    args.epilogue.dC = reinterpret_cast<StrideC*>(w.stride_d);
+    fusion.beta = 1.0f;
+  }
   args.hw_info.device_id = c.device;
   args.hw_info.sm_count = c.sm_count;
   args.hw_info.max_active_clusters = 0;

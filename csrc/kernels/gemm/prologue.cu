@@ -65,7 +65,7 @@ std::string launch_prologue(const Call& c, const Carved& w, cudaStream_t stream)
   }
   const long long row_bytes = s.N * kOutBytes;
   const long long group_bytes = s.K * s.N * kOutBytes;
-  if (s.mode == Mode::kMasked && !s.zero_padding) return {};
+  if ((s.mode == Mode::kMasked && !s.zero_padding) || s.accumulate) return {};
   const long long ny = s.mode == Mode::kContiguous ? 1 : s.G;
   const int gx = static_cast<int>(std::max<long long>(1, std::min<long long>(1024, 4 * sms / ny)));
   zero_fill_kernel<<<dim3(gx, static_cast<unsigned>(ny)), kThreads, 0, stream>>>(

@@ -24,6 +24,7 @@ enum Variant : int {
 #ifdef JAX_EP_WITH_GEMM
   if (s.dtype == Dtype::kFP8) return s.small_m ? k_fp8_fwd_small : k_fp8_fwd;
   const bool bf16 = s.dtype == Dtype::kBF16;
+  if (s.mode == Mode::kTransposed && s.accumulate) return bf16 ? k_bf16_tgrad_acc : k_f16_tgrad_acc;
   if (s.mode == Mode::kTransposed) return bf16 ? k_bf16_tgrad : k_f16_tgrad;
   if (!s.rhs_kn) return bf16 ? k_bf16_fwd_nk : k_f16_fwd_nk;
   if (s.small_m) return bf16 ? k_bf16_fwd_small : k_f16_fwd_small;
@@ -54,6 +55,8 @@ std::string unsupported(const GemmShape& s) {
     return "shapes must be in [1, 2^31) (M, K, N = " + std::to_string(s.M) + ", " +
            std::to_string(s.K) + ", " + std::to_string(s.N) + ")";
   if (s.mode == Mode::kMasked && s.G * s.M > lim) return "lhs: G * C must be < 2^31";
+  if (s.accumulate && s.mode != Mode::kTransposed)
+    return "accumulate applies to mode 2 (the weight gradient) only";
   if (s.dtype == Dtype::kFP8) {
     if (s.mode == Mode::kTransposed) return "FP8 has no weight-gradient kernel";
     if (s.rhs_kn) return "FP8 rhs must be stored [G, N, K] (quantize_fp8_weights)";

@@ -13,10 +13,12 @@
   X(bf16_fwd_small)             \
   X(bf16_fwd_nk)                \
   X(bf16_tgrad)                 \
+  X(bf16_tgrad_acc)             \
   X(f16_fwd)                    \
   X(f16_fwd_small)              \
   X(f16_fwd_nk)                 \
   X(f16_tgrad)                  \
+  X(f16_tgrad_acc)              \
   X(fp8_fwd)                    \
   X(fp8_fwd_small)
 

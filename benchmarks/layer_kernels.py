@@ -1,0 +1,107 @@
+"""Where the layer's time goes: the GPU kernels of one `moe_ffn` call against those of its expert
+compute alone, from a jax.profiler trace (benchmarks/kernel_times.py reads it).
+
+For each R in --ranks and each variant (moe_ffn fused=False / fused=True, the expert compute
+alone), forward and forward + backward: a jit-compiled scan of --calls calls after warm-up,
+traced once; per kernel name the count and microseconds per call on the first GPU, longest
+first, and the sum. Shapes and routing as benchmarks/bench_layer.py (uniform routing).
+Writes layer_kernels.json.
+
+  python benchmarks/layer_kernels.py --ranks 1,2 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+import jax_ep
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_times  # noqa: E402
+from bench_layer import expert_compute, with_backward  # noqa: E402
+from harness import scan_fn  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=32, help="per rank")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=3, help="calls in the traced scan")
+    ap.add_argument("--top", type=int, default=30, help="kernels printed per variant")
+    ap.add_argument("--backend", default="cuda")
+    args = ap.parse_args()
+    T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
+    be = args.backend
+    devs = jax.devices()
+    rng = np.random.default_rng(0)
+    print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}")
+    out = []
+    for R in (int(r) for r in args.ranks.split(",")):
+        if R > len(devs):
+            continue
+        mesh = Mesh(np.array(devs[:R]), ("ep",))
+        E = R * L
+        wgu = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
+        wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
+        xr = jnp.asarray(rng.standard_normal((R * T * K, H)), jnp.bfloat16)
+        w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
+            jnp.asarray(rng.standard_normal((R * T, E)), jnp.float32))
+        w = w.astype(jnp.bfloat16)
+        lay = (x, idx, w, wgu, wd)
+        variants = {
+            "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend=be),
+                                     lay, (0, 2, 3, 4)),
+            "moe_ffn(fused=True)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=True,
+                                                              backend=be), lay, (0, 2, 3, 4)),
+            "expert compute alone": (functools.partial(expert_compute, backend=be),
+                                     (xr, w, wgu, wd), (0, 1, 2, 3)),
+        }
+        for name, (fn, fargs, diff) in variants.items():
+            for op, f in (("fwd", fn), ("fwd+bwd", with_backward(fn, diff))):
+                try:
+                    c = scan_fn(mesh, f, args.calls).lower(*fargs).compile()
+                    for _ in range(2):
+                        jax.block_until_ready(c(*fargs))
+                    with tempfile.TemporaryDirectory() as d:
+                        res = kernel_times.trace_kernels(functools.partial(c, *fargs), d, ".",
+                                                         args.calls)
+                except Exception as e:  # reported, the others still run
+                    print(f"\n== R={R} {name} {op}: FAILED {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]}")
+                    continue
+                if not res["devices"]:
+                    print(f"\n== R={R} {name} {op}: no GPU kernels in the trace")
+                    continue
+                dev, d = sorted(res["devices"].items())[0]
+                ks = sorted(d["kernels"].items(), key=lambda kv: -kv[1]["us_per_call"])
+                total = sum(v["us_per_call"] for _, v in ks)
+                print(f"\n== R={R} {name} {op}: {total:.0f} us of kernels per call on {dev} "
+                      f"({len(ks)} kernel names)")
+                for kname, v in ks[:args.top]:
+                    print(f"  {v['us_per_call']:9.1f} us  {v['count'] / args.calls:5.1f} x  "
+                          f"{kname[:110]}")
+                out.append(dict(ranks=R, name=name, op=op, device=dev, total_us=total,
+                                kernels={k: v for k, v in ks}))
+                jax.clear_caches()
+    with open(os.path.join(args.out, "layer_kernels.json"), "w") as f:
+        json.dump(dict(device=devs[0].device_kind, rows=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
