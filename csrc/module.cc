@@ -119,15 +119,16 @@ NB_MODULE(_C, m) {
   m.def(
       "grouped_gemm_workspace_bytes",
       [](int mode, int dtype, bool rhs_kn, bool small_m, int64_t G, int64_t M, int64_t K, int64_t N,
-         int device) {
+         int device, bool accumulate) {
         jax_ep::gemm::GemmShape s = gemm_shape(mode, dtype, rhs_kn, G, M, K, N);
         s.small_m = small_m;
+        s.accumulate = accumulate;
         if (auto why = jax_ep::gemm::unsupported(s); !why.empty())
           throw std::invalid_argument("jax_ep grouped GEMM: " + why);
         return jax_ep::gemm::workspace_bytes(s, jax_ep::sm_count(device));
       },
       nb::arg("mode"), nb::arg("dtype"), nb::arg("rhs_kn"), nb::arg("small_m"), nb::arg("G"),
-      nb::arg("M"), nb::arg("K"), nb::arg("N"), nb::arg("device"),
+      nb::arg("M"), nb::arg("K"), nb::arg("N"), nb::arg("device"), nb::arg("accumulate") = false,
       "Bytes of the workspace result of jax_ep_grouped_gemm (csrc/kernels/gemm/workspace.h). "
       "mode: 0 contiguous, 1 masked, 2 transposed (weight gradient); dtype: 0 bf16, 1 f16, "
       "2 FP8 e4m3. Raises ValueError naming the operand when no kernel serves the shapes.");

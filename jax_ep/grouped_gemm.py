@@ -205,7 +205,8 @@ def gemm_call(lhs, rhs, sizes, lhs_scales, rhs_scales, *, mode, rhs_kn, small_m,
         (M, K), G = lhs.shape, sizes.shape[0]
     N = out_shape[-1]
     ws = ext.grouped_gemm_workspace_bytes(mode_code, dtype_code, rhs_kn, small_m, G, M, K, N,
-                                          runtime.current_cuda_device())
+                                          runtime.current_cuda_device(),
+                                          accumulate=acc is not None)
     empty = jnp.zeros((0,), jnp.float32)
     out, _ = _ffi.call(
         "jax_ep_grouped_gemm",
