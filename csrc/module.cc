@@ -19,6 +19,7 @@
 #include "module.h"
 #include "runtime/device.h"
 #include "runtime/workspace.h"
+#include "transport/poison.h"
 
 namespace nb = nanobind;
 
@@ -143,6 +144,10 @@ NB_MODULE(_C, m) {
   m.attr("max_local_experts") = jax_ep::kMaxLocalExperts;
   m.attr("max_layout_ranks") = jax_ep::kMaxLayoutRanks;
   m.attr("max_num_blocks") = jax_ep::kMaxNumBlocks;
+  // What every result of an op whose wait gave up holds (docs/API.md#timeouts): each byte, and
+  // so each int32.
+  m.attr("poison_byte") = jax_ep::poison::kByte;
+  m.attr("poison_int") = jax_ep::poison::kInt;
   {
     using jax_ep::gemm::Dtype;
     using jax_ep::gemm::Mode;

@@ -83,8 +83,9 @@ def decode(split):
         return jax.lax.scan(body, x, None, length=args.steps)[0]
 
     specs = {"router": P(), "shared": P(), "w_in": P("ep"), "w_out": P("ep")}
-    return jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("ep"), specs),
-                                 out_specs=P("ep")))
+    # checked: a peer that stops raises jax_ep.PeerTimeoutError instead of NaN tokens
+    return jax_ep.checked(jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("ep"), specs),
+                                                out_specs=P("ep"))))
 
 
 x0 = jax.random.normal(k5, (R * T, H), jnp.bfloat16)

@@ -78,6 +78,10 @@ def main():
         opt.update(model, grads)
         return mse
 
+    # If a peer stops, the step raises jax_ep.PeerTimeoutError instead of returning the NaN
+    # results of the op whose wait gave up.
+    step = jax_ep.checked(step)
+
     print(f"jax_ep Flax MoE block: {n} devices ({devices[0].platform}), mesh "
           f"{dict(mesh.shape)}, {E} experts, top-{args.topk}, {args.batch}x{args.seq} tokens, "
           f"hidden {H}; backend {jax_ep.runtime_info()['default_backend']}")

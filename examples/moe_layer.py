@@ -88,11 +88,15 @@ def loss_fn(params, x, target):
 opt = optax.adam(3e-3)
 
 
-@jax.jit
-def train_step(params, opt_state, x, target):
+def _train_step(params, opt_state, x, target):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, target)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+
+# jax_ep.checked: if a peer stops, the step raises jax_ep.PeerTimeoutError instead of returning
+# the NaN results of the op whose wait gave up (and check=True failures raise CheckError).
+train_step = jax_ep.checked(jax.jit(_train_step))
 
 
 def main():

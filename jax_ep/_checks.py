@@ -218,6 +218,11 @@ def checked_result(out, op, counts, axis_name, message):
 
     def host(v, t):
         v, t = [int(a) for a in np.asarray(v)], [int(a) for a in np.asarray(t)]
+        if min(v + t, default=0) < 0:  # a count holds the sentinel: a wait of the op gave up
+            from jax_ep._faults import timeout_error
+            timeout = timeout_error()
+            if timeout is not None:
+                raise timeout
         if any(t):
             err = CheckError(op, dict(zip(names, v)), dict(zip(names, t)), message(v, t))
             with _raised_lock:   # the shards of one check raise back to back: one line
@@ -269,8 +274,8 @@ def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (e.g. a jitted training step), raising `jax_ep.CheckError` itself when a check of a
     jax_ep op inside it fails, and `jax_ep.PeerTimeoutError` when a wait of a jax_ep op gave up
     (in this call or before), instead of the `jax.errors.JaxRuntimeError` that JAX reports or
-    results that are not defined. Waits for fn's results (so that a failure surfaces in this
-    call).
+    the poisoned results (NaN, -1) of an op that gave up. Waits for fn's results (so that a
+    failure surfaces in this call).
 
     Args:
       fn: any callable whose jax_ep ops should raise typed errors, usually the jitted step.
@@ -280,7 +285,9 @@ def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     Raises (from the returned callable):
       CheckError: a `check=True` (or JAX_EP_CHECK=1) check inside fn failed.
-      PeerTimeoutError: a jax_ep wait of this process gave up.
+      PeerTimeoutError: a jax_ep wait of this process gave up. The results of the op that gave
+        up are NaN (floats) and -1 (ints) then (docs/API.md#timeouts): without this wrapper,
+        or `raise_if_timed_out` after the results are ready, a step would go on with them.
     """
     from jax_ep._faults import raise_if_timed_out, timeout_error
 
@@ -294,6 +301,8 @@ def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
                 _forget_failed_checks()
             elif "DEADLINE_EXCEEDED" in str(e) and "jax_ep" in str(e):
                 err = timeout_error()  # a jax_ep op refused to run after a wait gave up
+            elif (timeout := timeout_error()) is not None and str(timeout) in str(e):
+                err = timeout  # a check found the poisoned counts of an op that gave up
             if err is None:
                 raise
             raise err from e

@@ -1,9 +1,10 @@
 """Waits that gave up: `jax_ep.PeerTimeoutError` and `jax_ep.raise_if_timed_out`.
 
 A kernel wait that passes JAX_EP_TIMEOUT_S does not trap: it records why (op, rank, phase, the
-peer it waited for), the op's kernels end, and the CUDA context stays usable. From then on every
-communication op of the process fails when it runs, with the same message. docs/API.md says what
-to do then; docs/design.md#clean-timeouts says how it works.
+peer it waited for), the op's kernels end, and the CUDA context stays usable. The op's results
+are poisoned (floats NaN, ints -1). From then on every communication op of the process fails
+when it runs, with the same message. docs/API.md#timeouts says what to do then;
+docs/design.md#clean-timeouts says how it works.
 """
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ def timeout_error() -> PeerTimeoutError | None:
 def raise_if_timed_out() -> None:
     """Raise `jax_ep.PeerTimeoutError` when a jax_ep wait of this process gave up.
 
-    The results of an op whose wait gave up are undefined. A wait gives up on the device while
-    the program runs, so call this after the step's results are ready (`jax.block_until_ready`);
-    `jax_ep.checked(step)` does both. Every later communication op raises anyway.
+    The results of an op whose wait gave up are poisoned: every floating result is NaN and
+    every int32 result -1 (`jax_ep.runtime.poison_int()`), so that no step goes on with plausible
+    numbers. A wait gives up on the device while the program runs, so call this after the
+    step's results are ready (`jax.block_until_ready`); `jax_ep.checked(step)` does both. Every
+    later communication op raises anyway.
 
     Raises:
       PeerTimeoutError: a wait of this process gave up (op, rank, peer and phase in its

@@ -167,25 +167,45 @@ def _reduce_rows_bwd(K, res, g):
 reduce_rows.defvjp(_reduce_rows_fwd, _reduce_rows_bwd)
 
 
-def plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights):
+def gave_up(handle, poison):
+    """Whether the rank-major receive of `handle` gave up waiting (a [] bool): its counts hold
+    the sentinel `poison` (jax_ep.runtime.poison_int(), docs/API.md#timeouts). None when poison
+    is None (a receive that cannot give up: the reference backend)."""
+    return None if poison is None else handle.recv_count == poison
+
+
+def plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights, poison=None):
     """Where a rank-major receive's rows go in the expert-major layout, without moving them:
-    (the dict of `plan`, the rows' weights or None, the ExpertDispatchHandle)."""
+    (the dict of `plan`, the rows' weights or None, the ExpertDispatchHandle). poison: the
+    CUDA kernels' int sentinel (None on the reference backend): when the receive gave up, every
+    int result here takes it and every weight is NaN, as the kernels' own results."""
     C, K = ridx.shape
     lay = plan(ridx, num_local_experts=L, capacity=capacity, alignment=alignment)
     src, row_of = lay["src"], lay["row_of"]
     # without weights each (token, expert) pair weighs 1, however many slots name it
     w = rw if has_weights else first_occurrence(ridx).astype(jnp.float32)
     we = take_rows(_pair_weights(w, row_of).reshape(C * K), src)
-    ehandle = ExpertDispatchHandle(handle, row_of, src, w,
-                                   handle.num_dropped + lay["num_dropped"])
+    num_dropped = handle.num_dropped + lay["num_dropped"]
+    bad = gave_up(handle, poison)
+    if bad is not None:
+        lay = {k: jnp.where(bad, jnp.int32(poison), v) for k, v in lay.items()}
+        src, row_of = lay["src"], lay["row_of"]
+        w, we = (jnp.where(bad, jnp.float32(jnp.nan), a) for a in (w, we))
+        num_dropped = jnp.where(bad, jnp.int32(poison), num_dropped)
+    ehandle = ExpertDispatchHandle(handle, row_of, src, w, num_dropped)
     return lay, (we if has_weights else None), ehandle
 
 
-def to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weights):
-    """A rank-major receive -> ExpertDispatchResult."""
+def to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weights, poison=None):
+    """A rank-major receive -> ExpertDispatchResult (poison: as for `plan_receive`)."""
     K = ridx.shape[1]
-    lay, we, ehandle = plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights)
+    lay, we, ehandle = plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights,
+                                    poison)
     src = lay["src"]
+    bad = gave_up(handle, poison)
+    if bad is not None:
+        # every row from received row 0, NaN like every received row then: no [capacity, H] pass
+        src = jnp.where(bad, 0, src)
     if isinstance(recv_x, tuple):    # FP8: forward only
         rows = jnp.where(src >= 0, src // K, -1)
         xe = tuple(take_rows(a, rows) for a in recv_x)

@@ -53,6 +53,10 @@ class MoE(nnx.Module):
     `topk_groups = topk_group`, `scaling_factor = routed_scaling_factor`. Shared experts are not
     part of this module.
 
+    When a wait of the layer's communication gives up (a peer stopped for `JAX_EP_TIMEOUT_S`),
+    `y` is NaN (docs/API.md#timeouts): wrap the jitted training step in `jax_ep.checked` so that
+    it raises `jax_ep.PeerTimeoutError` instead of applying that update.
+
     Args:
       hidden: H.
       intermediate: I, each expert's gated-FFN width (`w_gate_up [E, H, 2I]`, `w_down [E, I, H]`).

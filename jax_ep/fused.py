@@ -133,7 +133,8 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     x, wts = _ffi.varying([x, wts, idx], axis_name)[:2]
     # the routing alone: a dispatch of zero-width rows (differentiable in the weights)
     _, ridx, rw, _, handle = _dispatch_diff(jnp.zeros((T, 0), x.dtype), wts, idx, cfg)
-    lay, we, ehandle = el.plan_receive(ridx, rw, handle, L, capacity, A, topk_weights is not None)
+    lay, we, ehandle = el.plan_receive(ridx, rw, handle, L, capacity, A, topk_weights is not None,
+                                       runtime.poison_int())
     src = lay["src"]
     rows_src = jnp.where(src >= 0, handle.recv_src[jnp.maximum(src, 0) // K], -1)
     row_first = jnp.where(first_occurrence(ridx), lay["row_of"], -1)

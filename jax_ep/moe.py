@@ -98,7 +98,10 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
 
     Returns:
       `[T, H]` in x's dtype. Differentiable in x, topk_weights, w_gate_up and w_down (not with
-      use_fp8).
+      use_fp8). When a wait of the layer's communication gave up (a peer stopped for
+      `JAX_EP_TIMEOUT_S`), the output is NaN on that rank, never plausible numbers: run the
+      step as `jax_ep.checked(step)` to get `jax_ep.PeerTimeoutError` there instead
+      (docs/API.md#timeouts).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; expected one of {MODES}")

@@ -215,6 +215,15 @@ def max_ranks():
     return limits().get("max_ranks")
 
 
+def poison_int() -> int | None:
+    """The value of every int32 result of an op whose wait gave up (every floating result is
+    NaN), as the extension defines it (`jax_ep._C.poison_int`); None without the extension.
+    docs/API.md#timeouts."""
+    ext = _load_extension()
+    v = None if ext is None else getattr(ext, "poison_int", None)
+    return None if v is None else int(v)
+
+
 def per_process() -> bool:
     """True when JAX runs several processes: the per-process (NVSHMEM) transport is used."""
     import jax

@@ -7,7 +7,7 @@
 #   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
 #   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
 #   (tests/test_gpu_leases.py); timeouts: waits that give up cleanly (tests/test_gpu_timeouts.py);
-#   planted: builds with planted bugs 5 to 15 (csrc/testing/mutations.h
+#   planted: builds with planted bugs 5 to 16 (csrc/testing/mutations.h
 #   lists them), each against the tests that must catch it (PLANTED="M:TEST ..."; planted.log);
 #   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
@@ -101,9 +101,10 @@ if has timeouts; then
      | tail -15) || rc=1
 fi
 if has planted; then
-  step "planted-bug check: each planted bug (csrc/testing/mutations.h: 5 to 15) must fail its tests"
+  step "planted-bug check: each planted bug (csrc/testing/mutations.h: 5 to 16) must fail its tests"
   # MUTATION:TEST pairs, each test in a process of its own (table: planted.log)
   L=tests/test_gpu_leases.py
+  P=tests/test_gpu_timeouts.py::test_the_results_of_an_op_that_gave_up_are_poisoned
   pairs="${PLANTED:-5:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
     5:$L::test_dropped_programs_give_their_slots_and_memory_back
     6:$L::test_130_low_latency_call_sites_and_two_high_throughput_in_one_program
@@ -116,7 +117,12 @@ if has planted; then
     12:tests/test_gpu_fused.py::test_fused_matmul_combine_matches_unfused
     13:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused
     14:tests/test_gpu_gemm.py::test_fp8_matches_reference
-    15:tests/test_gpu_fused.py::test_fused_grids_take_each_virtual_rank_share_of_the_sms}"
+    15:tests/test_gpu_fused.py::test_fused_grids_take_each_virtual_rank_share_of_the_sms
+    16:$P[ll_dispatch]
+    16:$P[ht_dispatch]
+    16:$P[ll_combine_split]
+    16:$P[ht_gemm_combine]
+    16:$P[moe_ffn_ht]}"
   : > "$OUT/planted.log"
   need_nvshmem4py
   built=" "

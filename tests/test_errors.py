@@ -510,6 +510,57 @@ def test_checked_raises_a_timeout_recorded_during_the_step(monkeypatch):
         jax_ep.checked(unrelated)()
 
 
+def test_a_check_of_poisoned_counts_raises_the_timeout(monkeypatch):
+    """An op whose wait gave up leaves the sentinel in its counts (docs/API.md#timeouts): its
+    check=True raises the recorded PeerTimeoutError, not a CheckError about -1 invalid ids,
+    and checked(step) hands it on (the JaxRuntimeError of the callback as its cause)."""
+    from jax_ep import _checks, _faults
+    sentinel = poison_values()[1]
+
+    def one(x, n):
+        return _checks.checked_result(x, "dispatch", {"num_invalid": n, "num_dropped": n}, "ep",
+                                      lambda v, t: f"{v} {t}")
+    f = jax.jit(jax.vmap(one, axis_name="ep"))
+    x = jnp.ones((2, 3))
+    jax.block_until_ready(f(x, jnp.zeros((2,), jnp.int32)))
+    monkeypatch.setattr(_faults, "timeout_error", _fake_timeout)
+    with pytest.raises(jax_ep.PeerTimeoutError) as info:
+        jax_ep.checked(f)(x, jnp.asarray([sentinel, 0], jnp.int32))
+    assert info.value.op == "ll_dispatch" and info.value.__cause__ is not None
+
+
+def poison_values():
+    """(byte, int32 sentinel) of the results of an op whose wait gave up: their one definition,
+    csrc/transport/poison.h."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).resolve().parent.parent / "csrc" / "transport" /
+            "poison.h").read_text()
+    byte = int(re.search(r"kByte = (0x[0-9A-Fa-f]+|\d+);", text).group(1), 0)
+    return byte, int(re.search(r"kInt = (-?\d+);", text).group(1))
+
+
+def test_the_poison_is_nan_in_every_result_dtype_and_the_sentinel_in_int32():
+    """Every byte of a poisoned result is one value: NaN in every floating dtype the ops return
+    (they move rows as bytes), the sentinel in int32; the extension exports both and docs/API.md
+    names them."""
+    import pathlib
+    byte, sentinel = poison_values()
+    for dt in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
+        a = np.frombuffer(bytes([byte]) * 8, dtype=jnp.dtype(dt))
+        assert np.isnan(a.astype(np.float32)).all(), dt
+    assert int(np.frombuffer(bytes([byte]) * 4, np.int32)[0]) == sentinel
+    ext = jax_ep.runtime.extension()
+    if ext is not None:
+        assert (int(ext.poison_byte), int(ext.poison_int)) == (byte, sentinel)
+        assert jax_ep.runtime.poison_int() == sentinel
+    else:
+        assert jax_ep.runtime.poison_int() is None
+    api = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "API.md").read_text()
+    bullet = api[api.index('<a id="timeouts"></a>'):][:4000]
+    assert "NaN" in bullet and f"is {sentinel} (" in bullet and "poison_int" in bullet
+
+
 def test_absent_ranks_checks_its_ranks():
     for bad in (-1, True, 1.0) + ((99,) if jax_ep.runtime.max_ranks() else ()):
         with pytest.raises(ValueError, match="absent_ranks"):

@@ -307,3 +307,38 @@ def test_fused_gather_reads_each_token_of_another_rank_once(R, K, L, max_dups):
     np.testing.assert_array_equal(got_src, want_src)
     np.testing.assert_array_equal(got_dups, want_dups)
     assert marked > 0 or R == 1
+
+
+def test_a_receive_that_gave_up_poisons_every_expert_major_result():
+    """The expert-major results that XLA derives from a rank-major receive whose wait gave up
+    (its kernels left NaN floats and sentinel ints, docs/API.md#timeouts) are poisoned too:
+    every float NaN, every int the sentinel. A healthy receive gives the same results with
+    and without that handling."""
+    from jax_ep import expert_layout as el
+    from jax_ep.high_throughput import DispatchHandle
+    from test_errors import poison_values
+    sentinel = poison_values()[1]
+    C, K, L, H, cap = 6, 2, 3, 4, 9
+    rng = np.random.default_rng(3)
+    ridx = jnp.asarray(rng.integers(-1, L, (C, K)), jnp.int32)
+    rw = jnp.asarray(rng.random((C, K)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((C, H)), jnp.float32)
+    i32 = lambda v, shape=(): jnp.full(shape, v, jnp.int32)  # noqa: E731
+    handle = DispatchHandle(jnp.arange(C, dtype=jnp.int32), i32(0, (C, 2)), i32(C), i32(0),
+                            i32(0))
+    for has_w in (True, False):
+        plain = el.to_expert_major(x, ridx, rw, handle, L, cap, 2, has_w)
+        kept = el.to_expert_major(x, ridx, rw, handle, L, cap, 2, has_w, sentinel)
+        jax.tree.map(np.testing.assert_array_equal, to_np(plain), to_np(kept))
+        gone = DispatchHandle(i32(sentinel, (C,)), i32(sentinel, (C, 2)), i32(sentinel),
+                              i32(sentinel), i32(sentinel))
+        res = el.to_expert_major(jnp.full((C, H), jnp.nan), i32(sentinel, (C, K)),
+                                 jnp.full((C, K), jnp.nan), gone, L, cap, 2, has_w, sentinel)
+        leaves = jax.tree_util.tree_leaves_with_path(res)
+        assert len(leaves) == (15 if has_w else 14)
+        for path, a in leaves:
+            a = np.asarray(a)
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                assert np.isnan(a).all(), jax.tree_util.keystr(path)
+            else:
+                assert (a == sentinel).all(), (jax.tree_util.keystr(path), a)

@@ -1,6 +1,7 @@
 """One run of tests/test_gpu_timeouts.py, in a process of its own (a wait that gives up ends
 every later communication op of its process): R = 2 virtual ranks on one GPU, rank 1 absent
-from the op named on the command line. Prints one JSON line: what happened."""
+from the op named on the command line. Prints one JSON line: what happened, and whether each
+result of rank 0 (whose wait gave up) holds the poison (NaN, or the int sentinel)."""
 from __future__ import annotations
 
 import json
@@ -32,6 +33,40 @@ def ll_combine(x, i, w, handle):
     return jax_ep.low_latency_combine(x, i, w, handle)
 
 
+def ll_dispatch_split(x, i):
+    p = jax_ep.low_latency_dispatch_send(x, i, num_experts=E, max_tokens_per_rank=M,
+                                         use_fp8=False)
+    return jax_ep.low_latency_dispatch_recv(p)
+
+
+def ll_combine_split(y, i, w, handle):
+    p = jax_ep.low_latency_combine_send(y, i, w, handle)
+    return p.arrays[0], jax_ep.low_latency_combine_recv(p)   # (the send's ticket, the output)
+
+
+def ht_dispatch_expert(x, i, w):
+    return jax_ep.dispatch(x, i, w, num_experts=E, layout="expert")
+
+
+def ht_gather(rows, handle):
+    """The rank-major row gather alone (combine's transpose)."""
+    from jax_ep import high_throughput as ht
+    return ht._gather_core(rows, handle, ht._Config(E, handle.recv_src.shape[0], "ep", "cuda"))
+
+
+def moe_weights():
+    I = 128
+    wgu = jnp.asarray(rng.standard_normal((R, E // R, H, 2 * I)) / 16, jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((R, E // R, I, H)) / 16, jnp.bfloat16)
+    return wgu, wd
+
+
+def moe(mode, fused=False):
+    def layer(x, i, w, wgu, wd):
+        return jax_ep.moe_ffn(x, i, w, wgu, wd, num_experts=E, mode=mode, fused=fused)
+    return layer
+
+
 def ht_dispatch(x, i, w):
     return jax_ep.dispatch(x, i, w, num_experts=E)
 
@@ -47,7 +82,7 @@ def ht_gather_gemm(x, rows_src, sizes, wgu):
     fcfg = fused._GatherMatmulConfig(ht._Config(E, C, "ep", "cuda"), K, 0)
     unused = jnp.zeros((C,), jnp.int32)   # the backward's residuals
     no_dups = jnp.zeros((C, 0), jnp.int32)
-    return fused._gather_matmul(x, wgu, rows_src, no_dups, sizes, unused, unused, unused, fcfg)[1]
+    return fused._gather_matmul(x, wgu, rows_src, no_dups, sizes, unused, unused, unused, fcfg)
 
 
 def ht_gemm_combine(a, sizes, wd, row_of, weights, send_rows):
@@ -56,7 +91,7 @@ def ht_gemm_combine(a, sizes, wd, row_of, weights, send_rows):
     from jax_ep import fused, high_throughput as ht
     ccfg = fused._GemmCombineConfig(ht._Config(0, row_of.shape[0], "ep", "cuda"), K, 0)
     rank = types.SimpleNamespace(send_rows=send_rows)
-    return fused._gemm_combine_call(a, wd, weights, sizes, row_of, rank, ccfg)[1]
+    return fused._gemm_combine_call(a, wd, weights, sizes, row_of, rank, ccfg)
 
 
 run = lambda fn: jax.jit(testing.virtual_ranks(fn, R))  # noqa: E731
@@ -91,12 +126,52 @@ elif op == "ht_gemm_combine":
     send_rows = jnp.asarray(np.stack([np.tile((q * T + np.arange(T))[:, None], (1, R))
                                       for q in range(R)]), jnp.int32)
     f, args = run(ht_gemm_combine), (a, sizes, wd, row_of, weights, send_rows)
+elif op == "ll_dispatch_split":
+    f, args = run(ll_dispatch_split), (x, idx)
+elif op == "ll_combine_split":
+    r = jax.block_until_ready(run(ll_dispatch)(x, idx))
+    f, args = run(ll_combine_split), (r.recv_x.astype(jnp.bfloat16), idx, w, r.handle)
+elif op == "ht_dispatch_expert":
+    f, args = run(ht_dispatch_expert), (x, idx, w)
+elif op == "ht_gather":
+    r = jax.block_until_ready(run(ht_dispatch)(x, idx, w))
+    f, args = run(ht_gather), (x, r.handle)
+elif op in ("moe_ffn_ht", "moe_ffn_ll", "moe_ffn_fused"):
+    mode = "low_latency" if op == "moe_ffn_ll" else "high_throughput"
+    f, args = run(moe(mode, fused=op == "moe_ffn_fused")), (x, idx, w) + moe_weights()
 else:
     raise SystemExit(f"unknown op {op}")
 
+
+def poisoned(results):
+    """{result path: (kind, all of rank 0's values poisoned, its first values)}."""
+    sentinel = jax_ep.runtime.poison_int()
+    report = {}
+    for path, a in jax.tree_util.tree_leaves_with_path(results):
+        a0 = np.asarray(a[0])
+        if a0.size == 0:
+            continue
+        if jnp.issubdtype(a0.dtype, jnp.floating):
+            kind, ok = "float", bool(np.isnan(a0.astype(np.float32)).all())
+        else:
+            kind, ok = "int", bool((a0 == sentinel).all())
+        report[jax.tree_util.keystr(path)] = (kind, ok, a0.reshape(-1)[:4].astype(float).tolist())
+    return report
+
+
+def scribble():
+    """Fill device memory with 0x11 bytes and free it: a result left unwritten (in memory the
+    allocator hands out again) then holds neither NaN nor the sentinel."""
+    for _ in range(4):
+        jax.block_until_ready(jnp.full((64 << 20,), 0x11, jnp.uint8)).delete()
+
+
 out = {"op": op}
-jax.block_until_ready(f(*args))  # compiled, and every rank present: no timeout
+healthy = jax.block_until_ready(f(*args))  # compiled, and every rank present: no timeout
 out["healthy_error"] = None if jax_ep._faults.timeout_error() is None else "recorded"
+out["healthy"] = poisoned(healthy)   # (nothing poisoned: the check itself is sound)
+del healthy
+scribble()
 t0 = time.monotonic()
 try:
     with testing.absent_ranks([1]):
@@ -104,10 +179,12 @@ try:
         first = f(*args)
         second = f(*args)
         jax.block_until_ready((first, second))
+    out["absent_seconds"] = time.monotonic() - t0
     out["absent_run"] = "returned"
+    out["poison"] = {"first": poisoned(first), "second": poisoned(second)}
 except Exception as e:  # noqa: BLE001 - a kernel that traps (planted bug 8): a CUDA error
     out["absent_run"] = f"{type(e).__name__}: {e}"[:400]
-out["absent_seconds"] = time.monotonic() - t0
+out.setdefault("absent_seconds", time.monotonic() - t0)
 err = jax_ep._faults.timeout_error()
 if err is not None:
     out["error"] = {"type": type(err).__name__, "op": err.op, "rank": err.rank,

@@ -9,6 +9,7 @@
 #include "kernels/ht_common.cuh"
 #include "kernels/expert_ids.cuh"
 #include "runtime/virtual_ranks.h"
+#include "transport/poison.cuh"
 
 namespace jax_ep {
 namespace ht {
@@ -390,10 +391,11 @@ struct CopyArgs {
   int64_t Hb;
   uint8_t* recv_x;
   float* recv_scales;
+  poison::Outputs outputs;  // every result of the op (the dispatch: the layout kernel's too)
 };
 
 template <bool kGather>
-__global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
+__device__ __forceinline__ void copy_rows(const CopyArgs& a) {
   const PeerSlots& ps = a.ps;
   const int R = ps.num_ranks, tid = threadIdx.x, lane = tid & 31;
   const unsigned long long e = call_epoch(ps);
@@ -471,6 +473,13 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
               trace::kCopyAllBlocksArrived);
 }
 
+// The op's last kernel: every block, also one that ended early, leaves through the poison step.
+template <bool kGather>
+__global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(CopyArgs a) {
+  copy_rows<kGather>(a);
+  poison::leave(a.ps, a.outputs);
+}
+
 // ------------------------------------------------------------------------------------------
 // Combine: one warp per token, f32 accumulation over ranks q = 0..R-1 in order.
 // ------------------------------------------------------------------------------------------
@@ -538,7 +547,7 @@ struct Vec<__half> {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a) {
+__device__ __forceinline__ void combine(const CombineArgs& a) {
   using V = Vec<T>;
   constexpr int EPV = V::kElems;
   constexpr int U = combine_unroll<T>();
@@ -638,6 +647,17 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineArgs a)
   end_barrier(ps, e, a.timeout_ns, "ht_combine: end barrier", trace::kCombineAllBlocksArrived);
 }
 
+// The combine and its result, poisoned by the last block out when a wait gave up.
+struct CombineLaunch {
+  CombineArgs a;
+  poison::Outputs outputs;
+};
+template <typename T>
+__global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(CombineLaunch k) {
+  combine<T>(k.a);
+  poison::leave(k.a.ps, k.outputs);
+}
+
 }  // namespace
 
 LayoutPlan plan_layout(int R, int T, int max_blocks) {
@@ -667,8 +687,18 @@ void launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
                                   "high-throughput copy", a.num_blocks, kCopyThreads, 0);
   if (!layout_ok || !copy_ok) return;
   dispatch_layout_kernel<<<layout_grid, kLayoutThreads, smem, stream>>>(a);
-  CopyArgs c{a.ps, a.timeout_ns, a.x,  a.recv_src, a.stats,      a.T,
-             a.C,  a.G,          a.Hb, a.recv_x,   a.recv_scales};
+  CopyArgs c{a.ps, a.timeout_ns, a.x,  a.recv_src, a.stats,       a.T,
+             a.C,  a.G,          a.Hb, a.recv_x,   a.recv_scales, {}};
+  // The copy kernel is the dispatch's last: it poisons the layout kernel's results too.
+  const int64_t C = a.C, K = a.K;
+  poison::add(c.outputs, a.recv_x, C * a.Hb);
+  poison::add(c.outputs, a.recv_scales, C * a.G * 4);
+  poison::add(c.outputs, a.recv_topk_idx, C * K * 4);
+  poison::add(c.outputs, a.recv_topk_weights, C * K * 4);
+  poison::add(c.outputs, a.recv_src, C * 4);
+  poison::add(c.outputs, a.send_rows, static_cast<int64_t>(a.T) * a.ps.num_ranks * 4);
+  poison::add(c.outputs, a.recv_tokens_per_expert, static_cast<int64_t>(a.L) * 4);
+  poison::add(c.outputs, a.stats, 4 * 4);
   copy_rows_kernel<false><<<a.num_blocks, kCopyThreads, 0, stream>>>(c);
 }
 
@@ -676,7 +706,9 @@ void launch_gather(const GatherArgs& a, cudaStream_t stream) {
   if (!may_launch(reinterpret_cast<const void*>(copy_rows_kernel<true>), "high-throughput gather",
                   a.num_blocks, kCopyThreads, 0))
     return;
-  CopyArgs c{a.ps, a.timeout_ns, a.x, a.recv_src, a.stats, a.T, a.C, 0, a.Hb, a.recv_x, nullptr};
+  CopyArgs c{a.ps, a.timeout_ns, a.x,      a.recv_src, a.stats, a.T, a.C,
+             0,    a.Hb,         a.recv_x, nullptr,    {}};
+  poison::add(c.outputs, a.recv_x, static_cast<int64_t>(a.C) * a.Hb);
   copy_rows_kernel<true><<<a.num_blocks, kCopyThreads, 0, stream>>>(c);
 }
 
@@ -685,7 +717,9 @@ void launch_combine_as(const CombineArgs& a, cudaStream_t stream) {
   if (!may_launch(reinterpret_cast<const void*>(combine_kernel<V>), "high-throughput combine",
                   a.num_blocks, kCopyThreads, 0))
     return;
-  combine_kernel<V><<<a.num_blocks, kCopyThreads, 0, stream>>>(a);
+  CombineLaunch k{a, {}};
+  poison::add(k.outputs, a.out, static_cast<int64_t>(a.T) * a.H * static_cast<int64_t>(sizeof(V)));
+  combine_kernel<V><<<a.num_blocks, kCopyThreads, 0, stream>>>(k);
 }
 
 void launch_combine(const CombineArgs& a, cudaStream_t stream) {

@@ -79,6 +79,7 @@ struct DispatchParams {
   int diag;  // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
   int64_t hdr_bytes, row_bytes, area_bytes;
   int64_t timeout_ns;
+  poison::Outputs outputs;  // set by launch_dispatch: the results of this kernel's phases
 };
 
 struct CombineParams {
@@ -108,6 +109,7 @@ struct CombineParams {
   int min_partial;
   int diag;  // JAX_EP_LL_DIAG=1: per-warp diagnostic timestamps (diag_max)
   int64_t timeout_ns;
+  poison::Outputs outputs;  // set by launch_combine: the results of this kernel's phases
 };
 
 // Blocks of the LL dispatch / combine kernels on `device` (three quarters of its SMs / all but

@@ -12,7 +12,8 @@
 //
 // Bugs 1 to 8 sit in code that every one-process run executes, 9 and 10 in per-process code
 // only, 11 to 13 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
-// multi-rank mode. Plain C++ (constants only): host code and kernels include it.
+// multi-rank mode, 16 in every communication kernel's failure path. Plain C++ (constants
+// only): host code and kernels include it.
 #pragma once
 
 #ifndef JAX_EP_MUTATION
@@ -66,7 +67,10 @@ enum Bug : int {
   // the fused kernels' grids in the one-GPU multi-rank mode: the rank's share of the SMs divided
   // by R once more (fused_split, ffi/high_throughput.cc)
   kFusedShareTwice = 15,
-  kLast = kFusedShareTwice,
+  // an op whose wait gave up leaves its results as they are: the poison fill does nothing
+  // (poison::fill, transport/poison.cuh)
+  kSkipPoison = 16,
+  kLast = kSkipPoison,
 };
 
 // The bug this build carries (0: none).

@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "transport/peer.cuh"
+#include "transport/poison.cuh"
 
 namespace jax_ep {
 namespace push {
@@ -140,8 +141,12 @@ __device__ __forceinline__ void signal_freed(const PeerSlots& ps, int s, unsigne
 // and after it read send_epoch, so the resets cannot overtake them; the next kernel on the
 // stream sees them by kernel order. At R = 4 the fence before the count cost the dispatch
 // ~0.3 us, the last block's two fences ~0.6 us (the combine ~1.4 us; docs/design.md#no-fences).
-__device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode, unsigned long long es) {
+// Then, when a wait on the device gave up, that block fills the kernel's results (`outputs`,
+// transport/poison.cuh): one load of the latch, after the count returned, on the healthy path.
+__device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode, unsigned long long es,
+                                             const poison::Outputs& outputs) {
   __syncthreads();
+  bool poison = false;
   if (threadIdx.x == 0) {
     Slot* me = ps.slot[ps.rank];
     const unsigned int prev = atomicAdd(&me->exit_counter, 1u);
@@ -149,8 +154,10 @@ __device__ __forceinline__ void leave_kernel(const PeerSlots& ps, int mode, unsi
       for (int i = 0; i < kNumPhases; ++i) me->work[i] = 0;
       me->exit_counter = 0;
       if (mode & kModeSend) me->send_epoch = es;
+      poison = poison::device_gave_up(ps);
     }
   }
+  poison::fill_if(poison, outputs);
 }
 
 }  // namespace push

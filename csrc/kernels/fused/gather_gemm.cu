@@ -29,6 +29,7 @@
 
 #include "kernels/fused/tiles.cuh"
 #include "testing/mutations.h"
+#include "transport/poison.cuh"
 
 namespace jax_ep {
 namespace fused {
@@ -42,6 +43,7 @@ static_assert(kBlockM % kChunkRows == 0, "a chunk never straddles two row blocks
 struct Params {
   TileParams tiles;
   GatherGemmArgs a;
+  poison::Outputs outputs;  // xe and h, filled when a wait on the device gave up
 };
 
 constexpr const char* kPhasePeers = "ht_gather_gemm: wait for peers";
@@ -181,6 +183,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           [](bool) {}))
     zero_past_segments(a);
   if (ends_call) end_wait(a.ps, e, a.timeout_ns, kPhaseEnd);
+  // The tiles' TMA stores complete before the block counts itself out: a fill must land after.
+  bulk_stores_complete();
+  poison::leave(a.ps, p.outputs);
 }
 
 }  // namespace
@@ -189,6 +194,8 @@ std::string launch(const GatherGemmArgs& a, cudaStream_t stream) {
   Params p{};
   p.a = a;
   p.tiles = tile_params(TileProblem{a.sizes, a.C, a.L, a.H, a.N}, a.xe, a.w, a.h);
+  poison::add(p.outputs, a.xe, a.C * a.H * 2);
+  poison::add(p.outputs, a.h, a.C * a.N * 2);
   return launch_kernel(&gather_gemm_kernel, "fused gather + GEMM", a.copy_blocks + a.gemm_blocks, p,
                        stream);
 }

@@ -30,6 +30,7 @@
 
 #include "kernels/fused/tiles.cuh"
 #include "testing/mutations.h"
+#include "transport/poison.cuh"
 
 namespace jax_ep {
 namespace fused {
@@ -44,6 +45,7 @@ constexpr int kGroup = 8;          // rows loaded at once (kGroup * kUnroll load
 struct Params {
   TileParams tiles;
   GemmCombineArgs a;
+  poison::Outputs outputs;  // ye and out, filled when a wait on the device gave up
 };
 
 // What every rank published, for each rank.
@@ -279,8 +281,7 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
   zero_past_segments(a, pv.end[a.ps.rank]);
 }
 
-__global__ void __launch_bounds__(kThreads, 1)
-    gemm_combine_kernel(const __grid_constant__ Params p) {
+__device__ __forceinline__ void gemm_combine(const Params& p) {
   const GemmCombineArgs& a = p.a;
   const unsigned long long e = call_epoch(a.ps);
   __shared__ PeerView pv;
@@ -309,12 +310,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   tile_role(p, shared_storage(smem_raw), pv);
 }
 
+// Every block, also one that ended early, leaves through the poison step, its TMA stores
+// complete first (a fill must land after them).
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_combine_kernel(const __grid_constant__ Params p) {
+  gemm_combine(p);
+  bulk_stores_complete();
+  poison::leave(p.a.ps, p.outputs);
+}
+
 }  // namespace
 
 std::string launch(const GemmCombineArgs& a, cudaStream_t stream) {
   Params p{};
   p.a = a;
   p.tiles = tile_params(TileProblem{a.sizes, a.C, a.L, a.I, a.N}, a.a, a.w, a.ye);
+  poison::add(p.outputs, a.ye, a.C * a.N * 2);
+  poison::add(p.outputs, a.out, a.T * a.N * 2);
   return launch_kernel(&gemm_combine_kernel, "fused GEMM + combine",
                        a.combine_blocks + a.gemm_blocks, p, stream);
 }

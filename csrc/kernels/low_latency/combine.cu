@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   if (lane == 0) diag_max(ps, p.diag, trace::kDiagKernelExit);
-  push::leave_kernel(ps, p.mode, es);
+  push::leave_kernel(ps, p.mode, es, p.outputs);
 }
 
 }  // namespace
@@ -439,7 +439,12 @@ int combine_grid_size(int device) {
 cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream) {
   const int vw = vec_bytes(
       {(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.y), reinterpret_cast<uintptr_t>(p.out)});
-  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(combine_kernel, vw), "low-latency combine", grid, p, stream);
+  // The results a wait that gave up poisons (transport/poison.cuh).
+  CombineParams q = p;
+  q.outputs = {};
+  if (p.mode & push::kModeSend) poison::add(q.outputs, p.ticket, 4);
+  if (p.mode & push::kModeRecv) poison::add(q.outputs, p.out, static_cast<int64_t>(p.T) * p.H * 2);
+  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(combine_kernel, vw), "low-latency combine", grid, q, stream);
   return cudaGetLastError();
 }
 

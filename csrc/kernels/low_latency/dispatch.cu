@@ -626,7 +626,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   if (lane == 0) diag_max(ps, p.diag, trace::kDiagKernelExit);
-  push::leave_kernel(ps, p.mode, es);
+  push::leave_kernel(ps, p.mode, es, p.outputs);
 }
 
 }  // namespace
@@ -646,7 +646,20 @@ cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stre
   const int vw = p.use_fp8 ? 16
                            : vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.x),
                                         reinterpret_cast<uintptr_t>(p.recv_x)});
-  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(dispatch_kernel, vw), "low-latency dispatch", grid, p,
+  // The results a wait that gave up poisons (transport/poison.cuh).
+  DispatchParams q = p;
+  q.outputs = {};
+  const int64_t RM = static_cast<int64_t>(p.ps.num_ranks) * p.M, LRM = p.L * RM;
+  if (p.mode & push::kModeSend) poison::add(q.outputs, p.stats, 2 * 4);
+  if (p.mode & push::kModeRecv) {
+    poison::add(q.outputs, p.recv_x, LRM * p.H * (p.use_fp8 ? 1 : 2));
+    poison::add(q.outputs, p.recv_scales, LRM * p.G * 4);
+    poison::add(q.outputs, p.recv_count, static_cast<int64_t>(p.L) * 4);
+    poison::add(q.outputs, p.recv_src, LRM * 4);
+    poison::add(q.outputs, p.recv_slot, LRM * 4);
+    poison::add(q.outputs, p.src_rows, RM * p.K * 4);
+  }
+  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(dispatch_kernel, vw), "low-latency dispatch", grid, q,
                stream);
   return cudaGetLastError();
 }
