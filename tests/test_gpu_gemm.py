@@ -245,7 +245,9 @@ def test_weight_gradient_accumulates_into_acc(dtype, kind):
         temps[accumulate] = c.memory_analysis().temp_size_in_bytes
         if accumulate:
             out = c(b)
-    assert temps[False] - temps[True] >= one_set, (temps, one_set)
+    # the plain loop holds the fresh gradient beside the sum; the accumulating one only its
+    # GEMM workspace
+    assert temps[False] >= one_set > 4 * temps[True], (temps, one_set)
     total = want.astype(jnp.float32) - acc.astype(jnp.float32)   # one pass's gradient
     assert _rel(out, 3 * total) < 2e-2
 

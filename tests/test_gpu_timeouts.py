@@ -81,6 +81,10 @@ NOT_POISONED = {
     "ll_dispatch": {".handle.topk_idx"},
     "ll_dispatch_split": {".handle.topk_idx"},
 }
+# The layer's extra-pass loop reads its trip count on the host in the middle of the step: when
+# the first pass's wait gave up by then, the next handler raises the timeout from the step
+# (which of the two happens depends on the host's pace).
+MAY_RAISE_IN_THE_STEP = {"moe_ffn_ht", "moe_ffn_fused"}
 NOT_POISONED_FIRST = {
     "ll_dispatch_split": {".handle.num_invalid"},
     "ll_combine_split": {"[0]"},
@@ -99,6 +103,11 @@ def test_the_results_of_an_op_that_gave_up_are_poisoned(op):
     _skip_unless_runnable(op)
     out = _child(op)
     print(json.dumps({k: out.get(k) for k in ("healthy", "poison")}, indent=1))
+    if op in MAY_RAISE_IN_THE_STEP and out["absent_run"] != "returned":
+        # no numbers at all: the step itself raised the timeout
+        assert "timed out" in out["absent_run"] and "JAX_EP_TIMEOUT_S" in out["absent_run"], \
+            out["absent_run"]
+        return
     assert out["absent_run"] == "returned", out["absent_run"]
     assert not [k for k, (kind, bad, _) in out["healthy"].items() if kind == "float" and bad]
     for call in ("first", "second"):
