@@ -636,18 +636,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Work is taken by tickets, so blocks that are not resident only cost time.
 // The dispatch: three quarters of the SMs. At R = 4 on H200 it took 26.9 us on 99 blocks and
 // 29.0 on 132 (docs/design.md#grid-sizes).
-int dispatch_grid_size(int device) {
-  const int sms = jax_ep::sm_count(device);
-  return sms * 3 / 4 > 0 ? sms * 3 / 4 : (sms > 0 ? 1 : 0);
-}
+int dispatch_grid_size(int sms) { return sms * 3 / 4 > 0 ? sms * 3 / 4 : (sms > 0 ? 1 : 0); }
 
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream) {
   // V: the BF16 payload copies (x rows, recv_x rows); FP8 rows always move as 16-byte vectors.
   const int vw = p.use_fp8 ? 16
                            : vec_bytes({(uintptr_t)(2 * p.H), reinterpret_cast<uintptr_t>(p.x),
                                         reinterpret_cast<uintptr_t>(p.recv_x)});
-  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(dispatch_kernel, vw), "low-latency dispatch", grid, p,
-               stream);
+  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(dispatch_kernel, vw), "low-latency dispatch", grid, kThreads,
+               0, stream, p);
   return cudaGetLastError();
 }
 
