@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/workspace.h"
+#include "common/limits.h"  // Workspace, kNumSlots
 
 namespace jax_ep {
 namespace sym {
@@ -25,7 +25,8 @@ bool active();
 int my_pe();
 int n_pes();
 
-// Attach to the NVSHMEM runtime that the caller (nvshmem4py) initialised in this process:
+// Attach to the NVSHMEM runtime that the caller (nvshmem4py) initialised in this process (through
+// runtime/mode.h attach_per_process, which then sets up the fault record of this process's GPU):
 // resolve its host library, register this module's NVSHMEM device state with it, allocate and
 // zero the arena (collective: every PE calls it with the same size), then barrier. Throws
 // std::runtime_error with a message saying what to do on failure. Idempotent.
