@@ -16,6 +16,7 @@
 #include "runtime/device.h"
 #include "runtime/fault.h"
 #include "runtime/lease.h"
+#include "runtime/mode.h"
 #include "runtime/virtual_ranks.h"
 #include "runtime/workspace.h"
 #include "transport/trace_marks.h"
@@ -28,9 +29,13 @@ void bind_runtime(nb::module_& m) {
   // Blocking native calls release the GIL (nb::call_guard, or a scoped release): a running
   // step may be waiting on a host callback that needs it.
   using release_gil = nb::call_guard<nb::gil_scoped_release>;
-  m.def("init_group", &jax_ep::init_group, nb::arg("devices"), release_gil(),
-        "Allocate the workspaces of one EP group (CUDA ordinals in axis order) and enable peer "
-        "access between its devices.");
+  m.def(
+      "init_groups",
+      [](const std::vector<std::vector<int>>& table) { current_mode().init_groups(table); },
+      nb::arg("table"), release_gil(),
+      "The workspaces of these EP groups (each a row of group-table entries in axis order: "
+      "CUDA ordinals, virtual ids or PEs), as the process mode makes them "
+      "(csrc/runtime/mode.h); groups already set up are skipped.");
   m.def("virtual_id", &jax_ep::virtual_id, nb::arg("device"), nb::arg("rank"),
         "Group-table id of virtual rank `rank` on CUDA device `device` (the one-GPU "
         "multi-rank mode, csrc/runtime/virtual_ranks.h).");
@@ -123,13 +128,13 @@ void bind_runtime(nb::module_& m) {
   m.def("sym_active", &jax_ep::sym::active);
   m.def("sym_my_pe", &jax_ep::sym::my_pe);
   m.def("sym_n_pes", &jax_ep::sym::n_pes);
-  m.def("sym_attach", &jax_ep::sym::attach, nb::arg("arena_bytes"), release_gil(),
-        "Attach to the NVSHMEM runtime initialised in this process (collective): register the "
-        "module's device state, allocate and zero the symmetric arena.");
+  m.def("sym_attach", &jax_ep::attach_per_process, nb::arg("arena_bytes"), release_gil(),
+        "Enter the per-process mode (csrc/runtime/mode.h): attach to the NVSHMEM runtime "
+        "initialised in this process (collective): register the module's device state, "
+        "allocate and zero the symmetric arena.");
   m.def("sym_self_test", &jax_ep::sym::self_test, release_gil(),
         "Collective: [device my_pe, device n_pes, token received, token expected, next PE "
         "mapped] from a kernel of this module calling NVSHMEM device functions.");
-  m.def("sym_init_groups", &jax_ep::sym::init_groups, nb::arg("table"), release_gil());
   m.def("sym_remote_pes", &jax_ep::sym::remote_pes,
         "PEs reached only through NVSHMEM operations (no load/store mapping)");
   m.def("sym_arena_bytes", &jax_ep::sym::arena_bytes);

@@ -70,12 +70,7 @@ def group_table(mesh, axis_name) -> np.ndarray:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {names}")
     devs = np.asarray(mesh.devices)
     devs = np.moveaxis(devs, names.index(axis_name), -1)
-    if runtime.per_process():
-        ident = lambda d: int(d.process_index)  # noqa: E731
-    else:
-        ident = lambda d: int(d.local_hardware_id if d.local_hardware_id is not None  # noqa: E731
-                              else d.id)
-    ids = np.vectorize(ident)(devs)
+    ids = np.vectorize(runtime.member_id)(devs)
     return ids.reshape(-1, devs.shape[-1]).astype(np.int64)
 
 

@@ -231,31 +231,34 @@ def per_process() -> bool:
     return jax.process_count() > 1
 
 
+def member_id(device) -> int:
+    """The entry of a JAX device in the EP group tables of this process mode: its process
+    index (= NVSHMEM PE) with several processes, else its CUDA ordinal. (The one-GPU
+    multi-rank mode's tables name virtual ids instead: `_C.virtual_id`.)"""
+    if per_process():
+        return int(device.process_index)
+    return int(device.local_hardware_id if device.local_hardware_id is not None else device.id)
+
+
 def ensure_peer_runtime(devices, groups=None) -> None:
     """Workspaces and peer access for these EP groups (idempotent).
 
-    devices: the jax devices involved; groups: [num_groups, R] CUDA ordinals (default: all
-    devices as one group).
+    devices: the jax devices involved; groups: [num_groups, R] group-table entries (default:
+    all devices as one group, `member_id` of each). With several processes, NVSHMEM is
+    initialised first (the per-process mode). The extension's process mode makes the
+    workspaces (csrc/runtime/mode.h).
     """
     ext = _load_extension()
     if ext is None:
         raise RuntimeError("jax_ep: backend='cuda' needs the CUDA extension, which is not built")
-    import jax
-
-    if jax.process_count() > 1:
+    if per_process():
         from jax_ep import per_process as pp
 
         pp.initialize(ext, timeout_ns() / 1e9)
-        if groups is None:
-            groups = [[int(d.process_index) for d in devices]]
-        with _lock:
-            ext.sym_init_groups([[int(v) for v in g] for g in groups])
-        return
     if groups is None:
-        groups = [[int(d.local_hardware_id) for d in devices]]
+        groups = [[member_id(d) for d in devices]]
     with _lock:
-        for g in groups:
-            ext.init_group([int(v) for v in g])
+        ext.init_groups([[int(v) for v in g] for g in groups])
 
 
 def initialize(devices: Sequence[jax.Device] | None = None) -> None:

@@ -1,10 +1,9 @@
 #include "ffi/group.h"
 
-#include "nvshmem/symmetric.h"
-#include "runtime/fault.h"
-#include "runtime/virtual_ranks.h"
+#include <string>
 
-#include <sstream>
+#include "runtime/fault.h"
+#include "runtime/mode.h"
 
 namespace jax_ep {
 
@@ -25,17 +24,12 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
         ffi::ErrorCode::kFailedPrecondition,
         "jax_ep: no fault record on device " + std::to_string(device) +
             " (set up with the EP group's workspace, init_group or sym::attach: was it skipped?)");
-  // One process over all GPUs: the table names CUDA ordinals. Per-process mode: it names PEs.
-  // One-GPU multi-rank mode: it names the virtual ranks on this device (virtual_ranks.h).
-  const bool per_process = sym::active();
-  const VirtualRank* vr = virtual_rank();
-  if (vr != nullptr && (per_process || vr->num_ranks != group_size))
-    return ffi::Error::InvalidArgument(
-        per_process ? "jax_ep: the one-GPU multi-rank mode runs in one process"
-                    : "jax_ep: the stacked operands name " + std::to_string(vr->num_ranks) +
-                          " virtual ranks, the EP group has " + std::to_string(group_size));
-  const int64_t self =
-      per_process ? sym::my_pe() : (vr != nullptr ? virtual_id(device, vr->rank) : device);
+  // The table names CUDA ordinals, PEs or virtual ranks: the process mode says which entry is
+  // this rank, and where each member's workspace is (runtime/mode.h).
+  const Mode& mode = current_mode();
+  int64_t self = -1;
+  if (std::string why = mode.self_id(device, group_size, &self); !why.empty())
+    return ffi::Error::InvalidArgument(why);
   const int64_t n = static_cast<int64_t>(groups.size());
   for (int64_t i = 0; i < n; ++i) {
     if (groups[i] != self) continue;
@@ -46,41 +40,22 @@ ffi::Error resolve_group(int device, ffi::Span<const int64_t> groups, int64_t gr
     out->peers.rank = static_cast<int>(i % group_size);
     const int64_t* members = groups.begin() + g * group_size;
     for (int r = 0; r < group_size; ++r) {
-      const int d = static_cast<int>(members[r]);
       std::string why;
       bool remote = false;
-      Workspace* ws = per_process ? sym::group_workspace(members, static_cast<int>(group_size), r,
-                                                         &remote, &why)
-                                  : group_workspace(members, static_cast<int>(group_size), d);
-      out->peers.pe[r] = d;
+      Workspace* ws = mode.workspace(members, static_cast<int>(group_size), r, &remote, &why);
+      out->peers.pe[r] = static_cast<int>(members[r]);
       if (remote) {  // reached through NVSHMEM kernels (nvshmem/remote.h), never directly
         out->peers.remote |= 1u << r;
         out->peers.slot[r] = nullptr;
         continue;
       }
-      if (ws == nullptr) {
-        std::ostringstream os;
-        if (per_process)
-          os << "jax_ep: PE " << self << ": " << why;
-        else
-          os << "jax_ep: no workspace on device " << d
-             << " for this EP group (the lowering initialises it: was it skipped?)";
-        return ffi::Error(ffi::ErrorCode::kFailedPrecondition, os.str());
-      }
+      if (ws == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, why);
       out->peers.slot[r] = &ws->slots[slot];
     }
     return ffi::Error::Success();
   }
-  std::ostringstream os;
-  if (per_process)
-    os << "jax_ep: PE " << self << " is not in the EP group table of this op";
-  else if (vr != nullptr)
-    os << "jax_ep: the virtual ranks of this op were set up on device "
-       << (n > 0 ? id_device(static_cast<int>(groups[0])) : -1) << " (at lowering), but it runs on"
-       << " device " << device << "; the one-GPU multi-rank mode runs on one device";
-  else
-    os << "jax_ep: device " << device << " is not in the EP group table of this op";
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, os.str());
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    mode.not_a_member(device, self, groups.begin(), n));
 }
 
 ffi::Error decode_peer_row(const char* op, const char* what, ffi::Span<const int64_t> table,

@@ -1,13 +1,13 @@
-#include <algorithm>
-// jax_ep_ht_dispatch / jax_ep_ht_gather / jax_ep_ht_combine: decode, validate shapes (host-side,
-// cheap), launch. Operands, results and attributes: docs/ffi.md. Kernels:
-// csrc/kernels/high_throughput.cu.
+// jax_ep_ht_dispatch / jax_ep_ht_gather / jax_ep_ht_combine and the fused jax_ep_ht_gather_gemm
+// / jax_ep_ht_gemm_combine: decode, validate shapes (host-side, cheap), launch. Operands, results
+// and attributes: docs/ffi.md. Kernels: csrc/kernels/high_throughput.cu, csrc/kernels/fused/.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
-#include <utility>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ffi/group.h"
@@ -17,9 +17,9 @@
 #include "kernels/fused/gather_gemm.h"
 #include "kernels/fused/gemm_combine.h"
 #include "kernels/high_throughput.cuh"
+#include "nvshmem/remote.h"
 #include "runtime/device.h"
 #include "runtime/virtual_ranks.h"
-#include "nvshmem/remote.h"
 #include "testing/mutations.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,15 +35,34 @@ namespace {
 
 constexpr int64_t kMaxInt = jax_ep::kInt32Max;
 
-ffi::Error common_checks(const char* op, int64_t timeout_ns, int64_t num_blocks,
-                         const jax_ep::SiteState* st) {
+// Attributes every HT op carries: the lowering adds groups, group_size, site, timeout_ns and
+// stage_bytes (jax_ep/_ffi.py; stage_bytes is the per-process staging size, 0 in one process);
+// num_blocks is the op's grid (jax_ep.set_num_blocks). The call site's slot and staging buffers
+// come from its lease (ffi/site_state.h); site and stage_bytes are read there, at instantiate.
+// An op with one attribute more binds a struct that extends this one with it (XLA decodes a
+// struct from exactly the attributes of the call, by name).
+struct HtAttrs {
+  ffi::Span<const int64_t> groups;
+  int64_t group_size, site, timeout_ns, stage_bytes, num_blocks;
+};
+struct HtDispatchAttrs : HtAttrs {
+  int64_t num_experts;  // E: a positive multiple of group_size
+};
+struct HtGatherGemmAttrs : HtAttrs {
+  int64_t copy_blocks;  // blocks that gather the rows (0: auto), beside the GEMM tiles
+};
+struct HtGemmCombineAttrs : HtAttrs {
+  int64_t combine_blocks;  // blocks that combine the rows (0: auto), beside the GEMM tiles
+};
+
+ffi::Error common_checks(const char* op, const HtAttrs& a, const jax_ep::SiteState* st) {
   if (st == nullptr || st->lease == nullptr)
     return ffi::Error::Internal(std::string(op) + ": no call-site state (instantiate stage)");
-  if (timeout_ns <= 0) return jax_ep::op_error(op, "timeout_ns must be positive");
-  if (num_blocks < 1 || num_blocks > jax_ep::kMaxNumBlocks)
+  if (a.timeout_ns <= 0) return jax_ep::op_error(op, "timeout_ns must be positive");
+  if (a.num_blocks < 1 || a.num_blocks > jax_ep::kMaxNumBlocks)
     return jax_ep::op_error(op, "num_blocks must be in [1, " +
                                     std::to_string(jax_ep::kMaxNumBlocks) + "], got " +
-                                    std::to_string(num_blocks));
+                                    std::to_string(a.num_blocks));
   return ffi::Error::Success();
 }
 
@@ -203,18 +222,18 @@ ffi::Error HtDispatchImpl(
     ffi::Result<ffi::Buffer<ffi::S32>> recv_src, ffi::Result<ffi::Buffer<ffi::S32>> send_rows,
     ffi::Result<ffi::Buffer<ffi::S32>> recv_tokens_per_expert,
     ffi::Result<ffi::Buffer<ffi::S32>> stats, ffi::Result<ffi::Buffer<ffi::S32>> scratch,
-    ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ns,
-    int64_t num_blocks, int64_t num_experts, int64_t stage_bytes, jax_ep::SiteState* st) {
+    HtDispatchAttrs at, jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_dispatch";
-  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, at, st));
   jax_ep::GroupInfo gi;
-  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
-  const int64_t R = group_size;
-  if (num_experts < R || num_experts % R != 0 || num_experts > kMaxInt)
+  JAX_EP_RETURN_IF_ERROR(
+      jax_ep::resolve_group(device, at.groups, at.group_size, st->lease->slot, &gi));
+  const int64_t R = at.group_size;
+  if (at.num_experts < R || at.num_experts % R != 0 || at.num_experts > kMaxInt)
     return ffi::Error::InvalidArgument(
-        std::string(op) + ": num_experts (" + std::to_string(num_experts) +
+        std::string(op) + ": num_experts (" + std::to_string(at.num_experts) +
         ") must be a positive multiple of the EP group size (" + std::to_string(R) + ")");
-  const int64_t L = num_experts / R;
+  const int64_t L = at.num_experts / R;
   const auto dx = x.dimensions();
   JAX_EP_RETURN_IF_ERROR(expect_rank(op, "x", dx, 2, "[T, Hb] u8"));
   const int64_t T = dx[0], Hb = dx[1];
@@ -259,7 +278,7 @@ ffi::Error HtDispatchImpl(
                                 std::to_string(plan.scratch_words) + " scratch words");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, groups, &gi,
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, at.groups, &gi,
                                         {{x.untyped_data(), x.size_bytes()},
                                          {x_scales.untyped_data(), x_scales.size_bytes()},
                                          {topk_idx.untyped_data(), topk_idx.size_bytes()},
@@ -268,15 +287,15 @@ ffi::Error HtDispatchImpl(
   DispatchArgs a{};
   a.plan = plan;
   a.ps = gi.peers;
-  a.timeout_ns = timeout_ns;
-  a.num_blocks = static_cast<int>(num_blocks);
+  a.timeout_ns = at.timeout_ns;
+  a.num_blocks = static_cast<int>(at.num_blocks);
   a.x = x.typed_data();
   a.x_scales = G > 0 ? x_scales.typed_data() : nullptr;
   a.topk_idx = topk_idx.typed_data();
   a.topk_weights = topk_weights.typed_data();
   a.T = static_cast<int>(T);
   a.K = static_cast<int>(K);
-  a.E = static_cast<int>(num_experts);
+  a.E = static_cast<int>(at.num_experts);
   a.L = static_cast<int>(L);
   a.C = static_cast<int>(C);
   a.G = static_cast<int>(G);
@@ -290,20 +309,20 @@ ffi::Error HtDispatchImpl(
   a.recv_tokens_per_expert = recv_tokens_per_expert->typed_data();
   a.stats = stats->typed_data();
   a.scratch = scratch->typed_data();
-  return run_pulled(op, gi, staged, timeout_ns, stream,
+  return run_pulled(op, gi, staged, at.timeout_ns, stream,
                     [&] { jax_ep::ht::launch_dispatch(a, stream); });
 }
 
 // ------------------------------------------------------------------------------------------
 ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8> x,
                         ffi::Buffer<ffi::S32> recv_src, ffi::Buffer<ffi::S32> stats,
-                        ffi::Result<ffi::Buffer<ffi::U8>> recv_x, ffi::Span<const int64_t> groups,
-                        int64_t group_size, int64_t site, int64_t timeout_ns, int64_t num_blocks,
-                        int64_t stage_bytes, jax_ep::SiteState* st) {
+                        ffi::Result<ffi::Buffer<ffi::U8>> recv_x, HtAttrs at,
+                        jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_gather";
-  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, at, st));
   jax_ep::GroupInfo gi;
-  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
+  JAX_EP_RETURN_IF_ERROR(
+      jax_ep::resolve_group(device, at.groups, at.group_size, st->lease->slot, &gi));
   const auto dx = x.dimensions();
   JAX_EP_RETURN_IF_ERROR(expect_rank(op, "x", dx, 2, "[T, Hb] u8"));
   const int64_t T = dx[0], Hb = dx[1];
@@ -312,16 +331,16 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
   const int64_t C = dc[0];
   JAX_EP_CHECK_SHAPE(stats, op, "stats", 4);
   JAX_EP_CHECK_SHAPE(*recv_x, op, "recv_x", C, Hb);
-  if (group_size * T > kMaxInt || C > kMaxInt)
+  if (at.group_size * T > kMaxInt || C > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, groups, &gi,
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, at.groups, &gi,
                                         {{x.untyped_data(), x.size_bytes()}}, &staged));
   GatherArgs a{};
   a.ps = gi.peers;
-  a.timeout_ns = timeout_ns;
-  a.num_blocks = static_cast<int>(num_blocks);
+  a.timeout_ns = at.timeout_ns;
+  a.num_blocks = static_cast<int>(at.num_blocks);
   a.x = x.typed_data();
   a.recv_src = recv_src.typed_data();
   a.stats = stats.typed_data();
@@ -329,20 +348,19 @@ ffi::Error HtGatherImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U8
   a.C = static_cast<int>(C);
   a.Hb = Hb;
   a.recv_x = recv_x->typed_data();
-  return run_pulled(op, gi, staged, timeout_ns, stream,
+  return run_pulled(op, gi, staged, at.timeout_ns, stream,
                     [&] { jax_ep::ht::launch_gather(a, stream); });
 }
 
 // ------------------------------------------------------------------------------------------
 ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                          ffi::Buffer<ffi::S32> send_rows, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
-                         int64_t timeout_ns, int64_t num_blocks, int64_t stage_bytes,
-                         jax_ep::SiteState* st) {
+                         HtAttrs at, jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_combine";
-  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, at, st));
   jax_ep::GroupInfo gi;
-  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
+  JAX_EP_RETURN_IF_ERROR(
+      jax_ep::resolve_group(device, at.groups, at.group_size, st->lease->slot, &gi));
   DType dt;
   switch (y.element_type()) {
     case ffi::DataType::F32:
@@ -368,9 +386,9 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   int64_t H = 1;
   for (size_t i = 1; i < dy.size(); ++i) H *= dy[i];
   const auto dr = send_rows.dimensions();
-  if (dr.size() != 2 || dr[1] != group_size)
+  if (dr.size() != 2 || dr[1] != at.group_size)
     return ffi::Error::InvalidArgument(std::string(op) + ": send_rows must be [T, R=" +
-                                       std::to_string(group_size) + "], got " + dims_str(dr));
+                                       std::to_string(at.group_size) + "], got " + dims_str(dr));
   const int64_t T = dr[0];
   const auto dout = out->dimensions();
   bool out_ok = dout.size() == dy.size() && dout[0] == T;
@@ -379,16 +397,16 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
     return ffi::Error::InvalidArgument(std::string(op) + ": out must be [T=" + std::to_string(T) +
                                        "] + y.shape[1:] (y " + dims_str(dy) + "), got " +
                                        dims_str(dout));
-  if (C > kMaxInt || T * group_size > kMaxInt)
+  if (C > kMaxInt || T * at.group_size > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, groups, &gi,
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, at.groups, &gi,
                                         {{y.untyped_data(), y.size_bytes()}}, &staged));
   CombineArgs a{};
   a.ps = gi.peers;
-  a.timeout_ns = timeout_ns;
-  a.num_blocks = static_cast<int>(num_blocks);
+  a.timeout_ns = at.timeout_ns;
+  a.num_blocks = static_cast<int>(at.num_blocks);
   a.dtype = dt;
   a.y = y.untyped_data();
   a.send_rows = send_rows.typed_data();
@@ -396,7 +414,7 @@ ffi::Error HtCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   a.C = static_cast<int>(C);
   a.H = H;
   a.out = out->untyped_data();
-  return run_pulled(op, gi, staged, timeout_ns, stream,
+  return run_pulled(op, gi, staged, at.timeout_ns, stream,
                     [&] { jax_ep::ht::launch_combine(a, stream); });
 }
 
@@ -406,17 +424,16 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::BF16> w,
                             ffi::Result<ffi::Buffer<ffi::BF16>> xe,
                             ffi::Result<ffi::Buffer<ffi::BF16>> h,
-                            ffi::Result<ffi::Buffer<ffi::S32>> counters,
-                            ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
-                            int64_t timeout_ns, int64_t num_blocks, int64_t copy_blocks,
-                            int64_t stage_bytes, jax_ep::SiteState* st) {
+                            ffi::Result<ffi::Buffer<ffi::S32>> counters, HtGatherGemmAttrs at,
+                            jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_gather_gemm";
-  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, at, st));
 #if !JAX_EP_WITH_GEMM
   return fused_unbuilt(op);
 #else
   jax_ep::GroupInfo gi;
-  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
+  JAX_EP_RETURN_IF_ERROR(
+      jax_ep::resolve_group(device, at.groups, at.group_size, st->lease->slot, &gi));
   const auto dx = x.dimensions();
   JAX_EP_RETURN_IF_ERROR(expect_rank(op, "x", dx, 2, "[T, H] bfloat16"));
   const int64_t T = dx[0], H = dx[1];
@@ -434,20 +451,20 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   JAX_EP_CHECK_SHAPE(*xe, op, "xe", C, H);
   JAX_EP_CHECK_SHAPE(*h, op, "h", C, N);
   JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::counter_words(C));
-  if (group_size * T > kMaxInt || C > kMaxInt || H > kMaxInt || N > kMaxInt)
+  if (at.group_size * T > kMaxInt || C > kMaxInt || H > kMaxInt || N > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
   JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "H", C, H, N, L));
   int copy = 0, gemm = 0;
-  JAX_EP_RETURN_IF_ERROR(fused_split(op, device, copy_blocks, "copy_blocks",
+  JAX_EP_RETURN_IF_ERROR(fused_split(op, device, at.copy_blocks, "copy_blocks",
                                      jax_ep::fused::auto_copy_blocks, &copy, &gemm));
 
   size_t staged = 0;
-  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, groups, &gi,
+  JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, at.groups, &gi,
                                         {{x.untyped_data(), x.size_bytes()}}, &staged));
   cudaMemsetAsync(counters->untyped_data(), 0, counters->size_bytes(), stream);
   jax_ep::fused::GatherGemmArgs a{};
   a.ps = gi.peers;
-  a.timeout_ns = timeout_ns;
+  a.timeout_ns = at.timeout_ns;
   a.x = x.untyped_data();
   a.rows_src = rows_src.typed_data();
   a.rows_dups = rows_dups.typed_data();
@@ -464,25 +481,27 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.counters = counters->typed_data();
   a.copy_blocks = copy;
   a.gemm_blocks = gemm;
-  return run_fused(op, gi, staged, timeout_ns, stream, a);
+  return run_fused(op, gi, staged, at.timeout_ns, stream, a);
 #endif
 }
 
 // ------------------------------------------------------------------------------------------
-ffi::Error HtGemmCombineImpl(
-    cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::S32> sizes,
-    ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
-    ffi::Buffer<ffi::S32> send_rows, ffi::Result<ffi::Buffer<ffi::BF16>> ye,
-    ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::S32>> counters,
-    ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ns,
-    int64_t num_blocks, int64_t combine_blocks, int64_t stage_bytes, jax_ep::SiteState* st) {
+ffi::Error HtGemmCombineImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> a,
+                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::BF16> w,
+                             ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
+                             ffi::Buffer<ffi::S32> send_rows,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> ye,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                             ffi::Result<ffi::Buffer<ffi::S32>> counters, HtGemmCombineAttrs at,
+                             jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_gemm_combine";
-  JAX_EP_RETURN_IF_ERROR(common_checks(op, timeout_ns, num_blocks, st));
+  JAX_EP_RETURN_IF_ERROR(common_checks(op, at, st));
 #if !JAX_EP_WITH_GEMM
   return fused_unbuilt(op);
 #else
   jax_ep::GroupInfo gi;
-  JAX_EP_RETURN_IF_ERROR(jax_ep::resolve_group(device, groups, group_size, st->lease->slot, &gi));
+  JAX_EP_RETURN_IF_ERROR(
+      jax_ep::resolve_group(device, at.groups, at.group_size, st->lease->slot, &gi));
   // Peers read ye while this kernel writes it: only one process's buffers allow that.
   if (!st->lease->bufs.empty() || gi.peers.remote != 0)
     return jax_ep::op_error(op,
@@ -498,26 +517,26 @@ ffi::Error HtGemmCombineImpl(
   JAX_EP_RETURN_IF_ERROR(expect_rank(op, "row_of", dr, 2, "[Cr, K]"));
   const int64_t Cr = dr[0], K = dr[1];
   const auto ds = send_rows.dimensions();
-  if (ds.size() != 2 || ds[1] != group_size)
+  if (ds.size() != 2 || ds[1] != at.group_size)
     return ffi::Error::InvalidArgument(std::string(op) + ": send_rows must be [T, R=" +
-                                       std::to_string(group_size) + "], got " + dims_str(ds));
+                                       std::to_string(at.group_size) + "], got " + dims_str(ds));
   const int64_t T = ds[0];
   JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
   JAX_EP_CHECK_SHAPE(weights, op, "weights", Cr, K);
   JAX_EP_CHECK_SHAPE(*ye, op, "ye", C, N);
   JAX_EP_CHECK_SHAPE(*out, op, "out", T, N);
   JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::counter_words(C));
-  if (group_size * T > kMaxInt || C > kMaxInt || Cr * K > kMaxInt || I > kMaxInt || N > kMaxInt)
+  if (at.group_size * T > kMaxInt || C > kMaxInt || Cr * K > kMaxInt || I > kMaxInt || N > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
   JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "I", C, I, N, L));
   int combine = 0, gemm = 0;
-  JAX_EP_RETURN_IF_ERROR(fused_split(op, device, combine_blocks, "combine_blocks",
+  JAX_EP_RETURN_IF_ERROR(fused_split(op, device, at.combine_blocks, "combine_blocks",
                                      jax_ep::fused::auto_combine_blocks, &combine, &gemm));
 
   cudaMemsetAsync(counters->untyped_data(), 0, counters->size_bytes(), stream);
   jax_ep::fused::GemmCombineArgs g{};
   g.ps = gi.peers;
-  g.timeout_ns = timeout_ns;
+  g.timeout_ns = at.timeout_ns;
   g.a = a.untyped_data();
   g.sizes = sizes.typed_data();
   g.w = w.untyped_data();
@@ -536,24 +555,30 @@ ffi::Error HtGemmCombineImpl(
   g.counters = counters->typed_data();
   g.combine_blocks = combine;
   g.gemm_blocks = gemm;
-  return run_fused(op, gi, 0, timeout_ns, stream, g);
+  return run_fused(op, gi, 0, at.timeout_ns, stream, g);
 #endif
 }
 
 }  // namespace
 
-// What every high-throughput handler binds first (stream, device) and the attributes the
-// lowering adds to each (jax_ep/_ffi.py), in the handlers' parameter order.
+// The members of HtAttrs, in its order (the structs that extend it list theirs after them).
+#define JAX_EP_HT_MEMBERS                                                                          \
+  ffi::StructMember<ffi::Span<const int64_t>>("groups"), ffi::StructMember<int64_t>("group_size"), \
+      ffi::StructMember<int64_t>("site"), ffi::StructMember<int64_t>("timeout_ns"),                \
+      ffi::StructMember<int64_t>("stage_bytes"), ffi::StructMember<int64_t>("num_blocks")
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtAttrs, JAX_EP_HT_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtDispatchAttrs, JAX_EP_HT_MEMBERS,
+                                      ffi::StructMember<int64_t>("num_experts"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtGatherGemmAttrs, JAX_EP_HT_MEMBERS,
+                                      ffi::StructMember<int64_t>("copy_blocks"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtGemmCombineAttrs, JAX_EP_HT_MEMBERS,
+                                      ffi::StructMember<int64_t>("combine_blocks"));
+
+// What every high-throughput handler binds first (stream, device), and last: its attributes
+// (one struct) and the call site's state (its lease).
 #define JAX_EP_HT_BIND \
   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
-// What every HT handler binds last: its staging size and the call site's state (its lease).
-#define JAX_EP_HT_STAGE_AND_STATE .Attr<int64_t>("stage_bytes").Ctx<ffi::State<jax_ep::SiteState>>()
-#define JAX_EP_HT_GROUP_ATTRS               \
-  .Attr<ffi::Span<const int64_t>>("groups") \
-      .Attr<int64_t>("group_size")          \
-      .Attr<int64_t>("site")                \
-      .Attr<int64_t>("timeout_ns")          \
-      .Attr<int64_t>("num_blocks")
+#define JAX_EP_HT_ATTRS_AND_STATE(T) .Attrs<T>().Ctx<ffi::State<jax_ep::SiteState>>()
 
 #define JAX_EP_BIND_HT_DISPATCH                                      \
   JAX_EP_HT_BIND                                                     \
@@ -570,7 +595,7 @@ ffi::Error HtGemmCombineImpl(
       .Ret<ffi::Buffer<ffi::S32>>() /* recv_tokens_per_expert [L] */ \
       .Ret<ffi::Buffer<ffi::S32>>() /* stats [4] */                  \
       .Ret<ffi::Buffer<ffi::S32>>() /* scratch [ht_scratch_words] */ \
-      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("num_experts") JAX_EP_HT_STAGE_AND_STATE
+      JAX_EP_HT_ATTRS_AND_STATE(HtDispatchAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DISPATCH);
 
 #define JAX_EP_BIND_HT_GATHER                            \
@@ -579,7 +604,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtDispatch, HtDispatchImpl, JAX_EP_BIND_HT_DIS
       .Arg<ffi::Buffer<ffi::S32>>() /* recv_src [C] */   \
       .Arg<ffi::Buffer<ffi::S32>>() /* stats [4] */      \
       .Ret<ffi::Buffer<ffi::U8>>()  /* recv_x [C, Hb] */ \
-      JAX_EP_HT_GROUP_ATTRS JAX_EP_HT_STAGE_AND_STATE
+      JAX_EP_HT_ATTRS_AND_STATE(HtAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER);
 
 #define JAX_EP_BIND_HT_COMBINE                                      \
@@ -587,7 +612,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGather, HtGatherImpl, JAX_EP_BIND_HT_GATHER)
       .Arg<ffi::AnyBuffer>()        /* y [C, H] f32 / bf16 / f16 */ \
       .Arg<ffi::Buffer<ffi::S32>>() /* send_rows [T, R] */          \
       .Ret<ffi::AnyBuffer>()        /* out [T, H], dtype of y */    \
-      JAX_EP_HT_GROUP_ATTRS JAX_EP_HT_STAGE_AND_STATE
+      JAX_EP_HT_ATTRS_AND_STATE(HtAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBINE);
 
 #define JAX_EP_BIND_HT_GATHER_GEMM                                     \
@@ -600,7 +625,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBI
       .Ret<ffi::Buffer<ffi::BF16>>() /* xe [C, H] */                   \
       .Ret<ffi::Buffer<ffi::BF16>>() /* h [C, N] */                    \
       .Ret<ffi::Buffer<ffi::S32>>()  /* counters [counter_words(C)] */ \
-      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("copy_blocks") JAX_EP_HT_STAGE_AND_STATE
+      JAX_EP_HT_ATTRS_AND_STATE(HtGatherGemmAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT_GATHER_GEMM);
 
 #define JAX_EP_BIND_HT_GEMM_COMBINE                                    \
@@ -614,5 +639,5 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT
       .Ret<ffi::Buffer<ffi::BF16>>() /* ye [C, N] */                   \
       .Ret<ffi::Buffer<ffi::BF16>>() /* out [T, N] */                  \
       .Ret<ffi::Buffer<ffi::S32>>()  /* counters [counter_words(C)] */ \
-      JAX_EP_HT_GROUP_ATTRS.Attr<int64_t>("combine_blocks") JAX_EP_HT_STAGE_AND_STATE
+      JAX_EP_HT_ATTRS_AND_STATE(HtGemmCombineAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGemmCombine, HtGemmCombineImpl, JAX_EP_BIND_HT_GEMM_COMBINE);

@@ -13,6 +13,7 @@
 #include "ffi/virtual_ranks.h"
 #include "kernels/low_latency.cuh"
 #include "nvshmem/remote.h"
+#include "runtime/device.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -188,7 +189,7 @@ ffi::Error LlDispatchAny(const char* op, int mode, cudaStream_t stream, int32_t 
                                ll::dispatch_buffer_bytes(R, M, K, H, L, a.use_fp8));
       err.failure())
     return err;
-  const int grid = ll::dispatch_grid_size(device);
+  const int grid = ll::dispatch_grid_size(jax_ep::sm_count(device));
   if (grid < 1) return jax_ep::cuda_error(op);
   p.ps = gi.peers;
   p.mode = mode;
@@ -310,7 +311,7 @@ ffi::Error LlCombineAny(const char* op, int mode, cudaStream_t stream, int32_t d
           resolve(op, device, a, st, &gi, p.buf, &own, ll::combine_buffer_bytes(R, M, K, H));
       err.failure())
     return err;
-  const int grid = ll::combine_grid_size(device);
+  const int grid = ll::combine_grid_size(jax_ep::sm_count(device));
   if (grid < 1) return jax_ep::cuda_error(op);
   p.ps = gi.peers;
   p.mode = mode;

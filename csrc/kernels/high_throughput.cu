@@ -8,7 +8,7 @@
 #include "kernels/high_throughput.cuh"
 #include "kernels/ht_common.cuh"
 #include "kernels/expert_ids.cuh"
-#include "runtime/virtual_ranks.h"
+#include "kernels/launch.cuh"
 #include "transport/poison.cuh"
 
 namespace jax_ep {
@@ -680,7 +680,8 @@ void launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
                           ? static_cast<size_t>(kLayoutThreads) * a.K * 8
                           : 0;
   const int layout_grid = a.ps.num_ranks * a.plan.nch;
-  // Both gates first: in the one-GPU multi-rank mode either both kernels launch or neither.
+  // Both gates first (kernels/launch.cuh): in the one-GPU multi-rank mode either both kernels
+  // launch or neither.
   const bool layout_ok = may_launch(reinterpret_cast<const void*>(dispatch_layout_kernel),
                                     "high-throughput layout", layout_grid, kLayoutThreads, smem);
   const bool copy_ok = may_launch(reinterpret_cast<const void*>(copy_rows_kernel<false>),
@@ -703,23 +704,19 @@ void launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
 }
 
 void launch_gather(const GatherArgs& a, cudaStream_t stream) {
-  if (!may_launch(reinterpret_cast<const void*>(copy_rows_kernel<true>), "high-throughput gather",
-                  a.num_blocks, kCopyThreads, 0))
-    return;
   CopyArgs c{a.ps, a.timeout_ns, a.x,      a.recv_src, a.stats, a.T, a.C,
              0,    a.Hb,         a.recv_x, nullptr,    {}};
   poison::add(c.outputs, a.recv_x, static_cast<int64_t>(a.C) * a.Hb);
-  copy_rows_kernel<true><<<a.num_blocks, kCopyThreads, 0, stream>>>(c);
+  launch_gated(copy_rows_kernel<true>, "high-throughput gather", a.num_blocks, kCopyThreads, 0,
+               stream, c);
 }
 
 template <typename V>
 void launch_combine_as(const CombineArgs& a, cudaStream_t stream) {
-  if (!may_launch(reinterpret_cast<const void*>(combine_kernel<V>), "high-throughput combine",
-                  a.num_blocks, kCopyThreads, 0))
-    return;
   CombineLaunch k{a, {}};
   poison::add(k.outputs, a.out, static_cast<int64_t>(a.T) * a.H * static_cast<int64_t>(sizeof(V)));
-  combine_kernel<V><<<a.num_blocks, kCopyThreads, 0, stream>>>(k);
+  launch_gated(combine_kernel<V>, "high-throughput combine", a.num_blocks, kCopyThreads, 0, stream,
+               k);
 }
 
 void launch_combine(const CombineArgs& a, cudaStream_t stream) {

@@ -112,10 +112,11 @@ struct CombineParams {
   poison::Outputs outputs;  // set by launch_combine: the results of this kernel's phases
 };
 
-// Blocks of the LL dispatch / combine kernels on `device` (three quarters of its SMs / all but
-// kCombineFreeSms: see low_latency/combine.cu); 0 on a CUDA error.
-int dispatch_grid_size(int device);
-int combine_grid_size(int device);
+// Blocks of the LL dispatch / combine kernels of a rank that has `sms` SMs (runtime/device.h
+// sm_count: the device's, or a virtual rank's share): three quarters of them / all but
+// kCombineFreeSms (see low_latency/combine.cu); 0 when sms is 0 (a CUDA error).
+int dispatch_grid_size(int sms);
+int combine_grid_size(int sms);
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream);
 cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream);
 

@@ -14,7 +14,6 @@
 #include <thread>
 
 #include "nvshmem/glue.h"
-#include "runtime/fault.h"
 #include "testing/mutations.h"
 
 namespace jax_ep {
@@ -132,11 +131,11 @@ void write_entry(const LedgerEntry& e) {
 }
 // One read of PE pe's ring entry `entry` (this process's own address of it): by a copy from
 // `mapped`, pe's entry as loads and stores reach it, or, for a PE they do not reach (mapped
-// null), by an NVSHMEM get into g_ledger_scratch (callers are serialised: runtime/lease.cc).
-// A get that does not complete by the deadline (a peer gone mid-read) gives cudaErrorTimeout;
-// it then stays queued on g_ledger_stream, which nothing uses again (a failed check latches,
-// runtime/lease.cc). The scratch is cleared first: a get that ended without writing reads as
-// an entry never written, never as the previous peer's.
+// null), by an NVSHMEM get into g_ledger_scratch (callers are serialised: the per-process mode,
+// runtime/mode.h). A get that does not complete by the deadline (a peer gone mid-read) gives
+// cudaErrorTimeout; it then stays queued on g_ledger_stream, which nothing uses again (a failed
+// check latches, runtime/mode_per_process.cc). The scratch is cleared first: a get that ended
+// without writing reads as an entry never written, never as the previous peer's.
 cudaError_t read_once(const LedgerEntry* entry, int pe, const LedgerEntry* mapped, LedgerEntry* out,
                       std::chrono::steady_clock::time_point deadline) {
   if (mapped != nullptr) return copy_entry(out, mapped, sizeof *out, cudaMemcpyDeviceToHost);
@@ -229,7 +228,6 @@ void attach(size_t bytes) {
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   g_device = device;
-  fault::ensure(device);
   g_api = &api;
 }
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/workspace.h"
+#include "common/limits.h"  // Workspace, kNumSlots
 
 namespace jax_ep {
 namespace sym {
@@ -25,7 +25,8 @@ bool active();
 int my_pe();
 int n_pes();
 
-// Attach to the NVSHMEM runtime that the caller (nvshmem4py) initialised in this process:
+// Attach to the NVSHMEM runtime that the caller (nvshmem4py) initialised in this process (through
+// runtime/mode.h attach_per_process, which then sets up the fault record of this process's GPU):
 // resolve its host library, register this module's NVSHMEM device state with it, allocate and
 // zero the arena (collective: every PE calls it with the same size), then barrier. Throws
 // std::runtime_error with a message saying what to do on failure. Idempotent.
@@ -54,9 +55,10 @@ struct LedgerEntry {
 };
 inline constexpr int kLedgerEntries = 4096;
 
-// Symmetric buffer of at least `bytes` for a new lease of slot `slot` (runtime/lease.cc): fresh
-// arena memory (zero since attach; never reused, as a faster peer may already have written into
-// it), at the same offset on every PE when every process leases in the same order.
+// Symmetric buffer of at least `bytes` for a new lease of slot `slot` (the per-process mode,
+// runtime/mode_per_process.cc): fresh arena memory (zero since attach; never reused, as a faster
+// peer may already have written into it), at the same offset on every PE when every process
+// leases in the same order.
 // Returns, aligned with the flattened table, the addresses this process uses for each member
 // of its own group, and 0 for the members of other groups. A member without load/store access
 // gets instead this process's scratch image for it (the push ops' send area for that member,
@@ -68,8 +70,8 @@ std::vector<unsigned long long> reserve(const std::vector<std::vector<int>>& tab
 // Compares `mine` with the ledger entry of the same number of every other member of this
 // process's groups in `table` (read by loads, or by NVSHMEM gets for members that loads do not
 // reach), waiting up to timeout_ns for members that have not made that lease yet. Callers are
-// serialised (runtime/lease.cc: one lease is made at a time). Returns "" when all agree, else a
-// message naming the process and what differs (or that it did not get there in time).
+// serialised (runtime/mode_per_process.cc: one lease is made at a time). Returns "" when all agree,
+// else a message naming the process and what differs (or that it did not get there in time).
 std::string check_lease(const LedgerEntry& mine, const std::vector<std::vector<int>>& table,
                         long long timeout_ns);
 // PEs this process reaches only through NVSHMEM operations (no load/store mapping, or all of

@@ -4,31 +4,17 @@
 // end without touching memory they cannot trust. The CUDA context stays usable. From then on
 // every communication op of the process fails when its handler runs (resolve_group; a replay of
 // a captured command buffer runs no handler), with the message of fault::message(): the op, the
-// rank, the phase, and the setting to change. Plain C++: the
-// structs are shared with the kernels (transport/peer.cuh), the functions are host code.
+// rank, the phase, and the setting to change. Plain C++, host code: the structs the kernels
+// write (FaultRecord, DeviceFault) are in common/limits.h.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "common/limits.h"  // FaultRecord, DeviceFault, kAbortPollNs: what the kernels see
 #include "runtime/device.h"
 
 namespace jax_ep {
-
-constexpr int kFaultPhaseChars = 96;
-
-// Why the first wait that timed out on one device gave up. Host memory mapped into every
-// device; written once by that device (state last), read by the host.
-struct FaultRecord {
-  int state;                 // 0: none; 1: complete
-  int rank;                  // the waiting rank (a virtual rank in the one-GPU multi-rank mode)
-  int peer;                  // the rank it waited for (-1: not known at the wait)
-  int num_ranks;             // the EP group's size
-  unsigned long long epoch;  // the epoch it waited for
-  unsigned long long seen;   // the value it last saw
-  long long timeout_ns;
-  char phase[kFaultPhaseChars];  // "<op>: <phase>", NUL-terminated
-};
 
 // The process's records, one per CUDA device, and the flag every wait polls once it is older
 // than kAbortPollNs (host memory: a healthy wait never reads it).
@@ -37,17 +23,6 @@ struct HostFaults {
   unsigned int pad;
   FaultRecord device[kMaxDevices];
 };
-
-// Per device, in device memory: the kernels' view.
-struct DeviceFault {
-  unsigned int failed;    // a wait on this device gave up: the high-throughput kernels end at once
-  unsigned int claim;     // the first timed-out wait on this device writes the record
-  FaultRecord* record;    // this device's record (mapped host memory)
-  unsigned int* aborted;  // HostFaults::aborted (mapped host memory)
-};
-
-// How long a wait polls before it also reads the process's `aborted` flag, and how often after.
-constexpr long long kAbortPollNs = 1000000;
 
 namespace fault {
 

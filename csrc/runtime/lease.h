@@ -39,28 +39,33 @@ struct LeaseDisagreement : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+class Mode;  // runtime/mode.h
+
 struct Lease {
   LeaseRequest request;
-  int slot = -1;              // index of Workspace::slots, the same in every group's workspace
-  std::vector<int64_t> bufs;  // aligned with request.groups (empty when request.bytes == 0)
+  int slot = -1;               // index of Workspace::slots, the same in every group's workspace
+  std::vector<int64_t> bufs;   // aligned with request.groups (empty when request.bytes == 0)
+  const Mode* mode = nullptr;  // the process mode that made the buffers, and frees them
   ~Lease();
 };
 
 // The lease of r.site: the live one when another call site holds it (it must then name the same
-// table, kind and size: a lowering bug otherwise), else a new one. Throws std::runtime_error
-// naming what is missing: no free slot (the message gives the limit), or device memory; in
-// per-process mode a new lease is first compared with the peers' (LeaseDisagreement).
+// table, kind and size: a lowering bug otherwise), else a new one, whose buffers the process
+// mode makes (runtime/mode.h). Throws std::runtime_error naming what is missing: no free slot
+// (the message gives the limit), or device memory; in per-process mode a new lease is first
+// compared with the peers' (LeaseDisagreement).
 std::shared_ptr<const Lease> acquire_lease(const LeaseRequest& r);
 
 struct LeaseStats {
   int64_t live = 0;          // leases alive
   int64_t free_push = 0;     // push slots not leased
   int64_t free_pull = 0;     // pull slots not leased
-  int64_t buffer_bytes = 0;  // bytes of live one-process data buffers, all devices
+  int64_t buffer_bytes = 0;  // bytes of live data buffers the process mode allocated, all devices
   int64_t created = 0;       // leases made since start
 };
 LeaseStats lease_stats();
-// Bytes of live one-process data buffers on one CUDA device.
+// Bytes of live data buffers the process mode allocated on one CUDA device (the peers mode's:
+// the per-process arena is not counted here).
 int64_t lease_buffer_bytes(int device);
 // Wait until the buffers of released leases are freed (they are freed on a thread of their own,
 // never on the thread that drops an executable). For tests and memory reports.

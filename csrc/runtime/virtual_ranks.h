@@ -7,7 +7,8 @@
 #include <mutex>
 #include <string>
 
-#include "runtime/workspace.h"
+#include "common/launch_gate.h"
+#include "common/limits.h"
 
 namespace jax_ep {
 
@@ -39,11 +40,8 @@ class VirtualRankScope {
   const VirtualRank* prev_;
 };
 
-// The gate in front of every communication kernel launch. Outside the mode: true. In it: the
-// ranks wait on each other, so all R grids must be resident at once; false (and the reason
-// recorded in the VirtualRank) when R grids of `grid` blocks of `kernel` cannot be, and false
-// in a dry run.
-bool may_launch(const void* kernel, const char* name, int grid, int threads, size_t smem);
+// The launch gate of this mode, may_launch (common/launch_gate.h), is defined in
+// virtual_ranks.cc: it checks the residency of all R grids of the virtual ranks' launches.
 
 // The start of the ranks is staggered on purpose: call c holds rank r back by
 // ((r + c) mod R) / (R - 1) x kStaggerNs (a timed sleep on its stream), c counting the

@@ -48,7 +48,7 @@ enum Bug : int {
   // a wait that timed out traps, which ends the CUDA context (give_up, transport/peer.cuh)
   kTimeoutTraps = 8,
   // per-process leases are not compared with the peers': the lease ledger goes unread
-  // (acquire_lease, runtime/lease.cc)
+  // (make_buffers, runtime/mode_per_process.cc)
   kLedgerUnread = 9,
   // the per-process lease ledger skips the peers that loads do not reach (check_lease,
   // nvshmem/symmetric.cc)

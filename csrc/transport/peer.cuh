@@ -2,13 +2,13 @@
 // buffers), the bounded waits on peer flags, and the phase tracer. The protocols built on it:
 // transport/pull.cuh (the high-throughput ops) and transport/push.cuh (the low-latency ops).
 // Every wait gives up after timeout_ns without trapping (runtime/fault.h): it records the rank,
-// the peer and the phase, and the kernels end; the host turns the record into an error.
+// the peer and the phase, and the kernels end; the host turns the record into an error. What
+// the kernels read and write of the runtime's memory (Slot, DeviceFault) is common/limits.h.
 #pragma once
 #include <cstdint>
 #include <cstdio>
 
-#include "runtime/fault.h"
-#include "runtime/workspace.h"
+#include "common/limits.h"
 #include "testing/mutations.h"
 #include "transport/ordering.cuh"
 #include "transport/trace_marks.h"
@@ -41,7 +41,8 @@ struct PeerSlots {
   // rank q's NVSHMEM PE.
   unsigned int remote;
   int pe[kMaxRanks];
-  // This device's fault state (runtime/fault.h): what a wait that gives up writes.
+  // This device's fault state (common/limits.h, runtime/fault.h): what a wait that gives up
+  // writes.
   DeviceFault* fault;
 };
 

@@ -1,4 +1,4 @@
-// The phase tracer's points: the index of trace[] in a slot (runtime/workspace.h) that each
+// The phase tracer's points: the index of trace[] in a slot (common/limits.h) that each
 // trace_mark / trace_mark_last / end_barrier call (transport/peer.cuh) or diag_max call
 // (kernels/low_latency/, JAX_EP_LL_DIAG) writes. module_runtime.cc exports the names
 // (`_C.trace_marks`, `_C.diag_marks`) for benchmarks/trace_phases.py. Host and device code.

@@ -20,7 +20,7 @@
 #include "kernels/fused/sizes.h"
 #include "kernels/fused/tile_order.h"
 #include "kernels/ht_common.cuh"
-#include "runtime/virtual_ranks.h"
+#include "kernels/launch.cuh"
 
 namespace jax_ep {
 namespace fused {
@@ -131,17 +131,16 @@ inline TileParams tile_params(const TileProblem& t, const void* a, const void* w
 }
 
 // Host: launch a fused kernel of `grid` tile-sized blocks (kThreads threads, kSmemBytes of
-// dynamic shared memory); an error message, empty on success. In the one-GPU multi-rank mode's
-// dry run it checks the residency and launches nothing.
+// dynamic shared memory) through the launch gate (kernels/launch.cuh); an error message, empty
+// on success. In the one-GPU multi-rank mode's dry run it checks the residency and launches
+// nothing.
 template <class Params>
 std::string launch_kernel(void (*kernel)(Params), const char* name, int grid, const Params& p,
                           cudaStream_t stream) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kSmemBytes));
   if (e != cudaSuccess) return std::string("shared memory attribute: ") + cudaGetErrorString(e);
-  if (!may_launch(reinterpret_cast<const void*>(kernel), name, grid, kThreads, kSmemBytes))
-    return {};
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  if (!launch_gated(kernel, name, grid, kThreads, kSmemBytes, stream, p)) return {};
   e = cudaGetLastError();
   if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
   return {};

@@ -432,9 +432,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // column parts of a (source, token) in one round: at R = 4, M = 128 on H200, 128 blocks give 4
 // parts where 99 gave 2, and the kernel took 37.6 us against 41.0 (docs/design.md#grid-sizes).
 constexpr int kCombineFreeSms = 4;
-int combine_grid_size(int device) {
-  return std::max(dispatch_grid_size(device), jax_ep::sm_count(device) - kCombineFreeSms);
-}
+int combine_grid_size(int sms) { return std::max(dispatch_grid_size(sms), sms - kCombineFreeSms); }
 
 cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream) {
   const int vw = vec_bytes(
@@ -444,7 +442,8 @@ cudaError_t launch_combine(const CombineParams& p, int grid, cudaStream_t stream
   q.outputs = {};
   if (p.mode & push::kModeSend) poison::add(q.outputs, p.ticket, 4);
   if (p.mode & push::kModeRecv) poison::add(q.outputs, p.out, static_cast<int64_t>(p.T) * p.H * 2);
-  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(combine_kernel, vw), "low-latency combine", grid, q, stream);
+  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(combine_kernel, vw), "low-latency combine", grid, kThreads, 0,
+               stream, q);
   return cudaGetLastError();
 }
 

@@ -9,9 +9,8 @@
 #include <cstdint>
 
 #include "kernels/fp8.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/low_latency.cuh"
-#include "runtime/device.h"
-#include "runtime/virtual_ranks.h"
 #include "testing/mutations.h"
 
 namespace jax_ep {
@@ -135,14 +134,6 @@ __device__ __forceinline__ unsigned long long with_epoch(unsigned long long e, u
 __device__ __forceinline__ bool word_older(unsigned long long w, unsigned long long er) {
   if constexpr (JAX_EP_PLANTED(kLlStaleWord)) er -= 2;
   return static_cast<int>(static_cast<unsigned int>(w >> 32) - static_cast<unsigned int>(er)) < 0;
-}
-
-// One kernel launch behind the gate of the one-GPU multi-rank mode (runtime/virtual_ranks.h).
-template <typename Params>
-void launch_gated(void (*kernel)(Params), const char* name, int grid, const Params& p,
-                  cudaStream_t stream) {
-  if (may_launch(reinterpret_cast<const void*>(kernel), name, grid, kThreads, 0))
-    kernel<<<grid, kThreads, 0, stream>>>(p);
 }
 
 // `kernel` instantiated for the vector of vw bytes (vec_bytes): uint4, uint2, unsigned int or

@@ -636,10 +636,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Work is taken by tickets, so blocks that are not resident only cost time.
 // The dispatch: three quarters of the SMs. At R = 4 on H200 it took 26.9 us on 99 blocks and
 // 29.0 on 132 (docs/design.md#grid-sizes).
-int dispatch_grid_size(int device) {
-  const int sms = jax_ep::sm_count(device);
-  return sms * 3 / 4 > 0 ? sms * 3 / 4 : (sms > 0 ? 1 : 0);
-}
+int dispatch_grid_size(int sms) { return sms * 3 / 4 > 0 ? sms * 3 / 4 : (sms > 0 ? 1 : 0); }
 
 cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stream) {
   // V: the BF16 payload copies (x rows, recv_x rows); FP8 rows always move as 16-byte vectors.
@@ -659,8 +656,8 @@ cudaError_t launch_dispatch(const DispatchParams& p, int grid, cudaStream_t stre
     poison::add(q.outputs, p.recv_slot, LRM * 4);
     poison::add(q.outputs, p.src_rows, RM * p.K * 4);
   }
-  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(dispatch_kernel, vw), "low-latency dispatch", grid, q,
-               stream);
+  launch_gated(JAX_EP_LL_BY_VEC_WIDTH(dispatch_kernel, vw), "low-latency dispatch", grid, kThreads,
+               0, stream, q);
   return cudaGetLastError();
 }
 
