@@ -302,9 +302,9 @@ def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_r
     a rank whole), plus the alignment padding of the L segments (fused=True on the CUDA
     backend: `jax_ep._C.fused_block_rows` - 1 each), at most the worst case R * T * min(K, L)
     plus that padding, and at least 1. moe_ffn never drops a pair: a pass that cannot hold
-    every pair of a rank is followed by another (more time, and a backward that plans a second
-    set of weight gradients), so the factor trades memory for how often skewed routing needs a
-    second pass.
+    every pair of a rank is followed by another (more time; with fused=True, a backward that
+    plans a second set of weight gradients), so the factor trades memory for how often skewed
+    routing needs a second pass.
 
     Args:
       tokens_per_rank: T, the tokens of each shard.
