@@ -186,6 +186,17 @@ def first_line(e):
     return f"{type(e).__name__}: {s[0][:200] if s else ''}"
 
 
+def layer_inputs(rng, R, T, H, I, L, K):
+    """(w_gate_up [E, H, 2I], w_down [E, I, H], x [R * T, H], the expert compute's rows
+    [R * T * K, H]) in bf16, E = R * L, scaled so that every layer's output is O(1)."""
+    E = R * L
+    wgu = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
+    xr = jnp.asarray(rng.standard_normal((R * T * K, H)), jnp.bfloat16)
+    return wgu, wd, x, xr
+
+
 def zipf_logits(rng, n, E, s):
     """Logits whose softmax top-k draws expert e about in proportion to 1 / (1 + rank e)^s."""
     rank = rng.permutation(E)
@@ -229,10 +240,7 @@ def main():
             continue
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
-        wgu = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
-        wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
-        x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
-        xr = jnp.asarray(rng.standard_normal((R * T * K, H)), jnp.bfloat16)
+        wgu, wd, x, xr = layer_inputs(rng, R, T, H, I, L, K)
         for routing in args.routing.split(","):
             logits = (rng.standard_normal((R * T, E)) if routing == "uniform"
                       else zipf_logits(rng, R * T, E, args.zipf))

@@ -8,6 +8,9 @@ first, and the sum. Shapes and routing as benchmarks/bench_layer.py (uniform rou
 Writes layer_kernels.json.
 
   python benchmarks/layer_kernels.py --ranks 1,2 --out DIR
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/layer_kernels.py \
+      --backend reference --ranks 2 --tokens 16 --hidden 64 --inter 32 --experts 2 --topk 2
+      (checks the script on a CPU: no kernels to list)
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_times  # noqa: E402
-from bench_layer import expert_compute, with_backward  # noqa: E402
+from bench_layer import expert_compute, layer_inputs, with_backward  # noqa: E402
 from harness import scan_fn  # noqa: E402
 
 
@@ -48,6 +51,7 @@ def main():
     T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
     be = args.backend
     devs = jax.devices()
+    os.makedirs(args.out, exist_ok=True)
     rng = np.random.default_rng(0)
     print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}")
     out = []
@@ -56,10 +60,7 @@ def main():
             continue
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
-        wgu = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
-        wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
-        x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
-        xr = jnp.asarray(rng.standard_normal((R * T * K, H)), jnp.bfloat16)
+        wgu, wd, x, xr = layer_inputs(rng, R, T, H, I, L, K)
         w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
             jnp.asarray(rng.standard_normal((R * T, E)), jnp.float32))
         w = w.astype(jnp.bfloat16)
@@ -86,7 +87,9 @@ def main():
                           f"{str(e).splitlines()[0][:200]}")
                     continue
                 if not res["devices"]:
-                    print(f"\n== R={R} {name} {op}: no GPU kernels in the trace")
+                    print(f"\n== R={R} {name} {op}: no GPU kernels in the trace (a CPU run)")
+                    out.append(dict(ranks=R, name=name, op=op, device=None, total_us=None,
+                                    kernels={}))
                     continue
                 dev, d = sorted(res["devices"].items())[0]
                 ks = sorted(d["kernels"].items(), key=lambda kv: -kv[1]["us_per_call"])

@@ -49,6 +49,10 @@ SCRIPTS = {
                         "--tokens", "8", "--hidden", "128", "--inter", "128", "--experts", "2",
                         "--topk", "2", "--reps", "1", "--check-tokens", "4"],
                        "bench_layer.json", ["same-run ratios"]),
+    "layer_kernels.py": (["--backend", "reference", "--ranks", "2", "--tokens", "8", "--hidden",
+                          "128", "--inter", "128", "--experts", "2", "--topk", "2", "--calls",
+                          "1"],
+                         "layer_kernels.json", ["no GPU kernels in the trace (a CPU run)"]),
     "bench_virtual.py": (["--backend", "reference", "--ranks", "2", *_COMM, *_LL, "--reps", "1"],
                          "bench_virtual.json", []),
 }
