@@ -1,6 +1,6 @@
 // jax_ep_ht_dispatch / jax_ep_ht_gather / jax_ep_ht_combine and the fused jax_ep_ht_gather_gemm
 // / jax_ep_ht_gemm_combine: decode, validate shapes (host-side, cheap), launch. Operands, results
-// and attributes: docs/ffi.md. Kernels: csrc/kernels/high_throughput.cu, csrc/kernels/fused/.
+// and attributes: docs/ffi.md. Kernels: csrc/kernels/high_throughput/, csrc/kernels/fused/.
 #include <cuda_runtime.h>
 
 #include <algorithm>

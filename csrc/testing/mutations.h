@@ -28,7 +28,7 @@ enum Bug : int {
   // this call's (word_older, kernels/low_latency/common.cuh)
   kLlStaleWord = 1,
   // high-throughput: the wait for the peers' addresses accepts the previous call's
-  // (publish_and_wait, kernels/ht_common.cuh)
+  // (publish_and_wait, kernels/high_throughput/common.cuh)
   kHtStaleAddresses = 2,
   // the ready flag stored relaxed, with no fence after the addresses it publishes (publish,
   // transport/pull.cuh)

@@ -19,7 +19,7 @@
 #include "cutlass/pipeline/pipeline.hpp"
 #include "kernels/fused/sizes.h"
 #include "kernels/fused/tile_order.h"
-#include "kernels/ht_common.cuh"
+#include "kernels/high_throughput/common.cuh"
 #include "kernels/launch.cuh"
 
 namespace jax_ep {

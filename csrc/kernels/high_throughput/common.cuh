@@ -1,4 +1,4 @@
-// Device pieces shared by the high-throughput kernels (kernels/high_throughput.cu) and the
+// Device pieces shared by the high-throughput kernels (kernels/high_throughput/) and the
 // fused gather + grouped GEMM (kernels/fused/gather_gemm.cu): read-only loads of peer operands,
 // the publish-and-wait step of the pull protocol for one block, and the warp-wide row copy.
 #pragma once
