@@ -42,6 +42,15 @@ def _rel(a, b):
 NAMES = ("out", "d x", "d topk_weights", "d w_gate_up", "d w_down")
 
 
+def _cuda_and_reference(R, kw, args):
+    """moe_ffn(**kw)'s output and gradients (NAMES) over R ranks on the CUDA kernels (memory
+    poisoned first) and on the reference backend, on the host."""
+    got = gpu_ranks(moe_layer_and_grads("cuda", **kw), R)
+    want = gpu_ranks(moe_layer_and_grads("reference", **kw), R)
+    poison_gpu_memory()
+    return jax.device_get(got(*args)), jax.device_get(want(*args))
+
+
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 @pytest.mark.parametrize("mode", ["high_throughput", "low_latency"])
 def test_moe_ffn_matches_reference(R, mode):
@@ -50,11 +59,7 @@ def test_moe_ffn_matches_reference(R, mode):
     kw = dict(num_experts=E, mode=mode)
     if mode == "low_latency":
         kw["max_tokens_per_rank"] = T
-    got = gpu_ranks(moe_layer_and_grads("cuda", **kw), R)
-    want = gpu_ranks(moe_layer_and_grads("reference", **kw), R)
-    poison_gpu_memory()
-    g = jax.device_get(got(x, idx, w, wgu, wd))
-    r = jax.device_get(want(x, idx, w, wgu, wd))
+    g, r = _cuda_and_reference(R, kw, (x, idx, w, wgu, wd))
     for name, a, b in zip(NAMES, g, r):
         assert a.dtype == b.dtype, name
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
@@ -72,11 +77,7 @@ def test_moe_ffn_extra_passes_match_reference(R, fused):
     align = jax_ep.runtime.extension().fused_block_rows if fused else 1
     cap = max(R * T, (L - 1) * (align - 1) + 32)
     kw = dict(num_experts=E, capacity=cap, fused=fused)
-    got = gpu_ranks(moe_layer_and_grads("cuda", **kw), R)
-    want = gpu_ranks(moe_layer_and_grads("reference", **kw), R)
-    poison_gpu_memory()
-    g = jax.device_get(got(x, idx, w, wgu, wd))
-    r = jax.device_get(want(x, idx, w, wgu, wd))
+    g, r = _cuda_and_reference(R, kw, (x, idx, w, wgu, wd))
     for name, a, b in zip(NAMES, g, r):
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
 

@@ -274,3 +274,85 @@ def test_cuda_lowering_of_virtual_ranks(cuda_lowering, monkeypatch):
                          r"(.*)$", text, re.M):
         for ty in re.findall(r"tensor<([^>]*)>", m.group(3) + m.group(4)):
             assert ty.startswith(f"{R}x"), (m.group(1), ty)
+
+
+class _GemmTable:
+    """The extension's grouped-GEMM tables, enough of them to lower (nothing runs)."""
+    gemm_dtypes = {"bfloat16": 0, "float16": 1, "float8_e4m3fn": 2}
+    gemm_modes = {"contiguous": 0, "masked": 1, "transposed": 2}
+    grouped_gemm_workspace_bytes = staticmethod(lambda *a, **k: 1024)
+    gemm_unsupported = staticmethod(lambda *a: "")
+    gemm_built = staticmethod(lambda: True)
+
+
+def test_accumulating_weight_gradient_writes_in_its_accumulator(cuda_lowering, monkeypatch):
+    """matmul_accumulating_grad's weight gradient: one grouped-GEMM call in mode 2 with
+    accumulate = true whose result 0 aliases its accumulator operand (so a loop that sums
+    weight gradients holds one set); the plain weight gradient has neither."""
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _GemmTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    from jax_ep import grouped_gemm as gg
+    M, K, N, G = 64, 32, 16, 4
+    a = jnp.ones((M, K), jnp.bfloat16)
+    sizes = jnp.full((G,), M // G, jnp.int32)
+
+    def grad_b(b, acc):
+        if acc is None:
+            f = lambda b: jax_ep.grouped_matmul(a, b, sizes, backend="cuda")  # noqa: E731
+        else:
+            f = lambda b: gg.matmul_accumulating_grad(a, b, sizes, acc, backend="cuda")  # noqa
+        return jax.grad(lambda b: jnp.sum(f(b).astype(jnp.float32)))(b)
+
+    b = jnp.ones((G, K, N), jnp.bfloat16)
+    for acc in (jnp.zeros_like(b), None):
+        text = jax.jit(grad_b).trace(b, acc).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [c for t, c in custom_calls(text) if t == "jax_ep_grouped_gemm"]
+        tgrad = [c for c in calls if int_attr(c, "mode") == 2]
+        assert len(tgrad) == 1, calls   # (the forward and d lhs are unused: dropped)
+        if acc is None:
+            assert attr(tgrad[0], "accumulate") == "false"
+            assert "output_operand_alias" not in text
+        else:
+            assert attr(tgrad[0], "accumulate") == "true"
+            m = re.search(r"output_operand_alias<output_tuple_indices = \[0\], "
+                          r"operand_index = (\d+)", text)
+            assert m and int(m.group(1)) == 6, text[-2000:]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_moe_extra_passes_backward_adds_weight_gradients_in_place(cuda_lowering, monkeypatch,
+                                                                   mesh2, fused):
+    """moe_ffn with a capacity that may need extra passes: the backward's loop over them adds
+    the weight gradients in place on the unfused path (aliased accumulating weight-gradient
+    calls, one per weight), and does not on the fused one (which adds a second set)."""
+    class Ext(_GemmTable):
+        ht_scratch_words = staticmethod(lambda R, T: R * T + 64)
+        ht_staged_operands = {t: 1 for t in PULL_TARGETS + ("jax_ep_ht_gather_gemm",)}
+        fused_block_rows = 128
+        fused_max_dups = 4
+        fused_counter_words = staticmethod(lambda C: 64)
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: Ext)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    T, H, I, K, L = 8, 128, 64, 2, 2
+    E = 2 * L
+
+    def loss(x, idx, w, wgu, wd):
+        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, capacity=16 + L * 127 * fused,
+                           fused=fused, backend="cuda")
+        return jnp.sum(y.astype(jnp.float32))
+
+    def step(x, idx, w, wgu, wd):
+        return jax.grad(loss, argnums=(3, 4))(x, idx, w, wgu, wd)
+    n = 2
+    args = (jnp.ones((n, T, H), jnp.bfloat16), jnp.zeros((n, T, K), jnp.int32),
+            jnp.ones((n, T, K), jnp.bfloat16), jnp.ones((n, L, H, 2 * I), jnp.bfloat16),
+            jnp.ones((n, L, I, H), jnp.bfloat16))
+    text = smap(mesh2, step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    acc = [c for t, c in custom_calls(text)
+           if t == "jax_ep_grouped_gemm" and attr(c, "accumulate") == "true"]
+    if fused:
+        assert not acc
+    else:
+        assert len(acc) == 2, acc                       # d w_gate_up and d w_down
+        assert text.count("output_operand_alias<output_tuple_indices = [0], "
+                          "operand_index = 6") == 2
