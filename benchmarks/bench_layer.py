@@ -14,9 +14,12 @@ and one of n_long calls (benchmarks/harness.py):
   `lax.all_to_all`, batched einsums) and `lax.ragged_all_to_all` + `lax.ragged_dot` (MaxText's
   GPU path); one that fails (out of memory, say) is reported as failed with its error.
 Memory: temp + arguments + outputs - aliased, per device, from `compiled.memory_analysis()` of
-the forward + backward (one call). Every layer's output is checked against a dense MoE on a
-sample of tokens (float32, every expert evaluated); the GShard layer drops the pairs past its
-capacity, so its error is reported, not asserted.
+the forward + backward (one call), twice: "step", whose gradients are each reduced to a scalar
+(as the timed scans do, so XLA may free one before the next exists), and "train", a training
+step that returns every gradient (what an optimizer update then reads: all of them at once).
+Every layer's output is checked against a dense MoE on a sample of tokens (float32, every
+expert evaluated); the GShard layer drops the pairs past its capacity, so its error is
+reported, not asserted.
 Prints a table and the same-run ratios, writes bench_layer.json and bench_layer.png.
 
   python benchmarks/bench_layer.py --ranks 1,2,4 --out DIR
@@ -171,6 +174,20 @@ def with_backward(fn, argnums):
     return fb
 
 
+def training_step(fn, argnums):
+    """fn's forward and the gradients of sum(fn) in the arguments `argnums`, all returned."""
+    def step(*args):
+        def loss(*diff):
+            full = list(args)
+            for i, a in zip(argnums, diff):
+                full[i] = a
+            return jnp.sum(fn(*full).astype(jnp.float32))
+        v, g = jax.value_and_grad(loss, argnums=tuple(range(len(argnums))))(
+            *[args[i] for i in argnums])
+        return v[None], g
+    return step
+
+
 def step_bytes(compiled):
     """(total, temp) bytes per device that XLA plans for the executable."""
     m = compiled.memory_analysis()
@@ -306,6 +323,9 @@ def main():
                         row[op + "_ms"] = med * 1e3
                         row[op + "_ms_range"] = [lo * 1e3, hi * 1e3]
                         del fs, fl
+                    argnums = diff.get(name, (0, 2, 3, 4))
+                    row["train_step_bytes"], _ = step_bytes(
+                        rank_map(mesh, training_step(fn, argnums)).lower(*fargs).compile())
                 except Exception as e:  # a baseline out of memory, say: reported, not fatal
                     row["failed"] = first_line(e)
                     if name.startswith("moe_ffn") or name.endswith("alone"):
@@ -313,10 +333,11 @@ def main():
                 jax.clear_caches()
                 rows[name] = row
                 results.append(row)
-                gb = row.get("step_bytes")
+                gb, tgb = row.get("step_bytes"), row.get("train_step_bytes")
                 print(f"  {name:<34} fwd {row.get('fwd_ms', float('nan')):9.3f} ms  "
                       f"fwd+bwd {row.get('fwd+bwd_ms', float('nan')):9.3f} ms  "
-                      f"step {gb / 1e9 if gb else float('nan'):6.2f} GB"
+                      f"step {gb / 1e9 if gb else float('nan'):6.2f} GB  "
+                      f"train {tgb / 1e9 if tgb else float('nan'):6.2f} GB"
                       + (f"  err {row['rel_err_vs_dense']:.1e}" if "rel_err_vs_dense" in row
                          else "") + (f"  FAILED {row['failed']}" if "failed" in row else ""),
                       flush=True)
@@ -345,7 +366,8 @@ def ratios(rows):
     def get(name, key):
         return rows.get(name, {}).get(key)
     base = "expert compute alone"
-    for key, what in (("fwd_ms", "fwd"), ("fwd+bwd_ms", "fwd+bwd"), ("step_bytes", "memory")):
+    for key, what in (("fwd_ms", "fwd"), ("fwd+bwd_ms", "fwd+bwd"), ("step_bytes", "memory"),
+                      ("train_step_bytes", "training-step memory")):
         for name, short in (("moe_ffn", "default"), ("moe_ffn(fused=True)", "fused"),
                             ("moe_ffn(fused=False)", "unfused")):
             a, b = get(name, key), get(base, key)
@@ -354,7 +376,7 @@ def ratios(rows):
         for name, short in (("GShard capacity 1.25 + einsum", "gshard"),
                             ("ragged_all_to_all + ragged_dot", "ragged")):
             a, b = get(name, key), get("moe_ffn", key)
-            if a and b and what != "memory":
+            if a and b and "memory" not in what:
                 out[f"{short} / default {what}"] = a / b
     a, b = get("moe_ffn(fused=True)", "fwd_ms"), get("moe_ffn(fused=False)", "fwd_ms")
     if a and b:
