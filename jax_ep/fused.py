@@ -16,6 +16,14 @@ from jax_ep._common import axis_info, first_occurrence
 from jax_ep.high_throughput import (_Config, _combine_diff, _dispatch_diff, _gather_diff,
                                     _group_checks, _routing_checks, combine, dispatch)
 
+
+def _unfused_matmul(a, w, sizes, acc, backend):
+    """grouped_matmul(a, w, sizes), its weight gradient added to acc when acc is given."""
+    if acc is None:
+        return grouped_gemm.grouped_matmul(a, w, sizes, backend=backend)
+    return grouped_gemm.matmul_accumulating_grad(a, w, sizes, acc, backend=backend)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused dispatch + first grouped GEMM (moe_ffn(fused=True), docs/kernels.md#fused-gather-gemm):
 # the routing moves no rows (a rank-major dispatch of zero-width rows); one kernel then pulls
@@ -55,12 +63,13 @@ def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name, max_dups):
     return rows_src, rows_dups
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, fcfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc, fcfg):
     """(xe, h): xe[j] = the token of rows_src[j] (zero where -1; where -2, that of the row whose
     rows_dups name j), h = grouped_matmul(xe, w, sizes), in one launch. counts: the rows of
-    each segment that hold data (the rest is padding up to the row block)."""
-    del counts, src, row_first, handle
+    each segment that hold data (the rest is padding up to the row block). acc: None, or what
+    the backward adds w's cotangent to in place (`padded_segments_matmul`)."""
+    del counts, src, row_first, handle, acc
     C, H, N = rows_src.shape[0], x.shape[1], w.shape[2]
     words = runtime.extension().fused_counter_words(C)
     xe, h, _ = _ffi.call("jax_ep_ht_gather_gemm", [x, rows_src, rows_dups, sizes, w],
@@ -70,40 +79,44 @@ def _gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first, han
     return xe, h
 
 
-def _gather_matmul_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, fcfg):
+def _gather_matmul_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc,
+                       fcfg):
     # Named like dispatch's outputs: under jax.checkpoint(policy=jax_ep.remat_policy) the
     # backward reuses them instead of running the kernel again.
     xe, h = remat.named(_gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first,
-                                       handle, fcfg),
+                                       handle, None, fcfg),
                         remat.DISPATCH)
-    return (xe, h), (xe, w, sizes, counts, src, row_first, handle)
+    return (xe, h), (xe, w, sizes, counts, src, row_first, handle, acc)
 
 
 def _gather_matmul_bwd(fcfg, res, g):
-    xe, w, sizes, counts, src, row_first, handle = res
+    xe, w, sizes, counts, src, row_first, handle, acc = res
     g_xe, g_h = g
     # the weight gradient skips each segment's padding rows (zeros in xe)
-    gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts)
+    gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts,
+                            acc=acc)
     _, vjp = jax.vjp(gmm, xe, w)
     d_xe, d_w = vjp(g_h.astype(xe.dtype))
     d_xe = (d_xe.astype(jnp.float32) + g_xe.astype(jnp.float32)).astype(xe.dtype)
     d_rows = el.expand_rows_transpose(d_xe, src, row_first, fcfg.K)
     dx = _combine_diff(d_rows, handle, fcfg.cfg)
-    return dx, d_w, None, None, None, None, None, None, None
+    return dx, d_w, None, None, None, None, None, None, None, None
 
 
 _gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
 
 
 def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep", capacity=None,
-                    backend="auto", copy_blocks=0):
+                    backend="auto", copy_blocks=0, weight_grad_acc=None):
     """`dispatch(layout="expert")` fused with `grouped_matmul(recv_x, w, expert_sizes)`.
 
     Returns (ExpertDispatchResult, h [capacity, N]). On the CUDA backend x and w are bfloat16
     and the segments start at multiples of the kernel's row block (`expert_alignment` of
     `jax_ep._C.fused_block_rows`); the reference backend runs the two ops unfused (segments
     unaligned). Differentiable in x, topk_weights and w. copy_blocks: blocks of the launch that
-    pull rows (0: automatic, docs/kernels.md#fused-gather-gemm).
+    pull rows (0: automatic, docs/kernels.md#fused-gather-gemm). weight_grad_acc: None, or
+    [L, H, N] in w's dtype that w's cotangent is added to, in place on the CUDA backend
+    (`grouped_gemm.matmul_accumulating_grad`).
     """
     _checks.expect_rank("x", x, 2, "[T, H]")
     T, H = x.shape
@@ -111,7 +124,7 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     if be == "reference":
         res = dispatch(x, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
                        capacity=capacity, layout="expert", backend=be)
-        return res, grouped_gemm.grouped_matmul(res.recv_x, w, res.expert_sizes, backend=be)
+        return res, _unfused_matmul(res.recv_x, w, res.expert_sizes, weight_grad_acc, be)
     for name, a in (("x", x), ("w_gate_up", w)):
         if jnp.dtype(a.dtype) != jnp.bfloat16:
             raise TypeError(f"{name}: the fused dispatch + grouped GEMM takes bfloat16, got "
@@ -130,9 +143,10 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     idx = _checks.int32_ids(topk_idx, num_experts)
     wts = (jnp.zeros(topk_idx.shape, jnp.float32) if topk_weights is None
            else topk_weights.astype(jnp.float32))
-    x, wts = _ffi.varying([x, wts, idx], axis_name)[:2]
+    # (the zero-width rows too: the routing dispatch's backward gives them a varying cotangent)
+    x, wts, rows = _ffi.varying([x, wts, jnp.zeros((T, 0), x.dtype), idx], axis_name)[:3]
     # the routing alone: a dispatch of zero-width rows (differentiable in the weights)
-    _, ridx, rw, _, handle = _dispatch_diff(jnp.zeros((T, 0), x.dtype), wts, idx, cfg)
+    _, ridx, rw, _, handle = _dispatch_diff(rows, wts, idx, cfg)
     lay, we, ehandle = el.plan_receive(ridx, rw, handle, L, capacity, A, topk_weights is not None,
                                        runtime.poison_int())
     src = lay["src"]
@@ -141,7 +155,8 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     rows_src, rows_dups = _dedup_plan(rows_src, lay["row_of"], ridx, handle.recv_src, T,
                                       axis_name, runtime.extension().fused_max_dups)
     xe, h = _gather_matmul(x, w, rows_src, rows_dups, lay["expert_sizes"], lay["counts"], src,
-                           row_first, handle, _GatherMatmulConfig(cfg, K, copy_blocks))
+                           row_first, handle, weight_grad_acc,
+                           _GatherMatmulConfig(cfg, K, copy_blocks))
     return el.ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"],
                                 lay["counts"], lay["recv_count"], ehandle), h
 
@@ -172,37 +187,40 @@ def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg):
     return ye, out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _matmul_combine(a, w, weights, sizes, counts, row_of, src, rank, ccfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _matmul_combine(a, w, weights, sizes, counts, row_of, src, rank, acc, ccfg):
     """combine(grouped_matmul(a, w, sizes), handle) in one launch: [T, N] in a's dtype.
-    counts: the rows of each segment that hold data (the backward's weight gradient)."""
-    del counts, src
+    counts: the rows of each segment that hold data (the backward's weight gradient). acc:
+    None, or what the backward adds w's cotangent to in place."""
+    del counts, src, acc
     return _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg)[1]
 
 
-def _matmul_combine_fwd(a, w, weights, sizes, counts, row_of, src, rank, ccfg):
+def _matmul_combine_fwd(a, w, weights, sizes, counts, row_of, src, rank, acc, ccfg):
     # Named like combine's outputs (the backward's ye too: see _gather_matmul_fwd).
     ye, out = remat.named(_gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg),
                           remat.COMBINE)
-    return out, (a, w, ye, weights, sizes, counts, row_of, src, rank)
+    return out, (a, w, ye, weights, sizes, counts, row_of, src, rank, acc)
 
 
 def _matmul_combine_bwd(ccfg, res, g):
     # The unfused ops' backward, rule by rule: combine's (a gather), the pre-reduction's (on
     # the kernel's GEMM rows ye), the GEMM's (its forward, unused, is dropped by XLA).
-    a, w, ye, weights, sizes, counts, row_of, src, rank = res
+    a, w, ye, weights, sizes, counts, row_of, src, rank, acc = res
     g_rows = _gather_diff(g, rank, ccfg.cfg).astype(jnp.float32)
     d_ye, d_weights = el.reduce_rows_vjp(ye, weights, src, row_of, ccfg.K, g_rows)
-    gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts)
+    gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts,
+                            acc=acc)
     _, vjp = jax.vjp(gmm, a, w)
     d_a, d_w = vjp(d_ye)
-    return d_a, d_w, d_weights, None, None, None, None, None
+    return d_a, d_w, d_weights, None, None, None, None, None, None
 
 
 _matmul_combine.defvjp(_matmul_combine_fwd, _matmul_combine_bwd)
 
 
-def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=0):
+def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=0,
+                   weight_grad_acc=None):
     """`combine(grouped_matmul(a, w, res.expert_sizes), res.handle)` fused in one launch.
 
     a: `[capacity, I]` expert-major rows of the `ExpertDispatchResult` res of `dispatch_matmul`
@@ -212,7 +230,8 @@ def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=
     `[T, N]` in a's dtype. Elsewhere (the reference backend, per-process groups) it runs the
     two ops.
     Differentiable in a, w and the routing weights. combine_blocks: blocks of the launch that
-    only combine (0: automatic, docs/kernels.md#fused-gemm-combine).
+    only combine (0: automatic, docs/kernels.md#fused-gemm-combine). weight_grad_acc: None, or
+    [L, I, N] in w's dtype that w's cotangent is added to, in place on the CUDA backend.
     """
     if not isinstance(res, el.ExpertDispatchResult):
         raise TypeError(f"res: expected the ExpertDispatchResult of dispatch_matmul, got "
@@ -226,7 +245,7 @@ def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=
                          "(one per expert-major row of the dispatch)")
     be = _checks.resolve_backend(backend, empty=rank.send_rows.shape[0] == 0)
     if be == "reference" or runtime.per_process():
-        y = grouped_gemm.grouped_matmul(a, w, res.expert_sizes, backend=be)
+        y = _unfused_matmul(a, w, res.expert_sizes, weight_grad_acc, be)
         return combine(y, handle, axis_name=axis_name, backend=be)
     for name, v in (("a", a), ("w_down", w)):
         if jnp.dtype(v.dtype) != jnp.bfloat16:
@@ -236,5 +255,5 @@ def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=
     cfg = _Config(0, rank.recv_src.shape[0], axis_name, be)
     a, weights = _ffi.varying([a, handle.weights, rank.recv_src], axis_name)[:2]
     return _matmul_combine(a, w, weights, res.expert_sizes, res.recv_tokens_per_expert,
-                           handle.row_of, handle.src, rank,
+                           handle.row_of, handle.src, rank, weight_grad_acc,
                            _GemmCombineConfig(cfg, K, combine_blocks))

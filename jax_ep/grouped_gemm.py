@@ -422,10 +422,12 @@ def matmul_accumulating_grad(lhs, rhs, sizes, acc, *, backend):
     return _gmm_diff(lhs, rhs, sizes, None, acc, cfg)
 
 
-def padded_segments_matmul(lhs, rhs, sizes, counts):
+def padded_segments_matmul(lhs, rhs, sizes, counts, acc=None):
     """grouped_matmul(lhs, rhs, sizes) on the CUDA backend (16-bit lhs [M, K], rhs [G, K, N])
     for segments whose rows past counts[g] are zero padding (an aligned expert-major layout):
-    its weight gradient reduces over the first counts[g] rows of each segment only."""
+    its weight gradient reduces over the first counts[g] rows of each segment only. acc: None,
+    or [G, K, N] in rhs's dtype that the weight gradient is added to in place (as
+    `matmul_accumulating_grad`)."""
     small = _small_m(lhs.shape[0], rhs.shape[0])
-    return _gmm_diff(lhs, rhs, sizes, counts, None,
+    return _gmm_diff(lhs, rhs, sizes, counts, acc,
                      _Config(jnp.dtype(lhs.dtype), True, small_m=small))

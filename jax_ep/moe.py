@@ -176,15 +176,16 @@ def _moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_
 def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, grad_acc=None, *, num_experts,
              axis_name, capacity, use_fp8, fused, copy_blocks, combine_blocks, backend):
     """One expert-major dispatch of `capacity` rows, the experts, and the combine: [T, H].
-    grad_acc (unfused, 16-bit): None, or (acc_gate_up, acc_down) that the weights' cotangents
-    are added to in place (`_accumulates`)."""
+    grad_acc (16-bit): None, or (acc_gate_up, acc_down) that the weights' cotangents are added
+    to in place (`_accumulates`)."""
+    acc_gu, acc_d = (None, None) if grad_acc is None else grad_acc
     if fused:
         res, h = dispatch_matmul(x, topk_idx, topk_weights, w_gate_up, num_experts=num_experts,
                                  axis_name=axis_name, capacity=capacity, backend=backend,
-                                 copy_blocks=copy_blocks)
+                                 copy_blocks=copy_blocks, weight_grad_acc=acc_gu)
         a = swiglu(h).astype(w_down.dtype)
         return matmul_combine(a, w_down, res, axis_name=axis_name, backend=backend,
-                              combine_blocks=combine_blocks)
+                              combine_blocks=combine_blocks, weight_grad_acc=acc_d)
     xin = quantize_fp8(x) if use_fp8 else x
     res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
                    capacity=capacity, layout="expert", backend=backend)
@@ -237,8 +238,9 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
 
 def _accumulates(fused, use_fp8):
     """Whether a pass's backward can add its weight gradients to a running sum in place (the
-    unfused 16-bit path); else the extra passes' backward adds them to a second set."""
-    return not fused and not use_fp8
+    16-bit paths, fused or not); else the extra passes' backward adds them to a second set."""
+    del fused
+    return not use_fp8
 
 
 def _more_passes(n_run, body, init):
@@ -302,9 +304,8 @@ def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_r
     a rank whole), plus the alignment padding of the L segments (fused=True on the CUDA
     backend: `jax_ep._C.fused_block_rows` - 1 each), at most the worst case R * T * min(K, L)
     plus that padding, and at least 1. moe_ffn never drops a pair: a pass that cannot hold
-    every pair of a rank is followed by another (more time; with fused=True, a backward that
-    plans a second set of weight gradients), so the factor trades memory for how often skewed
-    routing needs a second pass.
+    every pair of a rank is followed by another (more time), so the factor trades memory for
+    how often skewed routing needs a second pass.
 
     Args:
       tokens_per_rank: T, the tokens of each shard.

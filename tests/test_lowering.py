@@ -63,6 +63,12 @@ def custom_calls(text):
     return [(m.group(1), m.group(2)) for m in CALL_RE.finditer(text)]
 
 
+def operand_types(call):
+    """The operand types of a custom call's text (from `custom_calls`), in order."""
+    sig = call[call.rindex(" : (") + 4:].split(") -> ")[0]
+    return re.findall(r"tensor<[^>]*>", sig)
+
+
 def attr(text, name):
     m = re.search(rf"\b{name} = ([^,}}]*(?:<[^>]*>[^,}}]*)?)", text)
     return None if m is None else m.group(1).strip()
@@ -323,8 +329,8 @@ def test_accumulating_weight_gradient_writes_in_its_accumulator(cuda_lowering, m
 def test_moe_extra_passes_backward_adds_weight_gradients_in_place(cuda_lowering, monkeypatch,
                                                                    mesh2, fused):
     """moe_ffn with a capacity that may need extra passes: the backward's loop over them adds
-    the weight gradients in place on the unfused path (aliased accumulating weight-gradient
-    calls, one per weight), and does not on the fused one (which adds a second set)."""
+    the weight gradients in place, fused or not (aliased accumulating weight-gradient calls,
+    one per weight; on the fused path each also reduces over the segments' rows only)."""
     class Ext(_GemmTable):
         ht_scratch_words = staticmethod(lambda R, T: R * T + 64)
         ht_staged_operands = {t: 1 for t in PULL_TARGETS + ("jax_ep_ht_gather_gemm",)}
@@ -337,8 +343,10 @@ def test_moe_extra_passes_backward_adds_weight_gradients_in_place(cuda_lowering,
     E = 2 * L
 
     def loss(x, idx, w, wgu, wd):
-        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, capacity=16 + L * 127 * fused,
-                           fused=fused, backend="cuda")
+        # R * T = 16 rows, the fused alignment's padding before the last segment included:
+        # below the worst case's 32 pairs, so the layer has a loop of extra passes
+        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E,
+                           capacity=16 + (L - 1) * 127 * fused, fused=fused, backend="cuda")
         return jnp.sum(y.astype(jnp.float32))
 
     def step(x, idx, w, wgu, wd):
@@ -348,11 +356,12 @@ def test_moe_extra_passes_backward_adds_weight_gradients_in_place(cuda_lowering,
             jnp.ones((n, T, K), jnp.bfloat16), jnp.ones((n, L, H, 2 * I), jnp.bfloat16),
             jnp.ones((n, L, I, H), jnp.bfloat16))
     text = smap(mesh2, step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.while" in text
     acc = [c for t, c in custom_calls(text)
            if t == "jax_ep_grouped_gemm" and attr(c, "accumulate") == "true"]
-    if fused:
-        assert not acc
-    else:
-        assert len(acc) == 2, acc                       # d w_gate_up and d w_down
-        assert text.count("output_operand_alias<output_tuple_indices = [0], "
-                          "operand_index = 6") == 2
+    assert len(acc) == 2, acc                           # d w_gate_up and d w_down
+    assert text.count("output_operand_alias<output_tuple_indices = [0], "
+                      "operand_index = 6") == 2
+    # the fused path's weight gradients skip the alignment padding: a [L] row_counts operand
+    row_counts = [operand_types(c)[5] for c in acc]
+    assert row_counts == [f"tensor<{L if fused else 0}xi32>"] * 2, row_counts

@@ -78,10 +78,12 @@ def test_moe_ffn_drops_nothing_past_its_capacity(R, kind):
     np.testing.assert_allclose(out, _dense_moe(x, valid, w, wgu, wd), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("R", [2, 4])
-def test_moe_ffn_gradients_through_extra_passes(R):
+def test_moe_ffn_gradients_through_extra_passes(R, fused):
     """Gradients in x, the weights and both expert matrices equal the dense MoE's when the
-    routing needs extra passes (which replay their forward in the backward)."""
+    routing needs extra passes (which replay their forward in the backward and add their
+    weight gradients to the running sum), fused or not."""
     x, idx, w, wgu, wd, E = _setup(R, "hot", seed=1)
     cap = R * T
     assert _passes_run(R, E, idx, cap)[1]
@@ -89,7 +91,8 @@ def test_moe_ffn_gradients_through_extra_passes(R):
 
     def loss(f):
         return lambda x, w, wgu, wd: jnp.sum(f(x, idx, w, wgu, wd) * ct)
-    got = jax.grad(loss(_layer(R, E, capacity=cap)), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    got = jax.grad(loss(_layer(R, E, capacity=cap, fused=fused)), argnums=(0, 1, 2, 3))(
+        x, w, wgu, wd)
     want = jax.grad(loss(_dense_moe), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
     for name, g, r in zip(("x", "w", "w_gate_up", "w_down"), got, want):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
