@@ -160,16 +160,22 @@ def keep(*trees):
     return sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree_util.tree_leaves(trees))
 
 
+def _value_and_grads(fn, argnums, args):
+    """sum(fn(*args)) and its gradients in the arguments `argnums`."""
+    def loss(*diff):
+        full = list(args)
+        for i, a in zip(argnums, diff):
+            full[i] = a
+        return jnp.sum(fn(*full).astype(jnp.float32))
+    return jax.value_and_grad(loss, argnums=tuple(range(len(argnums))))(
+        *[args[i] for i in argnums])
+
+
 def with_backward(fn, argnums):
-    """fn's forward and the gradients of sum(fn) in the arguments `argnums`."""
+    """fn's forward and the gradients of sum(fn) in the arguments `argnums`, reduced to one
+    scalar."""
     def fb(*args):
-        def loss(*diff):
-            full = list(args)
-            for i, a in zip(argnums, diff):
-                full[i] = a
-            return jnp.sum(fn(*full).astype(jnp.float32))
-        v, g = jax.value_and_grad(loss, argnums=tuple(range(len(argnums))))(
-            *[args[i] for i in argnums])
+        v, g = _value_and_grads(fn, argnums, args)
         return v + keep(g)
     return fb
 
@@ -177,13 +183,7 @@ def with_backward(fn, argnums):
 def training_step(fn, argnums):
     """fn's forward and the gradients of sum(fn) in the arguments `argnums`, all returned."""
     def step(*args):
-        def loss(*diff):
-            full = list(args)
-            for i, a in zip(argnums, diff):
-                full[i] = a
-            return jnp.sum(fn(*full).astype(jnp.float32))
-        v, g = jax.value_and_grad(loss, argnums=tuple(range(len(argnums))))(
-            *[args[i] for i in argnums])
+        v, g = _value_and_grads(fn, argnums, args)
         return v[None], g
     return step
 
