@@ -325,19 +325,48 @@ def test_accumulating_weight_gradient_writes_in_its_accumulator(cuda_lowering, m
             assert m and int(m.group(1)) == 6, text[-2000:]
 
 
+class _LayerTable(_GemmTable):
+    """The extension's tables for moe_ffn, the fused path's included (nothing runs)."""
+    ht_scratch_words = staticmethod(lambda R, T: R * T + 64)
+    ht_staged_operands = {t: 1 for t in PULL_TARGETS + ("jax_ep_ht_gather_gemm",)}
+    fused_block_rows = 128
+    fused_max_dups = 4
+    fused_counter_words = staticmethod(lambda C: 64)
+
+
+@pytest.mark.parametrize("capacity", [None, 16 + 127], ids=["one_pass", "extra_passes"])
+def test_fused_moe_gradients_trace_under_check_vma(cuda_lowering, monkeypatch, mesh2,
+                                                   capacity):
+    """moe_ffn(fused=True)'s gradients in x, the routing weights and both expert matrices
+    trace inside shard_map with its default check_vma, in one pass and with extra passes (the
+    routing dispatch's zero-width rows carry the varying type its backward gives them)."""
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    T, H, I, K, L = 8, 128, 64, 2, 2
+
+    def loss(x, idx, w, wgu, wd):
+        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=2 * L, capacity=capacity,
+                           fused=True, backend="cuda")
+        return jnp.sum(y.astype(jnp.float32))
+
+    def step(x, idx, w, wgu, wd):
+        return jax.grad(loss, argnums=(0, 2, 3, 4))(x, idx, w, wgu, wd)
+    n = 2
+    args = (jnp.ones((n, T, H), jnp.bfloat16), jnp.zeros((n, T, K), jnp.int32),
+            jnp.ones((n, T, K), jnp.bfloat16), jnp.ones((n, L, H, 2 * I), jnp.bfloat16),
+            jnp.ones((n, L, I, H), jnp.bfloat16))
+    text = smap(mesh2, step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("stablehlo.while" in text) == (capacity is not None)
+    assert any(t == "jax_ep_ht_gather_gemm" for t, _ in custom_calls(text))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_moe_extra_passes_backward_adds_weight_gradients_in_place(cuda_lowering, monkeypatch,
                                                                    mesh2, fused):
     """moe_ffn with a capacity that may need extra passes: the backward's loop over them adds
     the weight gradients in place, fused or not (aliased accumulating weight-gradient calls,
     one per weight; on the fused path each also reduces over the segments' rows only)."""
-    class Ext(_GemmTable):
-        ht_scratch_words = staticmethod(lambda R, T: R * T + 64)
-        ht_staged_operands = {t: 1 for t in PULL_TARGETS + ("jax_ep_ht_gather_gemm",)}
-        fused_block_rows = 128
-        fused_max_dups = 4
-        fused_counter_words = staticmethod(lambda C: 64)
-    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: Ext)
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
     monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
     T, H, I, K, L = 8, 128, 64, 2, 2
     E = 2 * L
