@@ -176,8 +176,8 @@ def _moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_
 def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, grad_acc=None, *, num_experts,
              axis_name, capacity, use_fp8, fused, copy_blocks, combine_blocks, backend):
     """One expert-major dispatch of `capacity` rows, the experts, and the combine: [T, H].
-    grad_acc (16-bit): None, or (acc_gate_up, acc_down) that the weights' cotangents are added
-    to in place (`_accumulates`)."""
+    grad_acc (the backward of an extra pass): None, or (acc_gate_up, acc_down) that the weights'
+    cotangents are added to in place."""
     acc_gu, acc_d = (None, None) if grad_acc is None else grad_acc
     if fused:
         res, h = dispatch_matmul(x, topk_idx, topk_weights, w_gate_up, num_experts=num_experts,
@@ -232,15 +232,7 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
                            capacity=capacity, alignment=A, passes=passes)
     # the passes a routing needs come first: run is True for exactly the first n_run of them
     n_run = jnp.sum(run.astype(jnp.int32))
-    return _in_passes(one, _accumulates(settings["fused"], settings["use_fp8"]), x, topk_weights,
-                      w_gate_up, w_down, ids, n_run)
-
-
-def _accumulates(fused, use_fp8):
-    """Whether a pass's backward can add its weight gradients to a running sum in place (the
-    16-bit paths, fused or not); else the extra passes' backward adds them to a second set."""
-    del fused
-    return not use_fp8
+    return _in_passes(one, x, topk_weights, w_gate_up, w_down, ids, n_run)
 
 
 def _more_passes(n_run, body, init):
@@ -250,8 +242,8 @@ def _more_passes(n_run, body, init):
                           (jnp.int32(1), init))[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _in_passes(one, accumulates, x, w, w_gate_up, w_down, ids, n_run):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _in_passes(one, x, w, w_gate_up, w_down, ids, n_run):
     """sum over the passes p < n_run of one(x, ids[p], ...): [T, H] in x's dtype, the passes
     after the first summed in float32."""
     out = one(x, ids[0], w, w_gate_up, w_down).astype(jnp.float32)
@@ -259,28 +251,26 @@ def _in_passes(one, accumulates, x, w, w_gate_up, w_down, ids, n_run):
                         .astype(jnp.float32), out).astype(x.dtype)
 
 
-def _in_passes_fwd(one, accumulates, x, w, w_gate_up, w_down, ids, n_run):
+def _in_passes_fwd(one, x, w, w_gate_up, w_down, ids, n_run):
     # The first pass keeps its residuals (the layer's usual backward, remat policy included);
     # the others keep none: the backward runs each again (its communication too) and adds its
-    # gradients, the weights' in place where the pass accumulates (else XLA plans the loop a
-    # second set of weight gradients, even when it runs none).
+    # gradients, the weights' in place (else XLA plans the loop a second set of weight
+    # gradients, even when it runs none). FP8 passes have no backward.
     out, vjp = jax.vjp(lambda *a: one(a[0], ids[0], *a[1:]), x, w, w_gate_up, w_down)
     out = _more_passes(n_run, lambda p, acc: acc + one(x, ids[p], w, w_gate_up, w_down)
                        .astype(jnp.float32), out.astype(jnp.float32))
     return out.astype(x.dtype), (vjp, x, w, w_gate_up, w_down, ids, n_run)
 
 
-def _in_passes_bwd(one, accumulates, res, g):
+def _in_passes_bwd(one, res, g):
     vjp, x, w, w_gate_up, w_down, ids, n_run = res
 
     def add(p, grads):
         dx, dw, dgu, dd = grads
-        acc = (dgu, dd) if accumulates else None
-        _, vjp_p = jax.vjp(lambda *a: one(a[0], ids[p], *a[1:], grad_acc=acc), x, w, w_gate_up,
-                           w_down)
+        # the pass's weight gradients come back as the running sum plus its own
+        _, vjp_p = jax.vjp(lambda *a: one(a[0], ids[p], *a[1:], grad_acc=(dgu, dd)), x, w,
+                           w_gate_up, w_down)
         px, pw, pgu, pd = vjp_p(g)
-        if not accumulates:
-            pgu, pd = dgu + pgu, dd + pd
         return dx + px, dw + pw, pgu, pd
     return tuple(_more_passes(n_run, add, vjp(g))) + (None, None)
 
