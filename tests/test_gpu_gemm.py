@@ -152,12 +152,15 @@ def test_gradients_match_reference(dtype, kind):
     assert not np.any(np.asarray(db, np.float32)[empty]), "groups without rows: zero gradient"
 
 
-def test_weight_gradient_skips_segment_padding():
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_weight_gradient_skips_segment_padding(accumulate):
     """padded_segments_matmul (the fused layer's GEMMs: segments aligned to a row block, zero
     padding past each count): the forward and the lhs gradient as grouped_matmul over the
     segments; the weight gradient over the first counts[g] rows of each segment only. The
     padding rows here hold noise, so a reduction over them shows; the last segment is padding
-    only (a count of 0 in a segment of 128 rows: a zero weight gradient)."""
+    only (a count of 0 in a segment of 128 rows: a zero weight gradient). With an accumulator
+    (the fused layer's extra passes), the weight gradient is acc plus that, and the groups
+    without data rows keep acc exactly."""
     _gpu()
     from jax_ep import grouped_gemm as gg
     K, N, A = 512, 384, 128
@@ -174,12 +177,15 @@ def test_weight_gradient_skips_segment_padding():
         data[s0:s0 + c] = True
     sizes, counts = jnp.asarray(sizes), jnp.asarray(counts)
 
+    acc = (jnp.asarray(rng.standard_normal(b.shape), b.dtype) if accumulate else None)
+
     def loss(f, a, b):
         return jnp.sum(f(a, b).astype(jnp.float32) * dout)
     _poison()
     y = jax.jit(gg.padded_segments_matmul)(a, b, sizes, counts)
     da, db = jax.jit(jax.grad(functools.partial(
-        loss, lambda a, b: gg.padded_segments_matmul(a, b, sizes, counts)), argnums=(0, 1)))(a, b)
+        loss, lambda a, b: gg.padded_segments_matmul(a, b, sizes, counts, acc)),
+        argnums=(0, 1)))(a, b)
 
     def ref(a, b):
         return jax_ep.grouped_matmul(a, b, sizes, backend="reference")
@@ -188,11 +194,16 @@ def test_weight_gradient_skips_segment_padding():
     # the weight gradient of the data rows alone: the padding rows zeroed
     a_data = jnp.where(jnp.asarray(data)[:, None], a, 0)
     rb = jax.jit(jax.grad(functools.partial(loss, ref), argnums=1))(a_data, b)
+    if accumulate:
+        rb = (rb.astype(jnp.float32) + acc.astype(jnp.float32)).astype(b.dtype)
     assert _rel(y, ry) < 1e-2
     assert _rel(da, ra) < 1e-2
     assert _rel(db, rb) < 1e-2
-    assert not np.any(np.asarray(db, np.float32)[np.asarray(counts) == 0]), \
-        "groups without data rows: zero weight gradient"
+    no_data = np.asarray(counts) == 0
+    want = np.asarray(acc)[no_data] if accumulate else 0
+    got = np.asarray(db)[no_data]
+    assert np.array_equal(got, np.broadcast_to(want, got.shape)), \
+        "groups without data rows: acc kept exactly (zero without acc)"
     with pytest.raises(Exception, match="row_counts applies to mode 2"):
         jax.jit(lambda a, b: gg.gemm_call(a, b, sizes, None, None, mode="contiguous",
                                           rhs_kn=True, small_m=False, out_shape=(M, N),
