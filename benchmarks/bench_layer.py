@@ -16,7 +16,9 @@ and one of n_long calls (benchmarks/harness.py):
 Memory: temp + arguments + outputs - aliased, per device, from `compiled.memory_analysis()` of
 the forward + backward (one call), twice: "step", whose gradients are each reduced to a scalar
 (as the timed scans do, so XLA may free one before the next exists), and "train", a training
-step that returns every gradient (what an optimizer update then reads: all of them at once).
+step that returns every gradient (what an optimizer update then reads: all of them at once;
+the expert compute's gradient of its T * K rows summed per token, [T, H] as a layer's), one
+call compiled on its own.
 Every layer's output is checked against a dense MoE on a sample of tokens (float32, every
 expert evaluated); the GShard layer drops the pairs past its capacity, so its error is
 reported, not asserted.
@@ -180,10 +182,17 @@ def with_backward(fn, argnums):
     return fb
 
 
-def training_step(fn, argnums):
-    """fn's forward and the gradients of sum(fn) in the arguments `argnums`, all returned."""
+def training_step(fn, argnums, tokens_of_rows=0):
+    """fn's forward and the gradients of sum(fn) in the arguments `argnums`, all returned.
+    tokens_of_rows = K: the first argument holds K rows per token (the expert compute's
+    T * K rows), whose gradient a layer sums per token, as the dispatch's transpose does: it
+    is returned summed so ([T, H], as a layer's)."""
     def step(*args):
         v, g = _value_and_grads(fn, argnums, args)
+        if tokens_of_rows:
+            g0 = g[0].astype(jnp.float32)
+            g0 = jnp.sum(g0.reshape(-1, tokens_of_rows, g0.shape[-1]), axis=1)
+            g = (g0.astype(g[0].dtype),) + tuple(g[1:])
         return v[None], g
     return step
 
@@ -323,13 +332,18 @@ def main():
                         row[op + "_ms"] = med * 1e3
                         row[op + "_ms_range"] = [lo * 1e3, hi * 1e3]
                         del fs, fl
-                    argnums = diff.get(name, (0, 2, 3, 4))
-                    row["train_step_bytes"], _ = step_bytes(
-                        rank_map(mesh, training_step(fn, argnums)).lower(*fargs).compile())
                 except Exception as e:  # a baseline out of memory, say: reported, not fatal
                     row["failed"] = first_line(e)
                     if name.startswith("moe_ffn") or name.endswith("alone"):
                         traceback.print_exc()
+                if "failed" not in row:
+                    try:
+                        row["train_step_bytes"], _ = step_bytes(rank_map(mesh, training_step(
+                            fn, diff.get(name, (0, 2, 3, 4)),
+                            tokens_of_rows=K if name == "expert compute alone" else 0))
+                            .lower(*fargs).compile())
+                    except Exception as e:  # noqa: BLE001 - reported beside the timings
+                        row["train_failed"] = first_line(e)
                 jax.clear_caches()
                 rows[name] = row
                 results.append(row)
@@ -339,7 +353,9 @@ def main():
                       f"step {gb / 1e9 if gb else float('nan'):6.2f} GB  "
                       f"train {tgb / 1e9 if tgb else float('nan'):6.2f} GB"
                       + (f"  err {row['rel_err_vs_dense']:.1e}" if "rel_err_vs_dense" in row
-                         else "") + (f"  FAILED {row['failed']}" if "failed" in row else ""),
+                         else "") + (f"  FAILED {row['failed']}" if "failed" in row else "")
+                      + (f"  train FAILED {row['train_failed']}" if "train_failed" in row
+                         else ""),
                       flush=True)
             summary.append(dict(shape=tag, ranks=R, routing=routing, ratios=ratios(rows)))
             print("  same-run ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in
