@@ -116,7 +116,7 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     unaligned). Differentiable in x, topk_weights and w. copy_blocks: blocks of the launch that
     pull rows (0: automatic, docs/kernels.md#fused-gather-gemm). weight_grad_acc: None, or
     [L, H, N] in w's dtype that w's cotangent is added to, in place on the CUDA backend
-    (`grouped_gemm.matmul_accumulating_grad`).
+    (`grouped_gemm.padded_segments_matmul`).
     """
     _checks.expect_rank("x", x, 2, "[T, H]")
     T, H = x.shape
