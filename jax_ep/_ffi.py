@@ -177,7 +177,7 @@ def _batch(axis_data, vals, dims, *, target, out_types, attrs, axis_name, has_gr
 batching.fancy_primitive_batchers[ep_call_p] = _batch
 
 
-def _vma(x):
+def varying_axes(x):
     """Mesh axes along which x varies inside shard_map (API moved between jax versions)."""
     aval = jax.typeof(x)
     v = getattr(aval, "vma", None)
@@ -188,7 +188,7 @@ def _vma(x):
 
 def _varying(x, axes):
     """x marked as varying along `axes` (e.g. an operand closed over from outside shard_map)."""
-    missing = tuple(sorted(axes - _vma(x), key=str))
+    missing = tuple(sorted(axes - varying_axes(x), key=str))
     if not missing:
         return x
     pcast = getattr(jax.lax, "pcast", None)
@@ -201,10 +201,10 @@ def varying(args, axis_name=None):
     """args, each marked as varying along every mesh axis that any of them (or axis_name)
     varies along: what custom calls and custom VJPs inside shard_map need their operands to
     agree on. A no-op outside shard_map."""
-    axes = frozenset().union(*(_vma(a) for a in args))
+    axes = frozenset().union(*(varying_axes(a) for a in args))
     if axis_name is not None:
         try:
-            axes = axes | _vma(jax.lax.axis_index(axis_name))
+            axes = axes | varying_axes(jax.lax.axis_index(axis_name))
         except Exception:  # noqa: BLE001 - older jax: axis_index carries no vma
             pass
     return [_varying(a, axes) for a in args] if axes else list(args)

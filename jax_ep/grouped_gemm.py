@@ -393,7 +393,22 @@ def grouped_matmul(lhs: jax.Array | tuple[jax.Array, jax.Array], rhs: jax.Array 
         raise ValueError(f"lhs: K={a.shape[1]} does not match rhs [G, K, N] with K={K}")
     sizes = _sizes("group_sizes", group_sizes, G, total=a.shape[0])
     out_dtype = _out_dtype(preferred_element_type, a.dtype)
+    a, rq, _ = _same_axes(a, rq)
     return _gmm_diff(a, rq, sizes, None, None, _float_config(a, rq, out_dtype, backend))
+
+
+def _same_axes(lhs, rhs, acc=None):
+    """(lhs, rhs, acc) varying along the same mesh axes inside shard_map (a no-op outside): a
+    weight replicated along an axis its rows vary along (data parallelism over an EP group)
+    then gets its cotangent summed along that axis by the cast's transpose, and the custom
+    VJP's result types match its operands. acc holds this shard's partial sums, so it must
+    already vary along those axes."""
+    lhs, rhs = _ffi.varying([lhs, rhs])
+    if acc is not None and _ffi.varying_axes(acc) != _ffi.varying_axes(rhs):
+        raise ValueError(f"acc: varies along {sorted(_ffi.varying_axes(acc), key=str)}, "
+                         f"expected {sorted(_ffi.varying_axes(rhs), key=str)} (lhs's axes): "
+                         "the partial sums of this shard's weight gradients")
+    return lhs, rhs, acc
 
 
 def _float_config(a, rq, out_dtype, backend):
@@ -419,6 +434,7 @@ def matmul_accumulating_grad(lhs, rhs, sizes, acc, *, backend):
                          f"{rhs.dtype}{list(rhs.shape)}")
     sizes = _sizes("group_sizes", sizes, rhs.shape[0], total=lhs.shape[0])
     cfg = _float_config(lhs, rhs, jnp.dtype(lhs.dtype), backend)
+    lhs, rhs, acc = _same_axes(lhs, rhs, acc)
     return _gmm_diff(lhs, rhs, sizes, None, acc, cfg)
 
 
@@ -429,5 +445,6 @@ def padded_segments_matmul(lhs, rhs, sizes, counts, acc=None):
     or [G, K, N] in rhs's dtype that the weight gradient is added to in place (as
     `matmul_accumulating_grad`)."""
     small = _small_m(lhs.shape[0], rhs.shape[0])
+    lhs, rhs, acc = _same_axes(lhs, rhs, acc)
     return _gmm_diff(lhs, rhs, sizes, counts, acc,
                      _Config(jnp.dtype(lhs.dtype), True, small_m=small))

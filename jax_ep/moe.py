@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import _checks, expert_layout as el, grouped_gemm, runtime
+from jax_ep import _checks, _ffi, expert_layout as el, grouped_gemm, runtime
 from jax_ep._common import axis_info, quantize_fp8, sanitize
 from jax_ep.fused import dispatch_matmul, matmul_combine
 from jax_ep.grouped_gemm_masked import grouped_matmul_masked
@@ -223,6 +223,11 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
                          f"needs at least R * T = {floor} rows")
     passes = el.passes_needed(T, num_ranks=R, num_local_experts=L, num_topk=K,
                               capacity=capacity, alignment=A)
+    # The weights varying along every mesh axis x does (a no-op outside shard_map): replicated
+    # over data parallelism, each shard's weight gradients are its partial sums (the extra
+    # passes add to them in place), summed over the replicas once, by this cast's transpose.
+    leaves, tree = jax.tree.flatten((w_gate_up, w_down))
+    w_gate_up, w_down = jax.tree.unflatten(tree, _ffi.varying([x, *leaves])[1:])
     one = functools.partial(_ht_pass, num_experts=num_experts, axis_name=axis_name,
                             capacity=capacity, backend=backend, **settings)
     if passes == 1:

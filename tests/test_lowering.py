@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
 import jax_ep._ffi
@@ -394,3 +394,37 @@ def test_moe_extra_passes_backward_adds_weight_gradients_in_place(cuda_lowering,
     # the fused path's weight gradients skip the alignment padding: a [L] row_counts operand
     row_counts = [operand_types(c)[5] for c in acc]
     assert row_counts == [f"tensor<{L if fused else 0}xi32>"] * 2, row_counts
+
+
+@pytest.mark.parametrize("kw", [dict(capacity=16), dict(fused=True, capacity=16 + 127),
+                                dict(mode="low_latency")],
+                         ids=["unfused", "fused", "low_latency"])
+def test_moe_gradients_with_weights_replicated_over_data_parallel(cuda_lowering, monkeypatch,
+                                                                 mesh_dp_ep, kw):
+    """A (dp, ep) mesh with the experts sharded over ep and replicated over dp (the usual
+    layout): the gradients of moe_ffn on the CUDA backend trace under shard_map's default
+    check_vma (the weights' summed over dp), the extra passes' loop included."""
+    class Ext(_LayerTable):
+        ll_dispatch_buffer_bytes = staticmethod(lambda R, M, K, H, L, fp8: 1 << 20)
+        ll_combine_buffer_bytes = staticmethod(lambda R, M, K, H: 1 << 20)
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: Ext)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    T, H, I, K, L = 8, 128, 64, 2, 2
+    R = mesh_dp_ep.shape["ep"]
+
+    def body(x, idx, w, wgu, wd):
+        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=R * L, backend="cuda", **kw)
+        return jnp.sum(y.astype(jnp.float32))
+
+    def step(x, idx, w, wgu, wd):
+        return jax.grad(body, argnums=(0, 2, 3, 4))(x, idx, w, wgu, wd)
+    sp, ep = P(("dp", "ep")), P("ep")
+    f = jax.jit(jax.shard_map(step, mesh=mesh_dp_ep, in_specs=(sp, sp, sp, ep, ep),
+                              out_specs=(sp, sp, ep, ep)))
+    S = 4
+    args = (jnp.ones((S * T, H), jnp.bfloat16), jnp.zeros((S * T, K), jnp.int32),
+            jnp.ones((S * T, K), jnp.bfloat16), jnp.ones((R * L, H, 2 * I), jnp.bfloat16),
+            jnp.ones((R * L, I, H), jnp.bfloat16))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    if kw.get("mode") != "low_latency":
+        assert "stablehlo.while" in text      # R * T rows a pass: a loop of extra passes

@@ -150,3 +150,28 @@ def test_moe_ffn_capacity_below_one_token_per_source_is_refused():
     x, idx, w, wgu, wd, E = _setup(R, "random")
     with pytest.raises(ValueError, match=r"capacity=15: .* at least R \* T = 16"):
         _layer(R, E, capacity=R * T - 1)(x, idx, w, wgu, wd)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_moe_ffn_gradients_through_extra_passes_with_data_parallel(fused):
+    """A (dp, ep) mesh, the experts sharded over ep and replicated over dp, shard_map's default
+    check_vma: with extra passes the weights' gradients are the dense MoE's, each shard's
+    partial sums added over the passes and then over the replicas."""
+    dp, R = 2, 2
+    x, idx, w, wgu, wd, E = _setup(dp * R, "hot", seed=3)    # dp * R shards of T tokens
+    mesh = Mesh(np.array(jax.devices()[:dp * R]).reshape(dp, R), ("dp", "ep"))
+    tok = P(("dp", "ep"))
+
+    def body(x, idx, w, wgu, wd):
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, capacity=R * T, fused=fused,
+                              backend="reference")
+    layer = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, P("ep"), P("ep")),
+                                  out_specs=tok))
+    ct = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.float32)
+
+    def loss(f):
+        return lambda x, w, wgu, wd: jnp.sum(f(x, idx, w, wgu, wd) * ct)
+    got = jax.grad(loss(layer), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    want = jax.grad(loss(_dense_moe), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    for name, g, r in zip(("x", "w", "w_gate_up", "w_down"), got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
