@@ -401,10 +401,15 @@ def _same_axes(lhs, rhs, acc=None):
     """(lhs, rhs, acc) varying along the same mesh axes inside shard_map (a no-op outside): a
     weight replicated along an axis its rows vary along (data parallelism over an EP group)
     then gets its cotangent summed along that axis by the cast's transpose, and the custom
-    VJP's result types match its operands. acc holds this shard's partial sums, so it must
-    already vary along those axes."""
+    VJP's result types match its operands. acc (rhs's shape and dtype) holds this shard's
+    partial sums, so it must already vary along those axes."""
     lhs, rhs = _ffi.varying([lhs, rhs])
-    if acc is not None and _ffi.varying_axes(acc) != _ffi.varying_axes(rhs):
+    if acc is None:
+        return lhs, rhs, acc
+    if tuple(acc.shape) != tuple(rhs.shape) or jnp.dtype(acc.dtype) != jnp.dtype(rhs.dtype):
+        raise ValueError(f"acc: {acc.dtype}{list(acc.shape)}, expected rhs's "
+                         f"{rhs.dtype}{list(rhs.shape)}")
+    if _ffi.varying_axes(acc) != _ffi.varying_axes(rhs):
         raise ValueError(f"acc: varies along {sorted(_ffi.varying_axes(acc), key=str)}, "
                          f"expected {sorted(_ffi.varying_axes(rhs), key=str)} (lhs's axes): "
                          "the partial sums of this shard's weight gradients")
@@ -429,9 +434,6 @@ def matmul_accumulating_grad(lhs, rhs, sizes, acc, *, backend):
     weight gradient adds to its output, docs/ffi.md#jax_ep_grouped_gemm-local-no-communication):
     a loop that sums weight gradients over passes then holds one set of them. acc: [G, K, N]
     in rhs's dtype; it gets no cotangent."""
-    if tuple(acc.shape) != tuple(rhs.shape) or jnp.dtype(acc.dtype) != jnp.dtype(rhs.dtype):
-        raise ValueError(f"acc: {acc.dtype}{list(acc.shape)}, expected rhs's "
-                         f"{rhs.dtype}{list(rhs.shape)}")
     sizes = _sizes("group_sizes", sizes, rhs.shape[0], total=lhs.shape[0])
     cfg = _float_config(lhs, rhs, jnp.dtype(lhs.dtype), backend)
     lhs, rhs, acc = _same_axes(lhs, rhs, acc)

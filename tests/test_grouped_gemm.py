@@ -220,3 +220,37 @@ def test_cuda_backend_without_gpu_says_why():
     b = jnp.zeros((2, 8, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="backend='cuda' needs"):
         jax_ep.grouped_matmul(a, b, jnp.asarray([8, 8], jnp.int32), backend="cuda")
+
+
+def test_weight_gradient_accumulator_is_checked(mesh_dp_ep):
+    """The accumulator of the in-place weight gradient (the layer's extra passes): rhs's shape
+    and dtype, and, inside shard_map, varying along the rows' axes (each shard's partial sums),
+    else a ValueError naming acc; a weight replicated over dp gets its gradient summed there."""
+    from jax_ep import grouped_gemm as gg
+    G, K, N, M = 2, 8, 4, 6
+    a = jnp.ones((M, K), jnp.float32)
+    b = jnp.ones((G, K, N), jnp.float32)
+    sizes = jnp.array([2, 4], jnp.int32)
+    for acc, what in ((jnp.zeros((G, K, N + 1), jnp.float32), r"\[2, 8, 5\]"),
+                      (jnp.zeros((G, K, N), jnp.bfloat16), "bfloat16")):
+        with pytest.raises(ValueError, match=f"acc: .*{what}.*, expected rhs's float32"):
+            gg.matmul_accumulating_grad(a, b, sizes, acc, backend="reference")
+        with pytest.raises(ValueError, match=f"acc: .*{what}.*, expected rhs's float32"):
+            gg.padded_segments_matmul(a, b, sizes, sizes, acc)
+    rows, ep = P(("dp", "ep")), P("ep")
+
+    def grad_b(a, b, acc):
+        f = functools.partial(gg.matmul_accumulating_grad, sizes=sizes, backend="reference")
+        return jax.grad(lambda b: jnp.sum(f(a, b, acc=acc)))(b)
+    S = 4
+    args = (jnp.ones((S * M, K), jnp.float32), jnp.ones((2 * G, K, N), jnp.float32))
+    with pytest.raises(ValueError, match=r"acc: varies along \['ep'\], expected "
+                                         r"\['dp', 'ep'\]"):
+        jax.shard_map(grad_b, mesh=mesh_dp_ep, in_specs=(rows, ep, ep), out_specs=ep)(
+            *args, jnp.zeros((2 * G, K, N), jnp.float32))
+    # without an accumulator: the replicas' gradients summed over dp (2 replicas of 6 rows)
+    got = jax.shard_map(lambda a, b: jax.grad(lambda b: jnp.sum(jax_ep.grouped_matmul(
+        a, b, sizes, backend="reference")))(b), mesh=mesh_dp_ep, in_specs=(rows, ep),
+        out_specs=ep)(*args)
+    np.testing.assert_allclose(np.asarray(got)[:G], 2 * np.array([2, 4])[:, None, None]
+                               * np.ones((G, K, N)))
