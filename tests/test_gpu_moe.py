@@ -82,6 +82,37 @@ def test_moe_ffn_extra_passes_match_reference(R, fused):
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_moe_ffn_on_a_dp_ep_mesh_with_replicated_weights(fused):
+    """A (dp, ep) = (2, 2) mesh of 4 GPUs, the experts sharded over ep and replicated over dp,
+    shard_map's default check_vma, a capacity that needs extra passes: CUDA against the
+    reference, forward and gradients (the weights' summed over the replicas)."""
+    devs = gpu_devices()
+    if len(devs) < 4:
+        pytest.skip("needs 4 GPUs")
+    from jax.sharding import Mesh, PartitionSpec as P
+    dp, R, T, H, I, K, L = 2, 2, 48, 512, 256, 4, 4
+    x, idx, w, wgu, wd, E = _setup(dp * R, T, H, I, K, L, jnp.bfloat16, 40, masked=True)
+    wgu, wd = wgu[:R * L], wd[:R * L]           # E = R * L experts, replicated over dp
+    E = R * L
+    idx = jnp.where(idx >= 0, idx % E, -1).at[::2, 0].set(0).at[::2, 1].set(1)
+    align = jax_ep.runtime.extension().fused_block_rows if fused else 1
+    kw = dict(num_experts=E, capacity=max(R * T, (L - 1) * (align - 1) + 32), fused=fused)
+    mesh = Mesh(np.array(devs[:dp * R]).reshape(dp, R), ("dp", "ep"))
+    tok, ep = P(("dp", "ep")), P("ep")
+
+    def run(backend):
+        return jax.jit(jax.shard_map(moe_layer_and_grads(backend, **kw), mesh=mesh,
+                                     in_specs=(tok, tok, tok, ep, ep),
+                                     out_specs=(tok, tok, tok, ep, ep)))
+    args = (x, idx, w, wgu, wd)
+    want = jax.device_get(run("reference")(*args))
+    poison_gpu_memory()
+    got = jax.device_get(run("cuda")(*args))
+    for name, a, b in zip(NAMES, got, want):
+        assert _rel(a, b) < 2e-2, (name, _rel(a, b))
+
+
 @pytest.mark.parametrize("R", [1, 4])
 def test_moe_ffn_fp8_forward(R):
     """FP8 dispatch into the FP8 grouped GEMM of w_gate_up, against the same FP8 layer on the
