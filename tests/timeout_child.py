@@ -82,9 +82,9 @@ def ht_gather_gemm(x, rows_src, sizes, wgu):
     fcfg = fused._GatherMatmulConfig(ht._Config(E, C, "ep", "cuda"), K, 0)
     unused = jnp.zeros((C,), jnp.int32)   # the backward's residuals
     no_dups = jnp.zeros((C, 0), jnp.int32)
-    # no backward here: no dispatch handle among its residuals (None)
+    # no backward here: no dispatch handle among its residuals, no weight-gradient sum (None)
     return fused._gather_matmul(x, wgu, rows_src, no_dups, sizes, unused, unused, unused, None,
-                                fcfg)
+                                None, fcfg)
 
 
 def ht_gemm_combine(a, sizes, wd, row_of, weights, send_rows):
