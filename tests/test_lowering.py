@@ -332,6 +332,31 @@ class _LayerTable(_GemmTable):
     fused_block_rows = 128
     fused_max_dups = 4
     fused_counter_words = staticmethod(lambda C: 64)
+    ll_dispatch_buffer_bytes = staticmethod(lambda R, M, K, H, L, fp8: 1 << 20)
+    ll_combine_buffer_bytes = staticmethod(lambda R, M, K, H: 1 << 20)
+
+
+# the layer's shapes in the lowering tests below: per shard T tokens, 2 ranks of L experts
+LT, LH, LI, LK, LL = 8, 128, 64, 2, 2
+
+
+def _moe_gradients_lowered(monkeypatch, wrap, argnums, rows, experts, **kw):
+    """The CUDA lowering (text) of the gradients in `argnums` of sum(moe_ffn(..., **kw)) per
+    shard, under wrap (a jit of a shard_map), on bf16 inputs with leading shapes `rows` (x,
+    topk_idx, topk_weights) and `experts` (the weights); E = 2 * LL experts."""
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+
+    def loss(x, idx, w, wgu, wd):
+        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=2 * LL, backend="cuda", **kw)
+        return jnp.sum(y.astype(jnp.float32))
+
+    def step(x, idx, w, wgu, wd):
+        return jax.grad(loss, argnums=argnums)(x, idx, w, wgu, wd)
+    args = (jnp.ones(rows + (LH,), jnp.bfloat16), jnp.zeros(rows + (LK,), jnp.int32),
+            jnp.ones(rows + (LK,), jnp.bfloat16), jnp.ones(experts + (LH, 2 * LI), jnp.bfloat16),
+            jnp.ones(experts + (LI, LH), jnp.bfloat16))
+    return wrap(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("capacity", [None, 16 + 127], ids=["one_pass", "extra_passes"])
@@ -340,22 +365,8 @@ def test_fused_moe_gradients_trace_under_check_vma(cuda_lowering, monkeypatch, m
     """moe_ffn(fused=True)'s gradients in x, the routing weights and both expert matrices
     trace inside shard_map with its default check_vma, in one pass and with extra passes (the
     routing dispatch's zero-width rows carry the varying type its backward gives them)."""
-    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
-    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
-    T, H, I, K, L = 8, 128, 64, 2, 2
-
-    def loss(x, idx, w, wgu, wd):
-        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=2 * L, capacity=capacity,
-                           fused=True, backend="cuda")
-        return jnp.sum(y.astype(jnp.float32))
-
-    def step(x, idx, w, wgu, wd):
-        return jax.grad(loss, argnums=(0, 2, 3, 4))(x, idx, w, wgu, wd)
-    n = 2
-    args = (jnp.ones((n, T, H), jnp.bfloat16), jnp.zeros((n, T, K), jnp.int32),
-            jnp.ones((n, T, K), jnp.bfloat16), jnp.ones((n, L, H, 2 * I), jnp.bfloat16),
-            jnp.ones((n, L, I, H), jnp.bfloat16))
-    text = smap(mesh2, step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = _moe_gradients_lowered(monkeypatch, lambda f: smap(mesh2, f), (0, 2, 3, 4),
+                                  (2, LT), (2, LL), capacity=capacity, fused=True)
     assert ("stablehlo.while" in text) == (capacity is not None)
     assert any(t == "jax_ep_ht_gather_gemm" for t, _ in custom_calls(text))
 
@@ -366,25 +377,10 @@ def test_moe_extra_passes_backward_adds_weight_gradients_in_place(cuda_lowering,
     """moe_ffn with a capacity that may need extra passes: the backward's loop over them adds
     the weight gradients in place, fused or not (aliased accumulating weight-gradient calls,
     one per weight; on the fused path each also reduces over the segments' rows only)."""
-    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
-    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
-    T, H, I, K, L = 8, 128, 64, 2, 2
-    E = 2 * L
-
-    def loss(x, idx, w, wgu, wd):
-        # R * T = 16 rows, the fused alignment's padding before the last segment included:
-        # below the worst case's 32 pairs, so the layer has a loop of extra passes
-        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E,
-                           capacity=16 + (L - 1) * 127 * fused, fused=fused, backend="cuda")
-        return jnp.sum(y.astype(jnp.float32))
-
-    def step(x, idx, w, wgu, wd):
-        return jax.grad(loss, argnums=(3, 4))(x, idx, w, wgu, wd)
-    n = 2
-    args = (jnp.ones((n, T, H), jnp.bfloat16), jnp.zeros((n, T, K), jnp.int32),
-            jnp.ones((n, T, K), jnp.bfloat16), jnp.ones((n, L, H, 2 * I), jnp.bfloat16),
-            jnp.ones((n, L, I, H), jnp.bfloat16))
-    text = smap(mesh2, step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    # R * T = 16 rows, the fused alignment's padding before the last segment included: below
+    # the worst case's 32 pairs, so the layer has a loop of extra passes
+    text = _moe_gradients_lowered(monkeypatch, lambda f: smap(mesh2, f), (3, 4), (2, LT),
+                                  (2, LL), capacity=16 + (LL - 1) * 127 * fused, fused=fused)
     assert "stablehlo.while" in text
     acc = [c for t, c in custom_calls(text)
            if t == "jax_ep_grouped_gemm" and attr(c, "accumulate") == "true"]
@@ -393,7 +389,7 @@ def test_moe_extra_passes_backward_adds_weight_gradients_in_place(cuda_lowering,
                       "operand_index = 6") == 2
     # the fused path's weight gradients skip the alignment padding: a [L] row_counts operand
     row_counts = [operand_types(c)[5] for c in acc]
-    assert row_counts == [f"tensor<{L if fused else 0}xi32>"] * 2, row_counts
+    assert row_counts == [f"tensor<{LL if fused else 0}xi32>"] * 2, row_counts
 
 
 @pytest.mark.parametrize("kw", [dict(capacity=16), dict(fused=True, capacity=16 + 127),
@@ -404,27 +400,11 @@ def test_moe_gradients_with_weights_replicated_over_data_parallel(cuda_lowering,
     """A (dp, ep) mesh with the experts sharded over ep and replicated over dp (the usual
     layout): the gradients of moe_ffn on the CUDA backend trace under shard_map's default
     check_vma (the weights' summed over dp), the extra passes' loop included."""
-    class Ext(_LayerTable):
-        ll_dispatch_buffer_bytes = staticmethod(lambda R, M, K, H, L, fp8: 1 << 20)
-        ll_combine_buffer_bytes = staticmethod(lambda R, M, K, H: 1 << 20)
-    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: Ext)
-    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
-    T, H, I, K, L = 8, 128, 64, 2, 2
-    R = mesh_dp_ep.shape["ep"]
-
-    def body(x, idx, w, wgu, wd):
-        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=R * L, backend="cuda", **kw)
-        return jnp.sum(y.astype(jnp.float32))
-
-    def step(x, idx, w, wgu, wd):
-        return jax.grad(body, argnums=(0, 2, 3, 4))(x, idx, w, wgu, wd)
+    R, S = mesh_dp_ep.shape["ep"], 4
+    assert R == 2
     sp, ep = P(("dp", "ep")), P("ep")
-    f = jax.jit(jax.shard_map(step, mesh=mesh_dp_ep, in_specs=(sp, sp, sp, ep, ep),
-                              out_specs=(sp, sp, ep, ep)))
-    S = 4
-    args = (jnp.ones((S * T, H), jnp.bfloat16), jnp.zeros((S * T, K), jnp.int32),
-            jnp.ones((S * T, K), jnp.bfloat16), jnp.ones((R * L, H, 2 * I), jnp.bfloat16),
-            jnp.ones((R * L, I, H), jnp.bfloat16))
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    wrap = lambda f: jax.jit(jax.shard_map(  # noqa: E731
+        f, mesh=mesh_dp_ep, in_specs=(sp, sp, sp, ep, ep), out_specs=(sp, sp, ep, ep)))
+    text = _moe_gradients_lowered(monkeypatch, wrap, (0, 2, 3, 4), (S * LT,), (R * LL,), **kw)
     if kw.get("mode") != "low_latency":
         assert "stablehlo.while" in text      # R * T rows a pass: a loop of extra passes
