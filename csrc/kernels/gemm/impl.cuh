@@ -110,12 +110,12 @@ using FwdSmall = Cfg16<T, RowMajor, RowMajor, cute::Shape<_64, _256, _64>, cute:
 template <class T>  // rhs stored [G, N, K]: the lhs gradient dout @ w^T
 using FwdNK = Cfg16<T, RowMajor, ColMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
                     Coop, CoopEpi>;
-template <class T>  // lhs^T @ rhs2 per group: the weight gradient
+// lhs^T @ rhs2 per group: the weight gradient (ElementC T: added to the output's contents)
+template <class T, class ElementC = void>
 using Tgrad = Cfg16<T, ColMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
-                    Coop, CoopEpi>;
-template <class T>  // the weight gradient added to the output's contents (GemmShape::accumulate)
-using TgradAcc = Cfg16<T, ColMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
-                       Coop, CoopEpi, T>;
+                    Coop, CoopEpi, ElementC>;
+template <class T>  // GemmShape::accumulate
+using TgradAcc = Tgrad<T, T>;
 // FP8: cooperative 128 x 128 tiles (larger ones need more accumulator registers than a thread
 // has: blockwise scaling keeps temporaries beside the accumulator, fp8_mainloop.cuh); 64 x 128
 // ping-pong tiles for few rows per group. On one H200, 32 groups of 1024 rows at (K, N) =
