@@ -127,25 +127,38 @@ if has planted; then
     16:$P[moe_ffn_ll]}"
   : > "$OUT/planted.log"
   need_nvshmem4py
-  built=" "
   set -f   # test ids hold [...]: no globbing of them
+  # Every planted build at once, each in a build folder of its own (the planted bug must never
+  # reach the real build's CMake cache), the machine's cores shared between them: one after the
+  # other they took longer than the tests.
+  ms=$(for pair in $pairs; do echo "${pair%%:*}"; done | sort -un)
+  nb=$(echo $ms | wc -w); jobs=$(( $(nproc) / nb )); [ $jobs -ge 2 ] || jobs=2
+  for m in $ms; do
+    dst=/tmp/jax_ep_mutation$m; rm -rf "$dst"
+    CMAKE_BUILD_PARALLEL_LEVEL=$jobs $PY -m pip install -v --no-build-isolation --no-deps \
+        --target "$dst" -C build-dir=/tmp/jax_ep_mutation_build$m \
+        -C cmake.define.JAX_EP_MUTATION=$m \
+        -C cmake.define.JAX_EP_WITH_GEMM=$([ "$m" -ge 11 ] && echo ON || echo OFF) \
+        . > "$OUT/build_mutation$m.log" 2>&1 && touch "$dst.ok" &
+  done
+  wait
+  usable=" "
+  for m in $ms; do
+    if [ ! -e "/tmp/jax_ep_mutation$m.ok" ]; then
+      echo "  mutation $m: BUILD FAILED" | tee -a "$OUT/planted.log"; rc=1
+    elif ! (cd /tmp && PYTHONPATH="/tmp/jax_ep_mutation$m" $PY -c "import sys; from jax_ep import _C
+sys.exit(_C.planted_bug() != $m)"); then
+      echo "  mutation $m: the tests would not import the planted build" | tee -a "$OUT/planted.log"
+      rc=1
+    else
+      usable="$usable$m "
+    fi
+    rm -f "/tmp/jax_ep_mutation$m.ok"
+  done
   for pair in $pairs; do
     m=${pair%%:*}; t=${pair#*:}
     dst=/tmp/jax_ep_mutation$m
-    if [[ "$built" != *" $m "* ]]; then
-      built="$built$m "; rm -rf "$dst"
-      if ! CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install -v --no-build-isolation --no-deps \
-          --target "$dst" -C build-dir=/tmp/jax_ep_mutation_build$m \
-          -C cmake.define.JAX_EP_MUTATION=$m \
-          -C cmake.define.JAX_EP_WITH_GEMM=$([ "$m" -ge 11 ] && echo ON || echo OFF) \
-          . > "$OUT/build_mutation$m.log" 2>&1; then
-        echo "  mutation $m: BUILD FAILED" | tee -a "$OUT/planted.log"; rc=1; continue
-      fi
-      if ! (cd /tmp && PYTHONPATH="$dst" $PY -c "import sys; from jax_ep import _C
-sys.exit(_C.planted_bug() != $m)"); then
-        echo "  mutation $m: the tests would not import the planted build"; rc=1; continue
-      fi
-    fi
+    [[ "$usable" == *" $m "* ]] || continue
     log="$OUT/planted_${m}_$(echo "${t##*::}" | tr -c 'A-Za-z0-9_.\n-' '_').log"
     (cd /tmp && PYTHONPATH="$dst" JAX_EP_TIMEOUT_S=5 timeout ${MUTATION_TIMEOUT:-200} $PY -m pytest \
        -q -p no:cacheprovider -m gpu "$OLDPWD/$t" > "$log" 2>&1)
