@@ -112,8 +112,12 @@ NB_MODULE(_C, m) {
   m.attr("fused_block_rows") = jax_ep::fused::kBlockM;
   m.attr("fused_max_dups") = jax_ep::fused::kMaxDups;
   m.def("fused_counter_words", &jax_ep::fused::counter_words, nb::arg("C"),
-        "int32 words of the fused kernels' counters result for C expert-major rows "
+        "int32 words of the fused gather + GEMM's counters result for C expert-major rows "
         "(csrc/kernels/fused/sizes.h).");
+  m.def("fused_combine_counter_words", &jax_ep::fused::combine_counter_words, nb::arg("C"),
+        nb::arg("Cr"),
+        "int32 words of the fused GEMM + combine's counters result for C expert-major rows and "
+        "Cr received rows (csrc/kernels/fused/sizes.h).");
   m.attr("fused_raster_row_blocks") = jax_ep::fused::kRasterRowBlocks;
   m.def("gemm_built", &jax_ep::gemm::built,
         "True when the CUTLASS grouped-GEMM kernels are compiled in.");

@@ -176,14 +176,16 @@ class _GemmCombineConfig(NamedTuple):
 
 def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg):
     """(ye, out): ye = grouped_matmul(a, w, sizes), out = its combine, in one launch."""
-    C, N = a.shape[0], w.shape[2]
+    C, N, Cr = a.shape[0], w.shape[2], row_of.shape[0]
     T = rank.send_rows.shape[0]
-    words = runtime.extension().fused_counter_words(C)
-    ye, out, _ = _ffi.call("jax_ep_ht_gemm_combine",
-                           [a, sizes, w, row_of, weights, rank.send_rows],
-                           [((C, N), a.dtype), ((T, N), a.dtype), ((words,), jnp.int32)],
-                           axis_name=ccfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
-                           combine_blocks=ccfg.combine_blocks)
+    words = runtime.extension().fused_combine_counter_words(C, Cr)
+    # (yr: each received row's weighted sum of its rows here, which the peers pull)
+    ye, _, out, _ = _ffi.call("jax_ep_ht_gemm_combine",
+                              [a, sizes, w, row_of, weights, rank.send_rows],
+                              [((C, N), a.dtype), ((Cr, N), a.dtype), ((T, N), a.dtype),
+                               ((words,), jnp.int32)],
+                              axis_name=ccfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
+                              combine_blocks=ccfg.combine_blocks)
     return ye, out
 
 

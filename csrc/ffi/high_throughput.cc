@@ -486,14 +486,12 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
 }
 
 // ------------------------------------------------------------------------------------------
-ffi::Error HtGemmCombineImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> a,
-                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::BF16> w,
-                             ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
-                             ffi::Buffer<ffi::S32> send_rows,
-                             ffi::Result<ffi::Buffer<ffi::BF16>> ye,
-                             ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                             ffi::Result<ffi::Buffer<ffi::S32>> counters, HtGemmCombineAttrs at,
-                             jax_ep::SiteState* st) {
+ffi::Error HtGemmCombineImpl(
+    cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::S32> sizes,
+    ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
+    ffi::Buffer<ffi::S32> send_rows, ffi::Result<ffi::Buffer<ffi::BF16>> ye,
+    ffi::Result<ffi::Buffer<ffi::BF16>> yr, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+    ffi::Result<ffi::Buffer<ffi::S32>> counters, HtGemmCombineAttrs at, jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_gemm_combine";
   JAX_EP_RETURN_IF_ERROR(common_checks(op, at, st));
 #if !JAX_EP_WITH_GEMM
@@ -524,8 +522,9 @@ ffi::Error HtGemmCombineImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
   JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
   JAX_EP_CHECK_SHAPE(weights, op, "weights", Cr, K);
   JAX_EP_CHECK_SHAPE(*ye, op, "ye", C, N);
+  JAX_EP_CHECK_SHAPE(*yr, op, "yr", Cr, N);
   JAX_EP_CHECK_SHAPE(*out, op, "out", T, N);
-  JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::counter_words(C));
+  JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::combine_counter_words(C, Cr));
   if (at.group_size * T > kMaxInt || C > kMaxInt || Cr * K > kMaxInt || I > kMaxInt || N > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
   JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "I", C, I, N, L));
@@ -551,6 +550,7 @@ ffi::Error HtGemmCombineImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
   g.I = I;
   g.N = N;
   g.ye = ye->untyped_data();
+  g.yr = yr->untyped_data();
   g.out = out->untyped_data();
   g.counters = counters->typed_data();
   g.combine_blocks = combine;
@@ -628,16 +628,17 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBI
       JAX_EP_HT_ATTRS_AND_STATE(HtGatherGemmAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT_GATHER_GEMM);
 
-#define JAX_EP_BIND_HT_GEMM_COMBINE                                    \
-  JAX_EP_HT_BIND                                                       \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* a [C, I] */                    \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                   \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, I, N] */                 \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* row_of [Cr, K] */              \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* weights [Cr, K] */             \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */            \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* ye [C, N] */                   \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* out [T, N] */                  \
-      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [counter_words(C)] */ \
+#define JAX_EP_BIND_HT_GEMM_COMBINE                                                \
+  JAX_EP_HT_BIND                                                                   \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* a [C, I] */                                \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                               \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, I, N] */                             \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* row_of [Cr, K] */                          \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* weights [Cr, K] */                         \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */                        \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* ye [C, N] */                               \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* yr [Cr, N] */                              \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* out [T, N] */                              \
+      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [combine_counter_words(C, Cr)] */ \
       JAX_EP_HT_ATTRS_AND_STATE(HtGemmCombineAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGemmCombine, HtGemmCombineImpl, JAX_EP_BIND_HT_GEMM_COMBINE);

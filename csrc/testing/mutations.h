@@ -11,7 +11,7 @@
 // gpu_check.sh's MUTATIONS and PLANTED lists name: keep them.
 //
 // Bugs 1 to 8 sit in code that every one-process run executes, 9 and 10 in per-process code
-// only, 11 to 13 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
+// only, 11 to 13 and 17 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
 // multi-rank mode, 16 in every communication kernel's failure path. Plain C++ (constants
 // only): host code and kernels include it.
 #pragma once
@@ -55,8 +55,8 @@ enum Bug : int {
   kLedgerSkipsRemote = 10,
   // fused gather + grouped GEMM: a tile does not wait for its rows (kernels/fused/gather_gemm.cu)
   kTileSkipsRows = 11,
-  // fused grouped GEMM + combine: a token's rows are read without waiting for their tiles
-  // (kernels/fused/gemm_combine.cu)
+  // fused grouped GEMM + combine: a received row's slots are summed without waiting for their
+  // tiles (reduce_received, kernels/fused/gemm_combine.cu)
   kCombineSkipsTiles = 12,
   // fused gather + grouped GEMM: a token's first row counts its copies on the rank but does not
   // write them (copy_rows, kernels/fused/gather_gemm.cu)
@@ -70,7 +70,10 @@ enum Bug : int {
   // an op whose wait gave up leaves its results as they are: the poison fill does nothing
   // (poison::fill, transport/poison.cuh)
   kSkipPoison = 16,
-  kLast = kSkipPoison,
+  // fused grouped GEMM + combine: a token's summed row is pulled from a rank without waiting
+  // for that rank to have written it (combine_tokens, kernels/fused/gemm_combine.cu)
+  kCombineSkipsSummed = 17,
+  kLast = kCombineSkipsSummed,
 };
 
 // The bug this build carries (0: none).

@@ -9,16 +9,21 @@
 //   done) and counts the tile in shared memory (release); warp 1, otherwise idle, waits for that
 //   count and adds 1 to the tile's row-block counter (system-scope release: peers on other GPUs
 //   read it).
-// - The combine runs per token of this rank, taken 4 at a time from one queue (an atomic
-//   counter) in token order: for each rank s holding the token, for each of its slots there,
-//   wait until the row block of the slot's expert-major row has all its column tiles on s, then
-//   pull the rows and sum w * row in float32, rounded once per rank (as combine rounds the
-//   rank's pre-reduced row), then over ranks in rank order, in float32.
-//   A row past the rank's last segment (only a tampered handle names one) adds nothing, as the
-//   zero row it is in the unfused layer. The first combine_blocks blocks do only this; the tile
-//   blocks' consumer warps join once their tiles are done. The combine-only blocks then wait
-//   until every token is combined and every tile block has started (read the call's epoch), and
-//   end the call (end barrier), so no peer reads this rank's buffers after it.
+// - The combine, in two steps, each from a queue of its own (an atomic counter):
+//   1. Per received row of this rank, 4 rows at a time in row order: wait until the row blocks
+//      of the row's slots have all their column tiles here, sum w * row over the slots in
+//      float32 and round once to bfloat16 (the unfused layer's pre-reduction per rank) into yr;
+//      then flag the 4 rows (system-scope release; peers read the flags and yr).
+//   2. Per token of this rank, 4 at a time in token order: for each rank s holding the token,
+//      wait for its row's flag on s, pull that one row, and sum over ranks in rank order, in
+//      float32. A token crosses the links once per rank that holds it, not once per slot.
+//   A slot naming a row past the rank's last segment (only a tampered handle names one) adds
+//   nothing, as the zero row it is in the unfused layer. The first combine_blocks blocks do only
+//   this; the tile blocks' consumer warps join once their tiles are done. Every warp takes step
+//   1's tasks until none is left, then step 2's: a step-1 task waits only for tiles here, which
+//   wait for nothing, so every step-2 wait ends. The combine-only blocks then wait until every
+//   token is combined and every tile block has started (read the call's epoch), and end the
+//   call (end barrier), so no peer reads this rank's buffers after it.
 // - Last, every warp of the grid zeroes its share of ye past the last segment (no peer reads
 //   those rows): the worst-case capacity can leave most of ye there, far too many bytes for a
 //   few blocks.
@@ -41,6 +46,7 @@ using namespace tiles;
 constexpr int kTokensPerTask = 4;  // tokens a warp takes from the queue at once
 constexpr int kUnroll = 2;         // int4 loads per lane and row, per pass over a token's rows
 constexpr int kGroup = 8;          // rows loaded at once (kGroup * kUnroll loads in flight)
+static_assert(kGroup >= kMaxRanks, "a token's rows of every rank are loaded at once");
 
 struct Params {
   TileParams tiles;
@@ -50,15 +56,14 @@ struct Params {
 
 // What every rank published, for each rank.
 struct PeerView {
-  const uint8_t* ye[kMaxRanks];
-  const int32_t* row_of[kMaxRanks];
-  const float* weights[kMaxRanks];
+  const uint8_t* yr[kMaxRanks];
   const int* counters[kMaxRanks];
-  int end[kMaxRanks];  // rows in the rank's segments: a row at or past it holds zeros
+  int end;  // rows in this rank's segments: a row at or past it holds zeros
 };
 
 constexpr const char* kPhasePeers = "ht_gemm_combine: wait for peers";
 constexpr const char* kPhaseTiles = "ht_gemm_combine: wait for a row block's tiles";
+constexpr const char* kPhaseReduced = "ht_gemm_combine: wait for a peer's summed rows";
 constexpr const char* kPhaseStored = "ht_gemm_combine: wait for a tile's stores";
 constexpr const char* kPhaseTokens = "ht_gemm_combine: wait for every token's combine";
 constexpr const char* kPhaseStarted = "ht_gemm_combine: wait for every tile block's start";
@@ -76,126 +81,194 @@ __device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
   }
 }
 
-// One slot of token t: lane-held entry e = base + lane of the token's (rank, slot) list, in rank
-// then slot order. j: its expert-major row on rank s (-1: none).
-struct Entry {
-  int s, j;
-  float w;
-};
-__device__ __forceinline__ Entry entry(const GemmCombineArgs& a, const PeerView& pv, int my_row,
-                                       int e) {
-  Entry x{-1, -1, 0.f};
-  const int R = a.ps.num_ranks, K = a.K;
-  const int s = e < R * K ? e / K : 0;
-  const int r = __shfl_sync(ht::kFull, my_row, s);
-  if (e >= R * K || r < 0) return x;
-  x.s = s;
-  const int64_t slot = static_cast<int64_t>(r) * K + e % K;
-  x.j = ht::ld_nc_s32(pv.row_of[s] + slot);
-  x.w = ht::ld_nc_f32(pv.weights[s] + slot);
-  if (x.j >= pv.end[s]) x.j = -1;  // past the segments (a tampered handle): a zero row
-  return x;
+// Takes the next task of a queue for the whole warp: its index, or -1 once `total` items
+// (`per_task` a task) are all taken.
+__device__ __forceinline__ int64_t next_task(int* queue, int64_t per_task, int64_t total,
+                                             int lane) {
+  int task = 0;
+  if (lane == 0) task = atomicAdd(queue, 1);
+  task = __shfl_sync(ht::kFull, task, 0);
+  const int64_t first = static_cast<int64_t>(task) * per_task;
+  return first < total ? first : -1;
 }
 
-// The combine loop of one warp: tasks of kTokensPerTask tokens from the queue until none is
-// left; then the warp adds the tokens it combined to the done counter (release). False when a
-// wait gave up.
-__device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int col_blocks,
-                               int lane) {
-  const int R = a.ps.num_ranks, K = a.K;
+// Step 1 of the combine, one warp: tasks of kReducedRowsPerTask received rows until none is
+// left. yr[c] = the bfloat16 rounding of sum over the slots k of row c (in slot order, float32)
+// of weights[c, k] * ye[row_of[c, k]], once those rows' row blocks are stored here; a row
+// without a slot here is not written. Then one flag for the task's rows (1 + the mask of the
+// rows without a slot; system-scope release). False when a wait gave up.
+__device__ bool reduce_received(const GemmCombineArgs& a, int end, int col_blocks, int lane) {
+  const int K = a.K;
   const int64_t N = a.N, n16 = N / 8;  // int4 per row (the handler checks N % 8 == 0)
   const int nb = row_blocks(a.C);
-  int* queue = a.counters + nb + kTaskQueue;
+  int* queue = a.counters + nb + kReduceQueue;
+  int* flags = a.counters + counter_words(a.C);
+  const auto* ye = static_cast<const uint8_t*>(a.ye);
+  auto* yr = static_cast<uint8_t*>(a.yr);
   const Waiter me = waiter(a.ps);
-  const int entries = R * K;
-  int done = 0;
-  bool ok = true;
-  for (;;) {
-    int task = 0;
-    if (lane == 0) task = atomicAdd(queue, 1);
-    task = __shfl_sync(ht::kFull, task, 0);
-    const int64_t t0 = static_cast<int64_t>(task) * kTokensPerTask;
-    if (t0 >= a.T || !ok) break;
-    const int64_t t1 = min(t0 + kTokensPerTask, static_cast<int64_t>(a.T));
-    for (int64_t t = t0; t < t1; ++t) {
-      int my_row = lane < R ? ht::ld_nc_s32(a.send_rows + t * R + lane) : -1;
-      if (my_row >= a.Cr) my_row = -1;
-      // Wait until every row of the token is stored, on every rank.
-      for (int base = 0; base < entries; base += 32) {
-        const Entry x = entry(a, pv, my_row, base + lane);
+  for (int64_t c0; (c0 = next_task(queue, kReducedRowsPerTask, a.Cr, lane)) >= 0;) {
+    const int64_t c1 = min(c0 + kReducedRowsPerTask, static_cast<int64_t>(a.Cr));
+    int empty = 0;  // the task's rows without a slot here (bit c - c0)
+    for (int64_t c = c0; c < c1; ++c) {
+      bool any = false;
+      // Wait until every slot's row is stored (lane k % 32 holds slot k).
+      for (int base = 0; base < K; base += 32) {
+        int j = -1;
+        if (base + lane < K) {
+          j = ht::ld_nc_s32(a.row_of + c * K + base + lane);
+          if (j >= end) j = -1;  // past the segments (a tampered handle): a zero row
+        }
         bool good = true;
-        if (x.j >= 0 && !JAX_EP_PLANTED(kCombineSkipsTiles))
-          good = wait_count_geq(
-              me, a.timeout_ns, kPhaseTiles, x.s, col_blocks,
-              [c = pv.counters[x.s] + x.j / kBlockM] { return ld_acquire_sys_s32(c); });
-        ok = __all_sync(ht::kFull, good) && ok;
+        if (j >= 0 && !JAX_EP_PLANTED(kCombineSkipsTiles))
+          good = wait_count_geq(me, a.timeout_ns, kPhaseTiles, -1, col_blocks,
+                                [p = a.counters + j / kBlockM] { return ld_acquire_gpu(p); });
+        any = __any_sync(ht::kFull, j >= 0) || any;
+        if (!__all_sync(ht::kFull, good)) return false;
       }
       __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
-      if (!ok) break;
-      uint8_t* dst = static_cast<uint8_t*>(a.out) + t * N * 2;
+      if (!any) {
+        empty |= 1 << (c - c0);
+        continue;
+      }
+      uint8_t* dst = yr + c * N * 2;
       for (int64_t chunk = 0; chunk < n16; chunk += 32 * kUnroll) {
-        const int64_t c0 = chunk + lane;
-        float total[kUnroll][8], part[kUnroll][8];
+        const int64_t i0 = chunk + lane;
+        float part[kUnroll][8];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-          for (int i = 0; i < 8; ++i) total[u][i] = part[u][i] = 0.f;
-        int cur = -1;  // the rank part[] sums
-        auto flush = [&] {
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              total[u][i] =
-                  __fadd_rn(total[u][i], __bfloat162float(__float2bfloat16_rn(part[u][i])));
-              part[u][i] = 0.f;
-            }
-        };
-        for (int base = 0; base < entries; base += 32) {
-          const Entry mine = entry(a, pv, my_row, base + lane);
-          const int n = min(32, entries - base);
-          // kGroup entries' rows in flight at once, summed in entry order.
+          for (int i = 0; i < 8; ++i) part[u][i] = 0.f;
+        for (int base = 0; base < K; base += 32) {
+          int mj = -1;
+          float mw = 0.f;
+          if (base + lane < K) {
+            mj = ht::ld_nc_s32(a.row_of + c * K + base + lane);
+            mw = ht::ld_nc_f32(a.weights + c * K + base + lane);
+            if (mj >= end) mj = -1;
+          }
+          const int n = min(32, K - base);
+          // kGroup slots' rows in flight at once, summed in slot order.
           for (int q0 = 0; q0 < n; q0 += kGroup) {  // warp-uniform
-            int s[kGroup];
+            int j[kGroup];
             float w[kGroup];
             int4 v[kGroup][kUnroll];
 #pragma unroll
             for (int g = 0; g < kGroup; ++g) {
               const int q = min(q0 + g, 31);
-              s[g] = __shfl_sync(ht::kFull, mine.s, q);
-              const int j = __shfl_sync(ht::kFull, mine.j, q);
-              w[g] = __shfl_sync(ht::kFull, mine.w, q);
-              if (q0 + g >= n || j < 0) s[g] = -1;
-              if (s[g] < 0) continue;
+              j[g] = __shfl_sync(ht::kFull, mj, q);
+              w[g] = __shfl_sync(ht::kFull, mw, q);
+              if (q0 + g >= n) j[g] = -1;
+              if (j[g] < 0) continue;
               const int4* row =
-                  reinterpret_cast<const int4*>(pv.ye[s[g]] + static_cast<int64_t>(j) * N * 2);
+                  reinterpret_cast<const int4*>(ye + static_cast<int64_t>(j[g]) * N * 2);
 #pragma unroll
               for (int u = 0; u < kUnroll; ++u)
-                if (c0 + u * 32 < n16) v[g][u] = ht::ld_cg_v4(row + c0 + u * 32);
+                if (i0 + u * 32 < n16) v[g][u] = ht::ld_cg_v4(row + i0 + u * 32);
             }
 #pragma unroll
             for (int g = 0; g < kGroup; ++g) {
-              if (s[g] < 0) continue;
-              if (s[g] != cur) {
-                if (cur >= 0) flush();
-                cur = s[g];
-              }
+              if (j[g] < 0) continue;
 #pragma unroll
               for (int u = 0; u < kUnroll; ++u)
-                if (c0 + u * 32 < n16) add_weighted(part[u], w[g], v[g][u]);
+                if (i0 + u * 32 < n16) add_weighted(part[u], w[g], v[g][u]);
             }
           }
         }
-        if (cur >= 0) flush();
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + u * 32 >= n16) continue;
+          if (i0 + u * 32 >= n16) continue;
+          int4 o;
+          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            h[i] = __floats2bfloat162_rn(part[u][2 * i], part[u][2 * i + 1]);
+          reinterpret_cast<int4*>(dst)[i0 + u * 32] = o;
+        }
+      }
+    }
+    __syncwarp();  // every lane's stores before lane 0's release
+    if (lane == 0) st_release_sys_s32(flags + c0 / kReducedRowsPerTask, 1 + empty);
+  }
+  return true;
+}
+
+// Step 2 of the combine, one warp: tasks of kTokensPerTask tokens from the queue until none is
+// left; then the warp adds the tokens it combined to the done counter (release). False when a
+// wait gave up.
+__device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int lane) {
+  const int R = a.ps.num_ranks;
+  const int64_t N = a.N, n16 = N / 8;
+  const int nb = row_blocks(a.C);
+  const int64_t flags = counter_words(a.C);
+  int* queue = a.counters + nb + kTaskQueue;
+  const Waiter me = waiter(a.ps);
+  int done = 0;
+  bool ok = true;
+  for (int64_t t0; ok && (t0 = next_task(queue, kTokensPerTask, a.T, lane)) >= 0;) {
+    const int64_t t1 = min(t0 + kTokensPerTask, static_cast<int64_t>(a.T));
+    for (int64_t t = t0; t < t1; ++t) {
+      // Lane s < R: the token's received row on rank s (-1: none), once that rank summed it.
+      int r = lane < R ? ht::ld_nc_s32(a.send_rows + t * R + lane) : -1;
+      if (r >= a.Cr) r = -1;
+      bool good = true;
+      if (r >= 0 && !JAX_EP_PLANTED(kCombineSkipsSummed)) {
+        const int* f = pv.counters[lane] + flags + r / kReducedRowsPerTask;
+        int v = 0;
+        good = wait_count_geq(me, a.timeout_ns, kPhaseReduced, lane, 1,
+                              [f, &v] { return v = ld_acquire_sys_s32(f); });
+        if (good && ((v - 1) >> (r % kReducedRowsPerTask) & 1)) r = -1;  // no slot there
+      }
+      ok = __all_sync(ht::kFull, good);
+      __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
+      if (!ok) break;
+      uint8_t* dst = static_cast<uint8_t*>(a.out) + t * N * 2;
+      for (int64_t chunk = 0; chunk < n16; chunk += 32 * kUnroll) {
+        const int64_t i0 = chunk + lane;
+        float total[kUnroll][8];
+        int4 v[kGroup][kUnroll];
+        int rs[kGroup];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) total[u][i] = 0.f;
+        // Every rank's row in flight at once, summed in rank order.
+#pragma unroll
+        for (int s = 0; s < kGroup; ++s) {
+          rs[s] = __shfl_sync(ht::kFull, r, s);
+          if (s >= R || rs[s] < 0) {
+            rs[s] = -1;
+            continue;
+          }
+          const int4* row =
+              reinterpret_cast<const int4*>(pv.yr[s] + static_cast<int64_t>(rs[s]) * N * 2);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (i0 + u * 32 < n16) v[s][u] = ht::ld_cg_v4(row + i0 + u * 32);
+        }
+#pragma unroll
+        for (int s = 0; s < kGroup; ++s) {
+          if (rs[s] < 0) continue;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            if (i0 + u * 32 >= n16) continue;
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[s][u]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 f = __bfloat1622float2(h[i]);
+              total[u][2 * i] = __fadd_rn(total[u][2 * i], f.x);
+              total[u][2 * i + 1] = __fadd_rn(total[u][2 * i + 1], f.y);
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (i0 + u * 32 >= n16) continue;
           int4 o;
           __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
           for (int i = 0; i < 4; ++i)
             h[i] = __floats2bfloat162_rn(total[u][2 * i], total[u][2 * i + 1]);
-          reinterpret_cast<int4*>(dst)[c0 + u * 32] = o;
+          reinterpret_cast<int4*>(dst)[i0 + u * 32] = o;
         }
       }
       ++done;
@@ -204,6 +277,11 @@ __device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int
   __syncwarp();  // every lane's stores before lane 0's release
   if (lane == 0 && done > 0) red_release_gpu_add(a.counters + nb + kTokensDone, done);
   return ok;
+}
+
+// Both steps of the combine, one warp. False when a wait gave up.
+__device__ bool combine(const GemmCombineArgs& a, const PeerView& pv, int col_blocks, int lane) {
+  return reduce_received(a, pv.end, col_blocks, lane) && combine_tokens(a, pv, lane);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -225,7 +303,7 @@ __device__ void zero_past_segments(const GemmCombineArgs& a, int end) {
 __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, int col_blocks,
                              unsigned long long e) {
   const int tid = threadIdx.x, lane = tid & 31;
-  combine_tokens(a, pv, col_blocks, lane);
+  combine(a, pv, col_blocks, lane);
   __syncthreads();
   // Every token combined, and every tile block past its start (it reads the call's epoch there,
   // which the end barrier advances).
@@ -238,7 +316,7 @@ __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, int c
   }
   end_barrier(
       a.ps, e, a.timeout_ns, kPhaseEnd, [] {}, -1, static_cast<unsigned int>(a.combine_blocks));
-  zero_past_segments(a, pv.end[a.ps.rank]);
+  zero_past_segments(a, pv.end);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -277,29 +355,27 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
   if (run_tiles(
           p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, [](int) {}, signal,
           count_stored))
-    combine_tokens(a, pv, column_blocks(a.N), lane);
-  zero_past_segments(a, pv.end[a.ps.rank]);
+    combine(a, pv, column_blocks(a.N), lane);
+  zero_past_segments(a, pv.end);
 }
 
 __device__ __forceinline__ void gemm_combine(const Params& p) {
   const GemmCombineArgs& a = p.a;
   const unsigned long long e = call_epoch(a.ps);
   __shared__ PeerView pv;
-  const void* ptrs[5] = {a.ye, a.row_of, a.weights, a.counters, a.sizes};
-  const bool ok = ht::publish_and_wait(a.ps, ptrs, 5, e, a.timeout_ns, kPhasePeers);
+  const void* ptrs[2] = {a.yr, a.counters};
+  const bool ok = ht::publish_and_wait(a.ps, ptrs, 2, e, a.timeout_ns, kPhasePeers);
   const int R = a.ps.num_ranks, tid = threadIdx.x;
   const bool tile_block = static_cast<int>(blockIdx.x) >= a.combine_blocks;
   if (tile_block && tid == 0) red_release_gpu_add(a.counters + row_blocks(a.C) + kTilesStarted, 1);
   if (!ok) return;
   if (tid < R) {
-    pv.ye[tid] = peer_ptr<const uint8_t>(a.ps, tid, 0);
-    pv.row_of[tid] = peer_ptr<const int32_t>(a.ps, tid, 1);
-    pv.weights[tid] = peer_ptr<const float>(a.ps, tid, 2);
-    pv.counters[tid] = peer_ptr<const int>(a.ps, tid, 3);
+    pv.yr[tid] = peer_ptr<const uint8_t>(a.ps, tid, 0);
+    pv.counters[tid] = peer_ptr<const int>(a.ps, tid, 1);
   }
-  if (const int w = tid >> 5; w < R) {  // warp w: where rank w's segments end
-    const int end = rows_in_segments(peer_ptr<const int32_t>(a.ps, w, 4), a.L, a.C, tid & 31);
-    if ((tid & 31) == 0) pv.end[w] = end;
+  if (tid < 32) {  // warp 0: where this rank's segments end
+    const int end = rows_in_segments(a.sizes, a.L, a.C, tid);
+    if (tid == 0) pv.end = end;
   }
   __syncthreads();
   if (!tile_block) {

@@ -26,8 +26,10 @@ struct GemmCombineArgs {
   int T, C, Cr, K, L;
   int64_t I, N;
   void* ye;            // [C, N] published: a @ w per segment; zero past the last segment
+  void* yr;            // [Cr, N] published: per received row, the weighted sum of its slots'
+                       // rows here, rounded to bfloat16 (rows without a slot: not written)
   void* out;           // [T, N] per token: the sum over ranks of the rank's weighted sum of rows
-  int32_t* counters;   // [counter_words(C)] zeroed before the launch (published)
+  int32_t* counters;   // [combine_counter_words(C, Cr)] zeroed before the launch (published)
   int combine_blocks;  // blocks that only combine; the others compute tiles, then combine too
   int gemm_blocks;
 };

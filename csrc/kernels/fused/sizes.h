@@ -39,14 +39,26 @@ enum CounterWord : int {
   kTokensDone = 2,    // GEMM + combine: tokens combined
   kTilesStarted = 3,  // GEMM + combine: tile blocks started
   kTailQueue = 4,     // gather + GEMM: the chunks of rows past the last segment, to zero
-  kCounterTail = 5,
+  kReduceQueue = 5,   // GEMM + combine: the received rows' queue (their pre-reduction)
+  kCounterTail = 6,
 };
 // Row blocks of C expert-major rows: the first words of the counters (int in the kernels).
 template <class I>
 constexpr I row_blocks(I C) {
   return (C + kBlockM - 1) / kBlockM;
 }
-inline long long counter_words(long long C) { return row_blocks(C) + kCounterTail; }
+constexpr long long counter_words(long long C) { return row_blocks(C) + kCounterTail; }
+
+// Received rows of one pre-reduction task of the GEMM + combine: a warp sums each row's slots
+// into one row per received token, then flags the task's rows at once.
+constexpr int kReducedRowsPerTask = 4;
+// Words of the GEMM + combine's counters for C expert-major rows and Cr received rows (exported
+// as jax_ep._C.fused_combine_counter_words): counter_words(C), then one flag per task of
+// kReducedRowsPerTask received rows (0: not yet summed; else 1 + the mask of its rows that have
+// no slot here, and so no row written).
+constexpr long long combine_counter_words(long long C, long long Cr) {
+  return counter_words(C) + (Cr + kReducedRowsPerTask - 1) / kReducedRowsPerTask;
+}
 
 // The automatic number of blocks that only combine, out of `share`: one (it also ends the call);
 // the tile blocks join the combine once their tiles are done, so at R = 1 the GEMM keeps all the
