@@ -65,6 +65,10 @@ if has build; then
   fi
   grep -E "ptxas info|spill" "$OUT/build.log" | tail -20
   (cd /tmp && $PY -c "import jax_ep, json; print(json.dumps(jax_ep.runtime_info(), indent=1))")
+  if ! (cd /tmp && $PY -c "import sys; from jax_ep import _C; sys.exit(not _C.gemm_built())"); then
+    echo "WARNING: built without the CUTLASS GEMMs (no .cutlass/include, no nvidia-cutlass):"
+    echo "         every grouped-GEMM and fused test and benchmark will fail"; rc=1
+  fi
 fi
 if has kernel; then
   step "layout kernel through FFI vs reference"
@@ -150,6 +154,12 @@ if has planted; then
     elif ! (cd /tmp && PYTHONPATH="/tmp/jax_ep_mutation$m" $PY -c "import sys; from jax_ep import _C
 sys.exit(_C.planted_bug() != $m)"); then
       echo "  mutation $m: the tests would not import the planted build" | tee -a "$OUT/planted.log"
+      rc=1
+    elif [ "$m" -ge 11 ] && ! (cd /tmp && PYTHONPATH="/tmp/jax_ep_mutation$m" $PY -c "import sys
+from jax_ep import _C; sys.exit(not _C.gemm_built())"); then
+      # (its tests would fail on the missing kernels, whatever the bug: a false catch)
+      echo "  mutation $m: built without the CUTLASS GEMMs (no .cutlass/include?)" \
+        | tee -a "$OUT/planted.log"
       rc=1
     else
       usable="$usable$m "
