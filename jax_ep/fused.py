@@ -163,9 +163,10 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
 
 # ---------------------------------------------------------------------------------------------
 # Fused second grouped GEMM + combine (moe_ffn(fused=True), docs/kernels.md#fused-gemm-combine):
-# one kernel multiplies each expert segment by the expert's weights and sums every token's
-# rows on its own rank, a token starting once the row blocks of its rows are computed on every
-# rank. The same arithmetic as grouped_matmul followed by combine(handle).
+# one kernel multiplies each expert segment by the expert's weights, sums each received token's
+# rows on the rank that computed them once their row blocks are done, and each token's sums
+# over the ranks on its own rank. The same arithmetic as grouped_matmul followed by
+# combine(handle).
 # ---------------------------------------------------------------------------------------------
 
 class _GemmCombineConfig(NamedTuple):

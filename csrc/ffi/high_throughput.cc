@@ -500,7 +500,7 @@ ffi::Error HtGemmCombineImpl(
   jax_ep::GroupInfo gi;
   JAX_EP_RETURN_IF_ERROR(
       jax_ep::resolve_group(device, at.groups, at.group_size, st->lease->slot, &gi));
-  // Peers read ye while this kernel writes it: only one process's buffers allow that.
+  // Peers read yr while this kernel writes it: only one process's buffers allow that.
   if (!st->lease->bufs.empty() || gi.peers.remote != 0)
     return jax_ep::op_error(op,
                             "the fused grouped GEMM + combine runs with one process over the "

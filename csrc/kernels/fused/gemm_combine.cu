@@ -1,14 +1,13 @@
 // The fused grouped GEMM + combine (gemm_combine.h, docs/kernels.md#fused-gemm-combine).
 //
-// One grid, all blocks co-resident (one per SM). Every block first publishes this rank's ye, the
-// received slots' rows and weights, the counters and the segment sizes (the pull protocol of
-// transport/pull.cuh), and reads where each rank's segments end.
+// One grid, all blocks co-resident (one per SM). Every block first publishes this rank's yr and
+// counters (the pull protocol of transport/pull.cuh), and reads where its segments end.
 // - Tile blocks (the last gemm_blocks) compute ye = a @ w per segment with CUTLASS's SM90
 //   collectives in a loop of our own (kernels/fused/tiles.cuh; TMA-store epilogue). The warp
 //   that issues a tile's TMA stores waits for their completion one tile later (by then they are
 //   done) and counts the tile in shared memory (release); warp 1, otherwise idle, waits for that
-//   count and adds 1 to the tile's row-block counter (system-scope release: peers on other GPUs
-//   read it).
+//   count and adds 1 to the tile's row-block counter (release; the combine's first step reads
+//   it).
 // - The combine, in two steps, each from a queue of its own (an atomic counter):
 //   1. Per received row of this rank, 4 rows at a time in row order: wait until the row blocks
 //      of the row's slots have all their column tiles here, sum w * row over the slots in

@@ -1,7 +1,8 @@
 // The fused grouped GEMM + combine of the high-throughput MoE layer (kernels/fused/gemm_combine.cu,
 // docs/kernels.md#fused-gemm-combine): one launch multiplies each expert's rows by that expert's
-// weights and sums every token's output rows on the token's own rank, a token starting as soon
-// as the row blocks holding its rows are computed, on every rank. Host declarations only.
+// weights and sums every token's output rows: on each rank the rows of each received token, as
+// soon as their row blocks are computed there, then on the token's own rank the ranks' sums.
+// Host declarations only.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -20,12 +21,12 @@ struct GemmCombineArgs {
   const void* a;             // [C, I] expert-major rows
   const int32_t* sizes;      // [L] segment lengths, multiples of kBlockM (the last clipped to C)
   const void* w;             // [L, I, N]
-  const int32_t* row_of;     // [Cr, K] published: the expert-major row of each received slot, or -1
-  const float* weights;      // [Cr, K] published: the slot's routing weight
+  const int32_t* row_of;     // [Cr, K] the expert-major row of each received slot, or -1
+  const float* weights;      // [Cr, K] the slot's routing weight
   const int32_t* send_rows;  // [T, R] the received row of each own token on each rank, or -1
   int T, C, Cr, K, L;
   int64_t I, N;
-  void* ye;            // [C, N] published: a @ w per segment; zero past the last segment
+  void* ye;            // [C, N] a @ w per segment; zero past the last segment
   void* yr;            // [Cr, N] published: per received row, the weighted sum of its slots'
                        // rows here, rounded to bfloat16 (rows without a slot: not written)
   void* out;           // [T, N] per token: the sum over ranks of the rank's weighted sum of rows
