@@ -45,7 +45,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ep
 from jax_ep import moe as _moe
@@ -212,15 +212,34 @@ def first_line(e):
     return f"{type(e).__name__}: {s[0][:200] if s else ''}"
 
 
-def layer_inputs(rng, R, T, H, I, L, K):
+def layer_inputs(seed, mesh, R, T, H, I, L, K):
     """(w_gate_up [E, H, 2I], w_down [E, I, H], x [R * T, H], the expert compute's rows
-    [R * T * K, H]) in bf16, E = R * L, scaled so that every layer's output is O(1)."""
+    [R * T * K, H]) in bf16, E = R * L, scaled so that every layer's output is O(1): drawn on
+    the GPUs, each rank's share on its own (with `mesh`, a Mesh over "ep"), since drawing the
+    R = 4 weights (6.6e9 numbers) on the host took longer than timing the layer."""
     E = R * L
-    wgu = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
-    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
-    xr = jnp.asarray(rng.standard_normal((R * T * K, H)), jnp.bfloat16)
-    return wgu, wd, x, xr
+    shard = NamedSharding(mesh, P("ep")) if isinstance(mesh, Mesh) else None
+
+    def draw(key):
+        k = jax.random.split(key, 4)
+
+        def normal(i, shape, scale):
+            return (jax.random.normal(k[i], shape, jnp.float32) * scale).astype(jnp.bfloat16)
+        return (normal(0, (E, H, 2 * I), 1 / math.sqrt(H)), normal(1, (E, I, H), 1 / math.sqrt(I)),
+                normal(2, (R * T, H), 1.0), normal(3, (R * T * K, H), 1.0))
+    return jax.jit(draw, out_shardings=shard)(jax.random.key(seed))
+
+
+def dense_check(mesh, x, idx, w, wgu, wd):
+    """dense_moe of the tokens x [S, H] (routing idx, w: [S, K], replicated), each rank over
+    its own experts (wgu, wd sharded over "ep"), summed over the ranks."""
+    def part(x, idx, w, gu, d):
+        first = lax.axis_index("ep") * gu.shape[0]      # the rank's first expert id
+        local = jnp.where(idx >= 0, idx - first, -1)    # ids of other ranks match no local one
+        return lax.psum(dense_moe(x, local, w, gu, d), "ep")
+    rep = P()
+    return jax.jit(jax.shard_map(part, mesh=mesh, in_specs=(rep, rep, rep, P("ep"), P("ep")),
+                                 out_specs=rep, check_vma=False))(x, idx, w, wgu, wd)
 
 
 def zipf_logits(rng, n, E, s):
@@ -266,7 +285,7 @@ def main():
             continue
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
-        wgu, wd, x, xr = layer_inputs(rng, R, T, H, I, L, K)
+        wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
         for routing in args.routing.split(","):
             logits = (rng.standard_normal((R * T, E)) if routing == "uniform"
                       else zipf_logits(rng, R * T, E, args.zipf))
@@ -305,7 +324,7 @@ def main():
             # the dense MoE on the first check_tokens tokens of every rank
             S = min(args.check_tokens, T)
             pick = (np.arange(R)[:, None] * T + np.arange(S)[None, :]).reshape(-1)
-            dense = np.asarray(jax.jit(dense_moe)(x[pick], idx[pick], w[pick], wgu, wd))
+            dense = np.asarray(dense_check(mesh, x[pick], idx[pick], w[pick], wgu, wd))
             for name, (fn, fargs) in layers.items():
                 if name in skip or (only and name not in only):
                     continue

@@ -60,7 +60,7 @@ def main():
             continue
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
-        wgu, wd, x, xr = layer_inputs(rng, R, T, H, I, L, K)
+        wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
         w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
             jnp.asarray(rng.standard_normal((R * T, E)), jnp.float32))
         w = w.astype(jnp.bfloat16)
