@@ -38,6 +38,7 @@ import jax_ep.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_parts  # noqa: E402
+from bench_layer import layer_inputs  # noqa: E402
 from harness import barh_plot, rank_map, scan_fn, time_slope  # noqa: E402
 
 
@@ -89,15 +90,13 @@ def main():
         return a.reshape(R, -1, *a.shape[1:]) if args.virtual else a
 
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
+    # drawn on the GPUs (each rank's share on its own over several GPUs): bench_layer.py
+    wgu, wd, x, xr = layer_inputs(0, mesh, R, T, H, I, L, K)
     logits = jnp.asarray(rng.standard_normal((R * T, E)), jnp.float32)
     w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(logits)
     w = w.astype(jnp.bfloat16)
-    wgu = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
-    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
     rows = T * K  # (token, expert) rows a rank receives on average (uniform routing)
     sizes = jnp.tile(jnp.full((L,), rows // L, jnp.int32), R)
-    xr = jnp.asarray(rng.standard_normal((R * rows, H)), jnp.bfloat16)
     results = []
 
     def record(name, fn, args_, **extra):
