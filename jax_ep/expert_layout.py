@@ -228,27 +228,53 @@ def passes_needed(tokens, *, num_ranks, num_local_experts, num_topk, capacity, a
     return max(1, -(-(R * T * min(K, L)) // progress))
 
 
-def pass_ids(topk_idx, *, num_experts, axis_name, capacity, alignment, passes):
-    """The (token, expert) pairs of this rank split over `passes` expert-major dispatches of
-    `capacity` rows (`plan` with that alignment), so that none is dropped.
+def pass_plan(topk_idx, *, num_experts, axis_name, capacity, alignment, passes):
+    """Which passes a routing needs, and what the passes before each one keep, from the pair
+    counts of every source alone (one all_gather of [E] counts, no sort).
 
-    topk_idx: [T, K] ids with -1 for every slot that names no expert. Returns ([passes, T, K]
-    ids: pass p's are the slots whose pair no earlier pass kept, the others -1; [passes] bool:
-    pass p has a pair somewhere in the group, the same on every rank).
+    The `passes` expert-major dispatches of `capacity` rows (`plan` with that alignment) carry
+    every (token, local expert) pair of the group, none dropped, when pass p sends the pairs
+    that no earlier pass kept (`pass_slots`). The receive of every token is assumed whole (rows
+    for up to R * T tokens), so a pass keeps, at each rank, the pairs whose expert-major row
+    falls below capacity: for each (source, expert) a prefix of the source's pairs in token
+    order, whose length follows from the counts. So every rank knows every pass's pairs, and
+    whether it runs, before any row moves.
 
-    The receive of every token is assumed whole (rows for up to R * T tokens), so a pass keeps,
-    at each rank, the pairs whose expert-major row falls below capacity: for each (source,
-    expert) a prefix of the source's pairs in token order. That follows from the pair counts
-    of every source alone (one all_gather of [E] counts), so every rank knows every pass's
-    pairs, and whether it runs, before any row moves."""
-    R, me = axis_info(axis_name)
+    topk_idx: [T, K] ids with -1 for every slot that names no expert. Returns (done [passes,
+    R, E] int32: the pairs of (source, expert) that the passes before p kept; run [passes]
+    bool: pass p has a pair somewhere in the group, the same on every rank; the passes a
+    routing needs come first)."""
+    R, _ = axis_info(axis_name)
     T, K = topk_idx.shape
     E, C, A = num_experts, capacity, alignment
     L = E // R
+    key = jnp.where(first_occurrence(topk_idx), topk_idx, E).reshape(T * K)
+    mine = jnp.zeros((E + 1,), jnp.int32).at[key].add(1)[:E]
+    cnt = lax.all_gather(mine, axis_name)                                    # [R(s), E]
+    done = jnp.zeros((R, E), jnp.int32)          # pairs of (source, expert) kept so far
+    dones, run = [], []
+    for _ in range(passes):
+        dones.append(done)
+        left = cnt - done
+        run.append(jnp.any(left > 0))
+        per_rank = jnp.sum(left, axis=0).reshape(R, L)
+        padded = (per_rank + (A - 1)) // A * A
+        offsets = (jnp.cumsum(padded, axis=1) - padded).reshape(E)
+        row = offsets[None, :] + jnp.cumsum(left, axis=0) - left         # first left pair's row
+        done = done + jnp.clip(C - row, 0, left)
+    return jnp.stack(dones), jnp.stack(run)
+
+
+def pass_slots(topk_idx, done, *, num_experts, axis_name):
+    """[T, K] ids of the pass after those that kept `done` [R, E] pairs of each (source,
+    expert) (`pass_plan`): the slots whose pair they did not keep, the others -1. The first
+    pass (done all 0) sends every slot: its ids are topk_idx."""
+    _, me = axis_info(axis_name)
+    T, K = topk_idx.shape
+    E = num_experts
     first = first_occurrence(topk_idx)
     key = jnp.where(first, topk_idx, E).reshape(T * K)
     mine = jnp.zeros((E + 1,), jnp.int32).at[key].add(1)[:E]
-    cnt = lax.all_gather(mine, axis_name)                                    # [R(s), E]
     # each pair's rank among this source's pairs of its expert (slots in token order)
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     start = (jnp.cumsum(mine) - mine).astype(jnp.int32)
@@ -259,17 +285,16 @@ def pass_ids(topk_idx, *, num_experts, axis_name, capacity, alignment, passes):
     # every slot takes the status of the first slot naming its expert
     same = topk_idx[:, :, None] == topk_idx[:, None, :]
     first_slot = jnp.argmax(same, axis=2)
-    done = jnp.zeros((R, E), jnp.int32)          # pairs of (source, expert) kept so far
-    ids, run = [], []
-    for _ in range(passes):
-        left = cnt - done
-        run.append(jnp.any(left > 0))
-        per_rank = jnp.sum(left, axis=0).reshape(R, L)
-        padded = (per_rank + (A - 1)) // A * A
-        offsets = (jnp.cumsum(padded, axis=1) - padded).reshape(E)
-        row = offsets[None, :] + jnp.cumsum(left, axis=0) - left         # first left pair's row
-        left_here = first & (rank >= jnp.take(done, me, axis=0)[expert])
-        slot = jnp.take_along_axis(left_here, first_slot, axis=1) & (topk_idx >= 0)
-        ids.append(jnp.where(slot, topk_idx, -1))
-        done = done + jnp.clip(C - row, 0, left)
-    return jnp.stack(ids), jnp.stack(run)
+    left_here = first & (rank >= jnp.take(done, me, axis=0)[expert])
+    slot = jnp.take_along_axis(left_here, first_slot, axis=1) & (topk_idx >= 0)
+    return jnp.where(slot, topk_idx, -1)
+
+
+def pass_ids(topk_idx, *, num_experts, axis_name, capacity, alignment, passes):
+    """Every pass's ids at once: ([passes, T, K] `pass_slots` of each pass, [passes] bool run
+    of `pass_plan`)."""
+    done, run = pass_plan(topk_idx, num_experts=num_experts, axis_name=axis_name,
+                          capacity=capacity, alignment=alignment, passes=passes)
+    ids = [pass_slots(topk_idx, done[p], num_experts=num_experts, axis_name=axis_name)
+           for p in range(passes)]
+    return jnp.stack(ids), run

@@ -233,11 +233,14 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
     if passes == 1:
         return one(x, topk_idx, topk_weights, w_gate_up, w_down)
     idx, _ = sanitize(_checks.int32_ids(topk_idx, num_experts), num_experts)
-    ids, run = el.pass_ids(idx, num_experts=num_experts, axis_name=axis_name,
-                           capacity=capacity, alignment=A, passes=passes)
+    # the first pass sends every pair (its ids are idx); what it and each later pass keep
+    # follows from the pair counts (no sort: a later pass's ids are found only if it runs)
+    done, run = el.pass_plan(idx, num_experts=num_experts, axis_name=axis_name,
+                             capacity=capacity, alignment=A, passes=passes)
     # the passes a routing needs come first: run is True for exactly the first n_run of them
     n_run = jnp.sum(run.astype(jnp.int32))
-    return _in_passes(one, x, topk_weights, w_gate_up, w_down, ids, n_run)
+    ids_of = functools.partial(el.pass_slots, num_experts=num_experts, axis_name=axis_name)
+    return _in_passes(one, ids_of, x, topk_weights, w_gate_up, w_down, idx, done, n_run)
 
 
 def _more_passes(n_run, body, init):
@@ -247,37 +250,41 @@ def _more_passes(n_run, body, init):
                           (jnp.int32(1), init))[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _in_passes(one, x, w, w_gate_up, w_down, ids, n_run):
-    """sum over the passes p < n_run of one(x, ids[p], ...): [T, H] in x's dtype, the passes
-    after the first summed in float32."""
-    out = one(x, ids[0], w, w_gate_up, w_down).astype(jnp.float32)
-    return _more_passes(n_run, lambda p, acc: acc + one(x, ids[p], w, w_gate_up, w_down)
-                        .astype(jnp.float32), out).astype(x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _in_passes(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
+    """sum over the passes p < n_run of one(x, ids of pass p, ...): [T, H] in x's dtype, the
+    passes after the first summed in float32. Pass 0's ids are idx, pass p's
+    ids_of(idx, done[p])."""
+    out = one(x, idx, w, w_gate_up, w_down).astype(jnp.float32)
+    return _more_passes(n_run, lambda p, acc: acc + one(x, ids_of(idx, done[p]), w, w_gate_up,
+                                                        w_down).astype(jnp.float32),
+                        out).astype(x.dtype)
 
 
-def _in_passes_fwd(one, x, w, w_gate_up, w_down, ids, n_run):
+def _in_passes_fwd(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
     # The first pass keeps its residuals (the layer's usual backward, remat policy included);
     # the others keep none: the backward runs each again (its communication too) and adds its
     # gradients, the weights' in place (else XLA plans the loop a second set of weight
     # gradients, even when it runs none). FP8 passes have no backward.
-    out, vjp = jax.vjp(lambda *a: one(a[0], ids[0], *a[1:]), x, w, w_gate_up, w_down)
-    out = _more_passes(n_run, lambda p, acc: acc + one(x, ids[p], w, w_gate_up, w_down)
-                       .astype(jnp.float32), out.astype(jnp.float32))
-    return out.astype(x.dtype), (vjp, x, w, w_gate_up, w_down, ids, n_run)
+    out, vjp = jax.vjp(lambda *a: one(a[0], idx, *a[1:]), x, w, w_gate_up, w_down)
+    out = _more_passes(n_run, lambda p, acc: acc + one(x, ids_of(idx, done[p]), w, w_gate_up,
+                                                       w_down).astype(jnp.float32),
+                       out.astype(jnp.float32))
+    return out.astype(x.dtype), (vjp, x, w, w_gate_up, w_down, idx, done, n_run)
 
 
-def _in_passes_bwd(one, res, g):
-    vjp, x, w, w_gate_up, w_down, ids, n_run = res
+def _in_passes_bwd(one, ids_of, res, g):
+    vjp, x, w, w_gate_up, w_down, idx, done, n_run = res
 
     def add(p, grads):
         dx, dw, dgu, dd = grads
+        ids = ids_of(idx, done[p])
         # the pass's weight gradients come back as the running sum plus its own
-        _, vjp_p = jax.vjp(lambda *a: one(a[0], ids[p], *a[1:], grad_acc=(dgu, dd)), x, w,
+        _, vjp_p = jax.vjp(lambda *a: one(a[0], ids, *a[1:], grad_acc=(dgu, dd)), x, w,
                            w_gate_up, w_down)
         px, pw, pgu, pd = vjp_p(g)
         return dx + px, dw + pw, pgu, pd
-    return tuple(_more_passes(n_run, add, vjp(g))) + (None, None)
+    return tuple(_more_passes(n_run, add, vjp(g))) + (None, None, None)
 
 
 _in_passes.defvjp(_in_passes_fwd, _in_passes_bwd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -175,3 +176,41 @@ def test_moe_ffn_gradients_through_extra_passes_with_data_parallel(fused):
     want = jax.grad(loss(_dense_moe), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
     for name, g, r in zip(("x", "w", "w_gate_up", "w_down"), got, want):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def _sorts_outside_loops(jaxpr, in_loop=False):
+    """The sort equations of a jaxpr that no while loop holds, sub-jaxprs included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "sort" and not in_loop
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _sorts_outside_loops(sub, in_loop or eqn.primitive.name == "while")
+    return n
+
+
+@pytest.mark.parametrize("kind", ["random", "one_rank"])
+def test_extra_passes_cost_no_sort_unless_they_run(kind):
+    """A capacity that may need extra passes adds no sort outside their loop (forward and
+    backward): their ids are found in the loop, only when the routing needs them; the first
+    pass sends every pair."""
+    R = 2
+    x, idx, w, wgu, wd, E = _setup(R, kind)
+
+    def sorts(capacity):
+        def loss(x, w, wgu, wd):
+            body = lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend="reference",  # noqa: E731
+                                             capacity=capacity)
+            f = jax.shard_map(body, mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep"))
+            return jnp.sum(f(x, idx, w, wgu, wd))
+        return (_sorts_outside_loops(jax.make_jaxpr(loss)(x, w, wgu, wd).jaxpr),
+                _sorts_outside_loops(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(
+                    x, w, wgu, wd).jaxpr))
+    one_pass = sorts(R * T * K)           # the worst case: a single pass, no loop
+    assert one_pass[0] > 0
+    assert sorts(R * T) == one_pass       # R * T rows a pass: a loop of extra passes
+    # the first pass's ids are the routing's own
+    done = jnp.zeros((R, E), jnp.int32)
+    clean = jnp.where((idx >= 0) & (idx < E), idx, -1)
+    got = jax.shard_map(lambda i: el.pass_slots(i, done, num_experts=E, axis_name="ep"),
+                        mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep"))(clean)
+    np.testing.assert_array_equal(got, clean)
