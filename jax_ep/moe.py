@@ -250,15 +250,20 @@ def _more_passes(n_run, body, init):
                           (jnp.int32(1), init))[1]
 
 
+def _forward_rest(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run, first):
+    """The first pass's output `first` plus the passes after it, in float32, in x's dtype."""
+    return _more_passes(n_run, lambda p, acc: acc + one(x, ids_of(idx, done[p]), w, w_gate_up,
+                                                        w_down).astype(jnp.float32),
+                        first.astype(jnp.float32)).astype(x.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _in_passes(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
     """sum over the passes p < n_run of one(x, ids of pass p, ...): [T, H] in x's dtype, the
     passes after the first summed in float32. Pass 0's ids are idx, pass p's
     ids_of(idx, done[p])."""
-    out = one(x, idx, w, w_gate_up, w_down).astype(jnp.float32)
-    return _more_passes(n_run, lambda p, acc: acc + one(x, ids_of(idx, done[p]), w, w_gate_up,
-                                                        w_down).astype(jnp.float32),
-                        out).astype(x.dtype)
+    return _forward_rest(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run,
+                         one(x, idx, w, w_gate_up, w_down))
 
 
 def _in_passes_fwd(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
@@ -267,10 +272,8 @@ def _in_passes_fwd(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
     # gradients, the weights' in place (else XLA plans the loop a second set of weight
     # gradients, even when it runs none). FP8 passes have no backward.
     out, vjp = jax.vjp(lambda *a: one(a[0], idx, *a[1:]), x, w, w_gate_up, w_down)
-    out = _more_passes(n_run, lambda p, acc: acc + one(x, ids_of(idx, done[p]), w, w_gate_up,
-                                                       w_down).astype(jnp.float32),
-                       out.astype(jnp.float32))
-    return out.astype(x.dtype), (vjp, x, w, w_gate_up, w_down, idx, done, n_run)
+    out = _forward_rest(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run, out)
+    return out, (vjp, x, w, w_gate_up, w_down, idx, done, n_run)
 
 
 def _in_passes_bwd(one, ids_of, res, g):

@@ -136,6 +136,8 @@ if has planted; then
   # Every planted build at once, each in a build folder of its own (the planted bug must never
   # reach the real build's CMake cache), the machine's cores shared between them: one after the
   # other they took longer than the tests.
+  # bugs 11 and up sit in the CUTLASS GEMMs or the fused kernels: their builds need them
+  needs_gemm() { [ "$1" -ge 11 ]; }
   ms=$(for pair in $pairs; do echo "${pair%%:*}"; done | sort -un)
   nb=$(echo $ms | wc -w); jobs=$(( $(nproc) / nb )); [ $jobs -ge 2 ] || jobs=2
   for m in $ms; do
@@ -143,7 +145,7 @@ if has planted; then
     CMAKE_BUILD_PARALLEL_LEVEL=$jobs $PY -m pip install -v --no-build-isolation --no-deps \
         --target "$dst" -C build-dir=/tmp/jax_ep_mutation_build$m \
         -C cmake.define.JAX_EP_MUTATION=$m \
-        -C cmake.define.JAX_EP_WITH_GEMM=$([ "$m" -ge 11 ] && echo ON || echo OFF) \
+        -C cmake.define.JAX_EP_WITH_GEMM=$(needs_gemm "$m" && echo ON || echo OFF) \
         . > "$OUT/build_mutation$m.log" 2>&1 && touch "$dst.ok" &
   done
   wait
@@ -155,7 +157,7 @@ if has planted; then
 sys.exit(_C.planted_bug() != $m)"); then
       echo "  mutation $m: the tests would not import the planted build" | tee -a "$OUT/planted.log"
       rc=1
-    elif [ "$m" -ge 11 ] && ! (cd /tmp && PYTHONPATH="/tmp/jax_ep_mutation$m" $PY -c "import sys
+    elif needs_gemm "$m" && ! (cd /tmp && PYTHONPATH="/tmp/jax_ep_mutation$m" $PY -c "import sys
 from jax_ep import _C; sys.exit(not _C.gemm_built())"); then
       # (its tests would fail on the missing kernels, whatever the bug: a false catch)
       echo "  mutation $m: built without the CUTLASS GEMMs (no .cutlass/include?)" \
