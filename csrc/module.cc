@@ -115,9 +115,11 @@ NB_MODULE(_C, m) {
         "int32 words of the fused gather + GEMM's counters result for C expert-major rows "
         "(csrc/kernels/fused/sizes.h).");
   m.def("fused_combine_counter_words", &jax_ep::fused::combine_counter_words, nb::arg("C"),
-        nb::arg("Cr"),
-        "int32 words of the fused GEMM + combine's counters result for C expert-major rows and "
-        "Cr received rows (csrc/kernels/fused/sizes.h).");
+        nb::arg("Cr"), nb::arg("N"),
+        "int32 words of the fused GEMM + combine's counters result for C expert-major rows, Cr "
+        "received rows and N output columns (csrc/kernels/fused/sizes.h).");
+  m.attr("fused_chunk_blocks") = jax_ep::fused::kChunkBlocks;
+  m.attr("fused_block_columns") = jax_ep::fused::kBlockN;
   m.attr("fused_raster_row_blocks") = jax_ep::fused::kRasterRowBlocks;
   m.def("gemm_built", &jax_ep::gemm::built,
         "True when the CUTLASS grouped-GEMM kernels are compiled in.");

@@ -179,7 +179,7 @@ def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg):
     """(ye, out): ye = grouped_matmul(a, w, sizes), out = its combine, in one launch."""
     C, N, Cr = a.shape[0], w.shape[2], row_of.shape[0]
     T = rank.send_rows.shape[0]
-    words = runtime.extension().fused_combine_counter_words(C, Cr)
+    words = runtime.extension().fused_combine_counter_words(C, Cr, N)
     # (yr: each received row's weighted sum of its rows here, which the peers pull)
     ye, _, out, _ = _ffi.call("jax_ep_ht_gemm_combine",
                               [a, sizes, w, row_of, weights, rank.send_rows],

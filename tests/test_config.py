@@ -71,15 +71,23 @@ def test_the_extension_owns_its_sizes_and_trace_marks():
     assert ext.fused_block_rows % 64 == 0    # whole tiles of the fused GEMM
     rows = ext.fused_block_rows      # a counter per row block, then the queues' words
     words = ext.fused_counter_words(1) - 1
-    assert words >= 6    # tiles, tasks, tokens done, tiles started, tail rows, received rows
+    assert words >= 5    # tiles, tasks, tokens done, tiles started, tail rows
     assert [ext.fused_counter_words(c) for c in (1, rows, rows + 1)] == [words + 1, words + 1,
                                                                          words + 2]
-    # the GEMM + combine's: then one flag per few received rows (at least one, one per row at
-    # most, more rows never fewer flags)
-    flags = [ext.fused_combine_counter_words(rows, cr) - ext.fused_counter_words(rows)
-             for cr in (1, 2, 64, 65)]
-    assert flags[0] == 1 and all(1 <= f <= cr for f, cr in zip(flags, (1, 2, 64, 65)))
-    assert flags == sorted(flags) and flags[3] > 1
+    # the GEMM + combine's: a counter per row block and column chunk, the same words, then per
+    # chunk one flag per few received rows (at least one, one per row at most, more rows never
+    # fewer flags)
+    chunk = ext.fused_chunk_blocks * ext.fused_block_columns   # columns of a chunk
+    assert ext.fused_chunk_blocks >= 1 and ext.fused_block_columns % 64 == 0
+    for n in (8, chunk, chunk + 8, 3 * chunk):
+        chunks = -(-n // chunk)
+        flags = [ext.fused_combine_counter_words(rows, cr, n) - ext.fused_counter_words(rows)
+                 - (chunks - 1) for cr in (1, 2, 64, 65)]
+        assert all(f % chunks == 0 for f in flags), (n, flags)
+        flags = [f // chunks for f in flags]
+        assert flags[0] == 1 and all(1 <= f <= cr for f, cr in zip(flags, (1, 2, 64, 65)))
+        assert flags == sorted(flags) and flags[3] > 1
+    assert ext.fused_combine_counter_words(2 * rows, 1, 8) == ext.fused_counter_words(2 * rows) + 1
     assert 1 <= ext.fused_max_dups <= 32     # a first row's copies: one per lane of its warp
     marks = ext.trace_marks
     assert marks[0] == "layout start" and len(marks) >= 20

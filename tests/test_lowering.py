@@ -332,7 +332,7 @@ class _LayerTable(_GemmTable):
     fused_block_rows = 128
     fused_max_dups = 4
     fused_counter_words = staticmethod(lambda C: 64)
-    fused_combine_counter_words = staticmethod(lambda C, Cr: 64 + Cr)
+    fused_combine_counter_words = staticmethod(lambda C, Cr, N: 64 + Cr)
     ll_dispatch_buffer_bytes = staticmethod(lambda R, M, K, H, L, fp8: 1 << 20)
     ll_combine_buffer_bytes = staticmethod(lambda R, M, K, H: 1 << 20)
 

@@ -117,13 +117,13 @@ ffi::Error fused_gemm_checks(const char* op, const char* k_name, int64_t C, int6
 // multi-rank mode, which read_sm_count already gives), `requested` of them (the attribute
 // `attr`; 0: auto(share)) in the role beside the GEMM tiles, *gemm the rest.
 ffi::Error fused_split(const char* op, int32_t device, int64_t requested, const char* attr,
-                       int (*automatic)(int), int* other, int* gemm) {
+                       int (*automatic)(int, int), int ranks, int* other, int* gemm) {
   int share = 0;
   JAX_EP_RETURN_IF_ERROR(read_sm_count(op, device, &share));
   if constexpr (JAX_EP_PLANTED(kFusedShareTwice)) {
     if (const jax_ep::VirtualRank* vr = jax_ep::virtual_rank()) share /= vr->num_ranks;
   }
-  const int64_t n = requested > 0 ? requested : automatic(share);
+  const int64_t n = requested > 0 ? requested : automatic(share, ranks);
   if (n < 1 || n >= share)
     return jax_ep::op_error(op, std::string(attr) + " (" + std::to_string(n) +
                                     ") must leave at least one of the " + std::to_string(share) +
@@ -456,7 +456,8 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "H", C, H, N, L));
   int copy = 0, gemm = 0;
   JAX_EP_RETURN_IF_ERROR(fused_split(op, device, at.copy_blocks, "copy_blocks",
-                                     jax_ep::fused::auto_copy_blocks, &copy, &gemm));
+                                     jax_ep::fused::auto_copy_blocks,
+                                     static_cast<int>(at.group_size), &copy, &gemm));
 
   size_t staged = 0;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, at.groups, &gi,
@@ -524,13 +525,17 @@ ffi::Error HtGemmCombineImpl(
   JAX_EP_CHECK_SHAPE(*ye, op, "ye", C, N);
   JAX_EP_CHECK_SHAPE(*yr, op, "yr", Cr, N);
   JAX_EP_CHECK_SHAPE(*out, op, "out", T, N);
-  JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::combine_counter_words(C, Cr));
-  if (at.group_size * T > kMaxInt || C > kMaxInt || Cr * K > kMaxInt || I > kMaxInt || N > kMaxInt)
+  JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::combine_counter_words(C, Cr, N));
+  const int64_t chunks = jax_ep::fused::combine_chunks(N);
+  if (at.group_size * T > kMaxInt || C > kMaxInt || Cr * K > kMaxInt || I > kMaxInt ||
+      N > kMaxInt || T * chunks > kMaxInt ||
+      (jax_ep::fused::reduce_tasks(Cr) + jax_ep::fused::token_tasks(T)) * chunks > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
   JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "I", C, I, N, L));
   int combine = 0, gemm = 0;
   JAX_EP_RETURN_IF_ERROR(fused_split(op, device, at.combine_blocks, "combine_blocks",
-                                     jax_ep::fused::auto_combine_blocks, &combine, &gemm));
+                                     jax_ep::fused::auto_combine_blocks,
+                                     static_cast<int>(at.group_size), &combine, &gemm));
 
   cudaMemsetAsync(counters->untyped_data(), 0, counters->size_bytes(), stream);
   jax_ep::fused::GemmCombineArgs g{};
@@ -628,17 +633,17 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBI
       JAX_EP_HT_ATTRS_AND_STATE(HtGatherGemmAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT_GATHER_GEMM);
 
-#define JAX_EP_BIND_HT_GEMM_COMBINE                                                \
-  JAX_EP_HT_BIND                                                                   \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* a [C, I] */                                \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                               \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, I, N] */                             \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* row_of [Cr, K] */                          \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* weights [Cr, K] */                         \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */                        \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* ye [C, N] */                               \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* yr [Cr, N] */                              \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* out [T, N] */                              \
-      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [combine_counter_words(C, Cr)] */ \
+#define JAX_EP_BIND_HT_GEMM_COMBINE                                                   \
+  JAX_EP_HT_BIND                                                                      \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* a [C, I] */                                   \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                                  \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, I, N] */                                \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* row_of [Cr, K] */                             \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* weights [Cr, K] */                            \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */                           \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* ye [C, N] */                                  \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* yr [Cr, N] */                                 \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* out [T, N] */                                 \
+      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [combine_counter_words(C, Cr, N)] */ \
       JAX_EP_HT_ATTRS_AND_STATE(HtGemmCombineAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGemmCombine, HtGemmCombineImpl, JAX_EP_BIND_HT_GEMM_COMBINE);

@@ -3,26 +3,29 @@
 // One grid, all blocks co-resident (one per SM). Every block first publishes this rank's yr and
 // counters (the pull protocol of transport/pull.cuh), and reads where its segments end.
 // - Tile blocks (the last gemm_blocks) compute ye = a @ w per segment with CUTLASS's SM90
-//   collectives in a loop of our own (kernels/fused/tiles.cuh; TMA-store epilogue). The warp
-//   that issues a tile's TMA stores waits for their completion one tile later (by then they are
-//   done) and counts the tile in shared memory (release); warp 1, otherwise idle, waits for that
-//   count and adds 1 to the tile's row-block counter (release; the combine's first step reads
-//   it).
-// - The combine, in two steps, each from a queue of its own (an atomic counter):
+//   collectives in a loop of our own (kernels/fused/tiles.cuh; TMA-store epilogue), their queue
+//   going chunk by chunk (kChunkBlocks column tiles, over every row block; chunked_tile_order).
+//   The warp that issues a tile's TMA stores waits for their completion one tile later (by then
+//   they are done) and counts the tile in shared memory (release); warp 1, otherwise idle, waits
+//   for that count and adds 1 to the tile's (row block, chunk) counter (release; the combine's
+//   first step reads it).
+// - The combine, chunk by chunk, on the chunk's columns, in two steps:
 //   1. Per received row of this rank, 4 rows at a time in row order: wait until the row blocks
-//      of the row's slots have all their column tiles here, sum w * row over the slots in
+//      of the row's slots have the chunk's column tiles here, sum w * row over the slots in
 //      float32 and round once to bfloat16 (the unfused layer's pre-reduction per rank) into yr;
-//      then flag the 4 rows (system-scope release; peers read the flags and yr).
+//      then flag the 4 rows for the chunk (system-scope release; peers read the flags and yr).
 //   2. Per token of this rank, 4 at a time in token order: for each rank s holding the token,
-//      wait for its row's flag on s, pull that one row, and sum over ranks in rank order, in
-//      float32. A token crosses the links once per rank that holds it, not once per slot.
+//      wait for its row's flag of the chunk on s, pull the chunk of that one row, and sum over
+//      ranks in rank order, in float32. A token crosses the links once per rank that holds it,
+//      not once per slot.
 //   A slot naming a row past the rank's last segment (only a tampered handle names one) adds
-//   nothing, as the zero row it is in the unfused layer. The first combine_blocks blocks do only
-//   this; the tile blocks' consumer warps join once their tiles are done. Every warp takes step
-//   1's tasks until none is left, then step 2's: a step-1 task waits only for tiles here, which
-//   wait for nothing, so every step-2 wait ends. The combine-only blocks then wait until every
-//   token is combined and every tile block has started (read the call's epoch), and end the
-//   call (end barrier), so no peer reads this rank's buffers after it.
+//   nothing, as the zero row it is in the unfused layer. The tasks come from one queue (an
+//   atomic counter): chunk 0's first-step tasks, then its second-step ones, then chunk 1's, and
+//   so on. The first combine_blocks blocks do only this, while the GEMM computes the next
+//   chunks; the tile blocks' consumer warps join once their tiles are done. The combine-only
+//   blocks then wait until every token is combined in every chunk and every tile block has
+//   started (read the call's epoch), and end the call (end barrier), so no peer reads this
+//   rank's buffers after it.
 // - Last, every warp of the grid zeroes its share of ye past the last segment (no peer reads
 //   those rows): the worst-case capacity can leave most of ye there, far too many bytes for a
 //   few blocks.
@@ -42,10 +45,10 @@ namespace {
 
 using namespace cute;
 using namespace tiles;
-constexpr int kTokensPerTask = 4;  // tokens a warp takes from the queue at once
-constexpr int kUnroll = 2;         // int4 loads per lane and row, per pass over a token's rows
-constexpr int kGroup = 8;          // rows loaded at once (kGroup * kUnroll loads in flight)
+constexpr int kUnroll = 2;  // int4 loads per lane and row, per pass over a token's rows
+constexpr int kGroup = 8;   // rows loaded at once (kGroup * kUnroll loads in flight)
 static_assert(kGroup >= kMaxRanks, "a token's rows of every rank are loaded at once");
+constexpr int kChunkVectors = kChunkBlocks * kBlockN / 8;  // int4 of a row in one chunk
 
 struct Params {
   TileParams tiles;
@@ -58,6 +61,27 @@ struct PeerView {
   const uint8_t* yr[kMaxRanks];
   const int* counters[kMaxRanks];
   int end;  // rows in this rank's segments: a row at or past it holds zeros
+};
+
+// Where the words of the counters are (sizes.h, combine_counter_words: the same on every rank).
+struct Layout {
+  int chunks;      // column chunks
+  int need_last;   // column tiles of the last chunk (every other chunk has kChunkBlocks)
+  int64_t words;   // the CounterWord words
+  int64_t flags;   // the first step's flags, reduce_tasks(Cr) per chunk
+  int64_t n1, n2;  // first- and second-step tasks of one chunk
+  __device__ explicit Layout(const GemmCombineArgs& a)
+      : chunks(static_cast<int>(combine_chunks(a.N))),
+        need_last(column_blocks(a.N) - (chunks - 1) * kChunkBlocks),
+        words(combine_tile_words(a.C, a.N)),
+        flags(words + kCounterTail),
+        n1(reduce_tasks(a.Cr)),
+        n2(token_tasks(a.T)) {}
+  // The int4 range [lo, hi) of a row's columns in chunk c.
+  __device__ int64_t lo(int c) const { return static_cast<int64_t>(c) * kChunkVectors; }
+  __device__ int64_t hi(const GemmCombineArgs& a, int c) const {
+    return min(a.N / 8, lo(c) + kChunkVectors);
+  }
 };
 
 constexpr const char* kPhasePeers = "ht_gemm_combine: wait for peers";
@@ -80,207 +104,213 @@ __device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
   }
 }
 
-// Takes the next task of a queue for the whole warp: its index, or -1 once `total` items
-// (`per_task` a task) are all taken.
-__device__ __forceinline__ int64_t next_task(int* queue, int64_t per_task, int64_t total,
-                                             int lane) {
+// The next task of a queue for the whole warp (an atomic counter).
+__device__ __forceinline__ int64_t next_task(int* queue, int lane) {
   int task = 0;
   if (lane == 0) task = atomicAdd(queue, 1);
-  task = __shfl_sync(ht::kFull, task, 0);
-  const int64_t first = static_cast<int64_t>(task) * per_task;
-  return first < total ? first : -1;
+  return __shfl_sync(ht::kFull, task, 0);
 }
 
-// Step 1 of the combine, one warp: tasks of kReducedRowsPerTask received rows until none is
-// left. yr[c] = the bfloat16 rounding of sum over the slots k of row c (in slot order, float32)
-// of weights[c, k] * ye[row_of[c, k]], once those rows' row blocks are stored here; a row
-// without a slot here is not written. Then one flag for the task's rows (1 + the mask of the
-// rows without a slot; system-scope release). False when a wait gave up.
-__device__ bool reduce_received(const GemmCombineArgs& a, int end, int col_blocks, int lane) {
+// A first-step task, one warp: received rows [c0, c0 + kReducedRowsPerTask), the columns of
+// chunk `ch`. yr[c] = the bfloat16 rounding of sum over the slots k of row c (in slot order,
+// float32) of weights[c, k] * ye[row_of[c, k]], once those rows' tiles of the chunk are stored
+// here; a row without a slot here is not written. Then one flag for the task's rows and chunk
+// (1 + the mask of the rows without a slot; system-scope release). False when a wait gave up.
+__device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end, int ch,
+                            int64_t c0, int lane) {
   const int K = a.K;
-  const int64_t N = a.N, n16 = N / 8;  // int4 per row (the handler checks N % 8 == 0)
-  const int nb = row_blocks(a.C);
-  int* queue = a.counters + nb + kReduceQueue;
-  int* flags = a.counters + counter_words(a.C);
+  const int64_t N = a.N, lo = lay.lo(ch), hi = lay.hi(a, ch);
+  const int need = ch == lay.chunks - 1 ? lay.need_last : kChunkBlocks;
   const auto* ye = static_cast<const uint8_t*>(a.ye);
   auto* yr = static_cast<uint8_t*>(a.yr);
   const Waiter me = waiter(a.ps);
-  for (int64_t c0; (c0 = next_task(queue, kReducedRowsPerTask, a.Cr, lane)) >= 0;) {
-    const int64_t c1 = min(c0 + kReducedRowsPerTask, static_cast<int64_t>(a.Cr));
-    int empty = 0;  // the task's rows without a slot here (bit c - c0)
-    for (int64_t c = c0; c < c1; ++c) {
-      bool any = false;
-      // Wait until every slot's row is stored (lane k % 32 holds slot k).
+  const int64_t c1 = min(c0 + kReducedRowsPerTask, static_cast<int64_t>(a.Cr));
+  int empty = 0;  // the task's rows without a slot here (bit c - c0)
+  for (int64_t c = c0; c < c1; ++c) {
+    bool any = false;
+    // Wait until every slot's row is stored in this chunk (lane k % 32 holds slot k).
+    for (int base = 0; base < K; base += 32) {
+      int j = -1;
+      if (base + lane < K) {
+        j = ht::ld_nc_s32(a.row_of + c * K + base + lane);
+        if (j >= end) j = -1;  // past the segments (a tampered handle): a zero row
+      }
+      bool good = true;
+      if (j >= 0 && !JAX_EP_PLANTED(kCombineSkipsTiles))
+        good = wait_count_geq(me, a.timeout_ns, kPhaseTiles, -1, need,
+                              [p = a.counters + static_cast<int64_t>(j / kBlockM) * lay.chunks +
+                                   ch] { return ld_acquire_gpu(p); });
+      any = __any_sync(ht::kFull, j >= 0) || any;
+      if (!__all_sync(ht::kFull, good)) return false;
+    }
+    __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
+    if (!any) {
+      empty |= 1 << (c - c0);
+      continue;
+    }
+    uint8_t* dst = yr + c * N * 2;
+    for (int64_t v0 = lo; v0 < hi; v0 += 32 * kUnroll) {
+      const int64_t i0 = v0 + lane;
+      float part[kUnroll][8];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) part[u][i] = 0.f;
       for (int base = 0; base < K; base += 32) {
-        int j = -1;
+        int mj = -1;
+        float mw = 0.f;
         if (base + lane < K) {
-          j = ht::ld_nc_s32(a.row_of + c * K + base + lane);
-          if (j >= end) j = -1;  // past the segments (a tampered handle): a zero row
+          mj = ht::ld_nc_s32(a.row_of + c * K + base + lane);
+          mw = ht::ld_nc_f32(a.weights + c * K + base + lane);
+          if (mj >= end) mj = -1;
         }
-        bool good = true;
-        if (j >= 0 && !JAX_EP_PLANTED(kCombineSkipsTiles))
-          good = wait_count_geq(me, a.timeout_ns, kPhaseTiles, -1, col_blocks,
-                                [p = a.counters + j / kBlockM] { return ld_acquire_gpu(p); });
-        any = __any_sync(ht::kFull, j >= 0) || any;
-        if (!__all_sync(ht::kFull, good)) return false;
-      }
-      __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
-      if (!any) {
-        empty |= 1 << (c - c0);
-        continue;
-      }
-      uint8_t* dst = yr + c * N * 2;
-      for (int64_t chunk = 0; chunk < n16; chunk += 32 * kUnroll) {
-        const int64_t i0 = chunk + lane;
-        float part[kUnroll][8];
+        const int n = min(32, K - base);
+        // kGroup slots' rows in flight at once, summed in slot order.
+        for (int q0 = 0; q0 < n; q0 += kGroup) {  // warp-uniform
+          int j[kGroup];
+          float w[kGroup];
+          int4 v[kGroup][kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
+          for (int g = 0; g < kGroup; ++g) {
+            const int q = min(q0 + g, 31);
+            j[g] = __shfl_sync(ht::kFull, mj, q);
+            w[g] = __shfl_sync(ht::kFull, mw, q);
+            if (q0 + g >= n) j[g] = -1;
+            if (j[g] < 0) continue;
+            const int4* row =
+                reinterpret_cast<const int4*>(ye + static_cast<int64_t>(j[g]) * N * 2);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) part[u][i] = 0.f;
-        for (int base = 0; base < K; base += 32) {
-          int mj = -1;
-          float mw = 0.f;
-          if (base + lane < K) {
-            mj = ht::ld_nc_s32(a.row_of + c * K + base + lane);
-            mw = ht::ld_nc_f32(a.weights + c * K + base + lane);
-            if (mj >= end) mj = -1;
+            for (int u = 0; u < kUnroll; ++u)
+              if (i0 + u * 32 < hi) v[g][u] = ht::ld_cg_v4(row + i0 + u * 32);
           }
-          const int n = min(32, K - base);
-          // kGroup slots' rows in flight at once, summed in slot order.
-          for (int q0 = 0; q0 < n; q0 += kGroup) {  // warp-uniform
-            int j[kGroup];
-            float w[kGroup];
-            int4 v[kGroup][kUnroll];
 #pragma unroll
-            for (int g = 0; g < kGroup; ++g) {
-              const int q = min(q0 + g, 31);
-              j[g] = __shfl_sync(ht::kFull, mj, q);
-              w[g] = __shfl_sync(ht::kFull, mw, q);
-              if (q0 + g >= n) j[g] = -1;
-              if (j[g] < 0) continue;
-              const int4* row =
-                  reinterpret_cast<const int4*>(ye + static_cast<int64_t>(j[g]) * N * 2);
+          for (int g = 0; g < kGroup; ++g) {
+            if (j[g] < 0) continue;
 #pragma unroll
-              for (int u = 0; u < kUnroll; ++u)
-                if (i0 + u * 32 < n16) v[g][u] = ht::ld_cg_v4(row + i0 + u * 32);
-            }
-#pragma unroll
-            for (int g = 0; g < kGroup; ++g) {
-              if (j[g] < 0) continue;
-#pragma unroll
-              for (int u = 0; u < kUnroll; ++u)
-                if (i0 + u * 32 < n16) add_weighted(part[u], w[g], v[g][u]);
-            }
+            for (int u = 0; u < kUnroll; ++u)
+              if (i0 + u * 32 < hi) add_weighted(part[u], w[g], v[g][u]);
           }
         }
+      }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (i0 + u * 32 >= n16) continue;
-          int4 o;
-          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+      for (int u = 0; u < kUnroll; ++u) {
+        if (i0 + u * 32 >= hi) continue;
+        int4 o;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            h[i] = __floats2bfloat162_rn(part[u][2 * i], part[u][2 * i + 1]);
-          reinterpret_cast<int4*>(dst)[i0 + u * 32] = o;
-        }
+        for (int i = 0; i < 4; ++i)
+          h[i] = __floats2bfloat162_rn(part[u][2 * i], part[u][2 * i + 1]);
+        reinterpret_cast<int4*>(dst)[i0 + u * 32] = o;
       }
     }
-    __syncwarp();  // every lane's stores before lane 0's release
-    if (lane == 0) st_release_sys_s32(flags + c0 / kReducedRowsPerTask, 1 + empty);
+  }
+  __syncwarp();  // every lane's stores before lane 0's release
+  if (lane == 0)
+    st_release_sys_s32(a.counters + lay.flags + ch * lay.n1 + c0 / kReducedRowsPerTask, 1 + empty);
+  return true;
+}
+
+// A second-step task, one warp: own tokens [t0, t0 + kTokensPerTask), the columns of chunk
+// `ch`: for each rank s holding the token, wait for its row's flag of the chunk on s, pull the
+// chunk of that one row, and sum over ranks in rank order, in float32. *done: tokens combined.
+// False when a wait gave up.
+__device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const Layout& lay,
+                             int ch, int64_t t0, int lane, int* done) {
+  const int R = a.ps.num_ranks;
+  const int64_t N = a.N, lo = lay.lo(ch), hi = lay.hi(a, ch);
+  const int64_t flags = lay.flags + ch * lay.n1;
+  const Waiter me = waiter(a.ps);
+  const int64_t t1 = min(t0 + kTokensPerTask, static_cast<int64_t>(a.T));
+  for (int64_t t = t0; t < t1; ++t) {
+    // Lane s < R: the token's received row on rank s (-1: none), once that rank summed it.
+    int r = lane < R ? ht::ld_nc_s32(a.send_rows + t * R + lane) : -1;
+    if (r >= a.Cr) r = -1;
+    bool good = true;
+    if (r >= 0 && !JAX_EP_PLANTED(kCombineSkipsSummed)) {
+      const int* f = pv.counters[lane] + flags + r / kReducedRowsPerTask;
+      int v = 0;
+      good = wait_count_geq(me, a.timeout_ns, kPhaseReduced, lane, 1,
+                            [f, &v] { return v = ld_acquire_sys_s32(f); });
+      if (good && ((v - 1) >> (r % kReducedRowsPerTask) & 1)) r = -1;  // no slot there
+    }
+    const bool ok = __all_sync(ht::kFull, good);
+    __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
+    if (!ok) return false;
+    uint8_t* dst = static_cast<uint8_t*>(a.out) + t * N * 2;
+    for (int64_t v0 = lo; v0 < hi; v0 += 32 * kUnroll) {
+      const int64_t i0 = v0 + lane;
+      float total[kUnroll][8];
+      int4 v[kGroup][kUnroll];
+      int rs[kGroup];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) total[u][i] = 0.f;
+      // Every rank's row in flight at once, summed in rank order.
+#pragma unroll
+      for (int s = 0; s < kGroup; ++s) {
+        rs[s] = __shfl_sync(ht::kFull, r, s);
+        if (s >= R || rs[s] < 0) {
+          rs[s] = -1;
+          continue;
+        }
+        const int4* row =
+            reinterpret_cast<const int4*>(pv.yr[s] + static_cast<int64_t>(rs[s]) * N * 2);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i0 + u * 32 < hi) v[s][u] = ht::ld_cg_v4(row + i0 + u * 32);
+      }
+#pragma unroll
+      for (int s = 0; s < kGroup; ++s) {
+        if (rs[s] < 0) continue;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (i0 + u * 32 >= hi) continue;
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[s][u]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            total[u][2 * i] = __fadd_rn(total[u][2 * i], f.x);
+            total[u][2 * i + 1] = __fadd_rn(total[u][2 * i + 1], f.y);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (i0 + u * 32 >= hi) continue;
+        int4 o;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          h[i] = __floats2bfloat162_rn(total[u][2 * i], total[u][2 * i + 1]);
+        reinterpret_cast<int4*>(dst)[i0 + u * 32] = o;
+      }
+    }
+    ++*done;
   }
   return true;
 }
 
-// Step 2 of the combine, one warp: tasks of kTokensPerTask tokens from the queue until none is
-// left; then the warp adds the tokens it combined to the done counter (release). False when a
-// wait gave up.
-__device__ bool combine_tokens(const GemmCombineArgs& a, const PeerView& pv, int lane) {
-  const int R = a.ps.num_ranks;
-  const int64_t N = a.N, n16 = N / 8;
-  const int nb = row_blocks(a.C);
-  const int64_t flags = counter_words(a.C);
-  int* queue = a.counters + nb + kTaskQueue;
-  const Waiter me = waiter(a.ps);
+// The combine, one warp: tasks from one queue, chunk by chunk, each chunk's first-step tasks
+// before its second-step ones, until none is left; then the warp adds the tokens it combined
+// (once per chunk) to the done counter (release). A first-step task waits only for tiles here,
+// which wait for nothing; a second-step task of chunk c waits only for first-step tasks of chunk
+// c, which every rank's queue hands out before it: so every wait ends. False when a wait gave up.
+__device__ bool combine(const GemmCombineArgs& a, const PeerView& pv, int lane) {
+  const Layout lay(a);
+  const int64_t per = lay.n1 + lay.n2, tasks = per * lay.chunks;
+  int* queue = a.counters + lay.words + kTaskQueue;
   int done = 0;
   bool ok = true;
-  for (int64_t t0; ok && (t0 = next_task(queue, kTokensPerTask, a.T, lane)) >= 0;) {
-    const int64_t t1 = min(t0 + kTokensPerTask, static_cast<int64_t>(a.T));
-    for (int64_t t = t0; t < t1; ++t) {
-      // Lane s < R: the token's received row on rank s (-1: none), once that rank summed it.
-      int r = lane < R ? ht::ld_nc_s32(a.send_rows + t * R + lane) : -1;
-      if (r >= a.Cr) r = -1;
-      bool good = true;
-      if (r >= 0 && !JAX_EP_PLANTED(kCombineSkipsSummed)) {
-        const int* f = pv.counters[lane] + flags + r / kReducedRowsPerTask;
-        int v = 0;
-        good = wait_count_geq(me, a.timeout_ns, kPhaseReduced, lane, 1,
-                              [f, &v] { return v = ld_acquire_sys_s32(f); });
-        if (good && ((v - 1) >> (r % kReducedRowsPerTask) & 1)) r = -1;  // no slot there
-      }
-      ok = __all_sync(ht::kFull, good);
-      __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
-      if (!ok) break;
-      uint8_t* dst = static_cast<uint8_t*>(a.out) + t * N * 2;
-      for (int64_t chunk = 0; chunk < n16; chunk += 32 * kUnroll) {
-        const int64_t i0 = chunk + lane;
-        float total[kUnroll][8];
-        int4 v[kGroup][kUnroll];
-        int rs[kGroup];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) total[u][i] = 0.f;
-        // Every rank's row in flight at once, summed in rank order.
-#pragma unroll
-        for (int s = 0; s < kGroup; ++s) {
-          rs[s] = __shfl_sync(ht::kFull, r, s);
-          if (s >= R || rs[s] < 0) {
-            rs[s] = -1;
-            continue;
-          }
-          const int4* row =
-              reinterpret_cast<const int4*>(pv.yr[s] + static_cast<int64_t>(rs[s]) * N * 2);
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (i0 + u * 32 < n16) v[s][u] = ht::ld_cg_v4(row + i0 + u * 32);
-        }
-#pragma unroll
-        for (int s = 0; s < kGroup; ++s) {
-          if (rs[s] < 0) continue;
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            if (i0 + u * 32 >= n16) continue;
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[s][u]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float2 f = __bfloat1622float2(h[i]);
-              total[u][2 * i] = __fadd_rn(total[u][2 * i], f.x);
-              total[u][2 * i + 1] = __fadd_rn(total[u][2 * i + 1], f.y);
-            }
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (i0 + u * 32 >= n16) continue;
-          int4 o;
-          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            h[i] = __floats2bfloat162_rn(total[u][2 * i], total[u][2 * i + 1]);
-          reinterpret_cast<int4*>(dst)[i0 + u * 32] = o;
-        }
-      }
-      ++done;
-    }
+  for (int64_t i; ok && (i = next_task(queue, lane)) < tasks;) {
+    const int ch = static_cast<int>(i / per);
+    const int64_t r = i - ch * per;
+    ok = r < lay.n1 ? reduce_task(a, lay, pv.end, ch, r * kReducedRowsPerTask, lane)
+                    : combine_task(a, pv, lay, ch, (r - lay.n1) * kTokensPerTask, lane, &done);
   }
   __syncwarp();  // every lane's stores before lane 0's release
-  if (lane == 0 && done > 0) red_release_gpu_add(a.counters + nb + kTokensDone, done);
+  if (lane == 0 && done > 0) red_release_gpu_add(a.counters + lay.words + kTokensDone, done);
   return ok;
-}
-
-// Both steps of the combine, one warp. False when a wait gave up.
-__device__ bool combine(const GemmCombineArgs& a, const PeerView& pv, int col_blocks, int lane) {
-  return reduce_received(a, pv.end, col_blocks, lane) && combine_tokens(a, pv, lane);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -299,16 +329,16 @@ __device__ void zero_past_segments(const GemmCombineArgs& a, int end) {
 // ------------------------------------------------------------------------------------------
 // Combine-only blocks: combine, then end the call.
 // ------------------------------------------------------------------------------------------
-__device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, int col_blocks,
-                             unsigned long long e) {
+__device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, unsigned long long e) {
   const int tid = threadIdx.x, lane = tid & 31;
-  combine(a, pv, col_blocks, lane);
+  combine(a, pv, lane);
   __syncthreads();
-  // Every token combined, and every tile block past its start (it reads the call's epoch there,
-  // which the end barrier advances).
+  // Every token combined in every chunk, and every tile block past its start (it reads the
+  // call's epoch there, which the end barrier advances).
   if (tid == 0) {
-    const int* c = a.counters + row_blocks(a.C);
-    if (wait_count_geq(waiter(a.ps), a.timeout_ns, kPhaseTokens, -1, a.T,
+    const Layout lay(a);
+    const int* c = a.counters + lay.words;
+    if (wait_count_geq(waiter(a.ps), a.timeout_ns, kPhaseTokens, -1, a.T * lay.chunks,
                        [c] { return ld_acquire_gpu(c + kTokensDone); }))
       wait_count_geq(waiter(a.ps), a.timeout_ns, kPhaseStarted, -1, a.gemm_blocks,
                      [c] { return ld_acquire_gpu(c + kTilesStarted); });
@@ -325,7 +355,8 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
   const GemmCombineArgs& a = p.a;
   const int lane = threadIdx.x & 31;
   // Warp 1: each tile's row-block counter once its stores are complete.
-  auto signal = [&a, &ss, lane](TileRing& ring) {
+  const int chunks = static_cast<int>(combine_chunks(a.N));
+  auto signal = [&a, &ss, chunks, lane](TileRing& ring) {
     const Waiter me = waiter(a.ps);
     unsigned int k = 0;
     bool ok = true;
@@ -338,7 +369,10 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
       });
       // Cumulative: the stores, seen complete through the shared count, are ordered before
       // the counter's release to every GPU.
-      if (ok) red_release_sys_add(a.counters + i / ring.col_blocks, 1);
+      if (ok)
+        red_release_sys_add(a.counters + static_cast<int64_t>(i / ring.col_blocks) * chunks +
+                                (i % ring.col_blocks) / kChunkBlocks,
+                            1);
     }
   };
   // Consumer warp 0 issues a tile's TMA stores; once they are complete it counts the tile
@@ -350,11 +384,11 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
     __syncwarp();
     if (lane == 0) red_release_cta_shared_add(&ss.stored, 1u);
   };
-  const TileProblem t{a.sizes, a.C, a.L, a.I, a.N};
+  const TileProblem t{a.sizes, a.C, a.L, a.I, a.N, kChunkBlocks};
   if (run_tiles(
-          p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, [](int) {}, signal,
-          count_stored))
-    combine(a, pv, column_blocks(a.N), lane);
+          p.tiles, ss, t, a.counters + combine_tile_words(a.C, a.N) + kTileQueue, [](int) {},
+          signal, count_stored))
+    combine(a, pv, lane);
   zero_past_segments(a, pv.end);
 }
 
@@ -366,7 +400,8 @@ __device__ __forceinline__ void gemm_combine(const Params& p) {
   const bool ok = ht::publish_and_wait(a.ps, ptrs, 2, e, a.timeout_ns, kPhasePeers);
   const int R = a.ps.num_ranks, tid = threadIdx.x;
   const bool tile_block = static_cast<int>(blockIdx.x) >= a.combine_blocks;
-  if (tile_block && tid == 0) red_release_gpu_add(a.counters + row_blocks(a.C) + kTilesStarted, 1);
+  if (tile_block && tid == 0)
+    red_release_gpu_add(a.counters + combine_tile_words(a.C, a.N) + kTilesStarted, 1);
   if (!ok) return;
   if (tid < R) {
     pv.yr[tid] = peer_ptr<const uint8_t>(a.ps, tid, 0);
@@ -378,7 +413,7 @@ __device__ __forceinline__ void gemm_combine(const Params& p) {
   }
   __syncthreads();
   if (!tile_block) {
-    combine_role(a, pv, column_blocks(a.N), e);
+    combine_role(a, pv, e);
     return;
   }
   extern __shared__ uint8_t smem_raw[];
@@ -399,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 std::string launch(const GemmCombineArgs& a, cudaStream_t stream) {
   Params p{};
   p.a = a;
-  p.tiles = tile_params(TileProblem{a.sizes, a.C, a.L, a.I, a.N}, a.a, a.w, a.ye);
+  p.tiles = tile_params(TileProblem{a.sizes, a.C, a.L, a.I, a.N, kChunkBlocks}, a.a, a.w, a.ye);
   poison::add(p.outputs, a.ye, a.C * a.N * 2);
   poison::add(p.outputs, a.out, a.T * a.N * 2);
   return launch_kernel(&gemm_combine_kernel, "fused GEMM + combine",

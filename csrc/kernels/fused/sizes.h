@@ -10,6 +10,8 @@ namespace fused {
 // Rows of one GEMM tile and of one arrival counter; expert segments start at multiples of it
 // (the expert-major layout's alignment on this path, exported to Python).
 constexpr int kBlockM = 128;
+// Columns of one GEMM tile.
+constexpr int kBlockN = 256;
 // Row blocks of a group of the tile queue: within an expert's segment the tiles go column by
 // column over this many row blocks at a time (kernels/fused/tile_order.h; exported as
 // jax_ep._C.fused_raster_row_blocks; docs/kernels.md#fused-tile-order).
@@ -25,22 +27,23 @@ constexpr int kMaxDups = 32;
 // The automatic number of copy blocks out of `share` blocks (one per SM): an eighth of them
 // (16 of an H200's 132). They take tiles too once the rows are copied, so more copy blocks cost
 // the GEMM only while rows are still arriving (docs/kernels.md#fused-gather-gemm).
-inline int auto_copy_blocks(int share) {
+inline int auto_copy_blocks(int share, int ranks) {
+  (void)ranks;
   const int c = share / 8;
   return c < 1 ? 1 : c;
 }
 
-// Words of a fused kernel's counters result for C expert-major rows (exported as
-// jax_ep._C.fused_counter_words): one per row block (its rows arrived, or its column tiles
-// stored), then the words below, at the row blocks' count plus their index.
+// Words of the gather + GEMM's counters result for C expert-major rows (exported as
+// jax_ep._C.fused_counter_words): one per row block (its rows arrived), then the words below, at
+// the row blocks' count plus their index. The GEMM + combine has the same words after its
+// per-chunk tile counters (combine_counter_words).
 enum CounterWord : int {
   kTileQueue = 0,     // the GEMM tiles' queue: every block takes its tiles from it
-  kTaskQueue = 1,     // the copy chunks' queue (gather + GEMM) or the tokens' (GEMM + combine)
-  kTokensDone = 2,    // GEMM + combine: tokens combined
+  kTaskQueue = 1,     // the copy chunks' queue (gather + GEMM) or the combine's (GEMM + combine)
+  kTokensDone = 2,    // GEMM + combine: tokens combined, once per chunk
   kTilesStarted = 3,  // GEMM + combine: tile blocks started
   kTailQueue = 4,     // gather + GEMM: the chunks of rows past the last segment, to zero
-  kReduceQueue = 5,   // GEMM + combine: the received rows' queue (their pre-reduction)
-  kCounterTail = 6,
+  kCounterTail = 5,
 };
 // Row blocks of C expert-major rows: the first words of the counters (int in the kernels).
 template <class I>
@@ -52,20 +55,46 @@ constexpr long long counter_words(long long C) { return row_blocks(C) + kCounter
 // Received rows of one pre-reduction task of the GEMM + combine: a warp sums each row's slots
 // into one row per received token, then flags the task's rows at once.
 constexpr int kReducedRowsPerTask = 4;
-// Words of the GEMM + combine's counters for C expert-major rows and Cr received rows (exported
-// as jax_ep._C.fused_combine_counter_words): counter_words(C), then one flag per task of
-// kReducedRowsPerTask received rows (0: not yet summed; else 1 + the mask of its rows that have
-// no slot here, and so no row written).
-constexpr long long combine_counter_words(long long C, long long Cr) {
-  return counter_words(C) + (Cr + kReducedRowsPerTask - 1) / kReducedRowsPerTask;
+// Own tokens of one task of the GEMM + combine's second step.
+constexpr int kTokensPerTask = 4;
+// Column tiles of one chunk of the GEMM + combine: the tile queue goes chunk by chunk over every
+// row block, and the combine sums each chunk's columns as soon as that chunk is computed, while
+// the GEMM goes on with the next (docs/kernels.md#fused-combine-chunks).
+constexpr int kChunkBlocks = 4;
+
+// Column chunks of an N-column GEMM + combine.
+constexpr long long combine_chunks(long long N) {
+  return ((N + kBlockN - 1) / kBlockN + kChunkBlocks - 1) / kChunkBlocks;
+}
+// Words of the GEMM + combine's per-chunk tile counters: one per row block and chunk (the
+// chunk's column tiles of that row block stored), at row block * chunks + chunk; the words of
+// CounterWord follow them.
+constexpr long long combine_tile_words(long long C, long long N) {
+  return row_blocks(C) * combine_chunks(N);
+}
+// Tasks of one chunk of the GEMM + combine's first step (kReducedRowsPerTask received rows
+// each) and of its second (kTokensPerTask tokens each).
+constexpr long long reduce_tasks(long long Cr) {
+  return (Cr + kReducedRowsPerTask - 1) / kReducedRowsPerTask;
+}
+constexpr long long token_tasks(long long T) { return (T + kTokensPerTask - 1) / kTokensPerTask; }
+// Words of the GEMM + combine's counters for C expert-major rows, Cr received rows and N
+// columns (exported as jax_ep._C.fused_combine_counter_words): the per-chunk tile counters, the
+// words of CounterWord, then one flag per chunk and first-step task, at chunk *
+// reduce_tasks(Cr) + task (0: not yet summed; else 1 + the mask of the task's rows that have no
+// slot here, and so no row written).
+constexpr long long combine_counter_words(long long C, long long Cr, long long N) {
+  return combine_tile_words(C, N) + kCounterTail + combine_chunks(N) * reduce_tasks(Cr);
 }
 
-// The automatic number of blocks that only combine, out of `share`: one (it also ends the call);
-// the tile blocks join the combine once their tiles are done, so at R = 1 the GEMM keeps all the
-// other SMs (docs/kernels.md#fused-gemm-combine).
-inline int auto_combine_blocks(int share) {
-  (void)share;
-  return 1;
+// The automatic number of blocks that only combine, out of `share`, over `ranks` ranks. At R = 1
+// one (it also ends the call): the tile blocks join the combine once their tiles are done, so
+// the GEMM keeps all the other SMs. Over several ranks an eighth of them (16 of an H200's 132):
+// they pull each chunk's sums from the peers while the GEMM computes the next chunk
+// (docs/kernels.md#fused-combine-chunks).
+inline int auto_combine_blocks(int share, int ranks) {
+  const int c = ranks > 1 ? share / 8 : 1;
+  return c < 1 ? 1 : c;
 }
 
 }  // namespace fused

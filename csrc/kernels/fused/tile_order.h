@@ -46,6 +46,20 @@ JAX_EP_TILE_ORDER_FN int tile_order(const int* block_start, int L, int col_block
   return (start + first + r % in_group) * col_blocks + r / in_group;
 }
 
+// The tile that draw q computes when the queue goes in chunks of `chunk_blocks` column blocks
+// (the last chunk narrower): every tile of chunk c, over all row blocks, before any of chunk
+// c + 1, and within a chunk tile_order's order over the chunk's columns. A chunk at least as wide
+// as the row is tile_order itself.
+JAX_EP_TILE_ORDER_FN int chunked_tile_order(const int* block_start, int L, int col_blocks,
+                                            int chunk_blocks, int group, int q) {
+  if (chunk_blocks >= col_blocks) return tile_order(block_start, L, col_blocks, group, q);
+  const int per = block_start[L] * chunk_blocks;  // draws of a whole chunk
+  const int c = q / per, first = c * chunk_blocks;
+  const int cols = col_blocks - first < chunk_blocks ? col_blocks - first : chunk_blocks;
+  const int t = tile_order(block_start, L, cols, group, q - c * per);
+  return t / cols * col_blocks + first + t % cols;
+}
+
 }  // namespace fused
 }  // namespace jax_ep
 

@@ -28,15 +28,14 @@ namespace tiles {
 
 using namespace cute;
 using Element = cutlass::bfloat16_t;
-using Tile = Shape<Int<kBlockM>, _256, _64>;
+using Tile = Shape<Int<kBlockM>, Int<kBlockN>, _64>;
 using Cluster = Shape<_1, _1, _1>;
 using StrideA = Stride<int64_t, _1, _0>;       // rows [C, K], shared by every expert
 using StrideB = Stride<_1, int64_t, int64_t>;  // w [L, K, N]: (N, K, L) with N contiguous
 using StrideD = Stride<int64_t, _1, _0>;       // [C, N]
-constexpr int kTileN = size<1>(Tile{});
 // Column blocks of an N-column output: the tiles that make one row block.
 __host__ __device__ __forceinline__ int column_blocks(int64_t N) {
-  return static_cast<int>((N + kTileN - 1) / kTileN);
+  return static_cast<int>((N + kBlockN - 1) / kBlockN);
 }
 
 // The epilogue of a schedule (TMA stores, or stores from registers: its builder wants the
@@ -110,6 +109,7 @@ struct TileProblem {
   const int32_t* sizes;
   int C, L;
   int64_t K, N;
+  int chunk_blocks = 0;  // the queue's chunks of column blocks (chunked_tile_order); 0: none
 };
 
 // Host: the collectives' parameters (TMA descriptors) of a problem.
@@ -147,8 +147,8 @@ std::string launch_kernel(void (*kernel)(Params), const char* name, int grid, co
 }
 
 // The tile ids a warp reads from the ring (all lanes call next(), in order): tile i is row block
-// i / col_blocks and column block i % col_blocks (the queue's order is tile_order's); -1 once no
-// tile is left, after which the warp calls next() no more.
+// i / col_blocks and column block i % col_blocks (the queue's order is chunked_tile_order's); -1
+// once no tile is left, after which the warp calls next() no more.
 struct TileRing {
   SharedStorage& ss;
   int col_blocks;
@@ -199,8 +199,8 @@ __device__ __forceinline__ void segment_starts(const int32_t* sizes, int L, int 
 
 // The tile loop of one block (all kThreads threads): the producer warp takes tiles from
 // `queue` (an int zeroed before the launch, shared by every block that computes tiles: the tiles
-// go out in tile_order's order to whichever block is free) and passes their ids on through the
-// ring. Hooks:
+// go out in chunked_tile_order's order to whichever block is free) and passes their ids on through
+// the ring. Hooks:
 // - before_load(b): the producer warp (all lanes), before it loads row block b;
 // - warp_one(ring): warp 1 of the producer warpgroup (all lanes), otherwise idle: it must read
 //   the ring up to its -1;
@@ -254,6 +254,7 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
 
   const int col_blocks = column_blocks(t.N);
   const int count = ss.block_start[t.L] * col_blocks;
+  const int chunk = t.chunk_blocks > 0 ? t.chunk_blocks : col_blocks;
   auto mnkl = make_shape(t.C, static_cast<int>(t.N), static_cast<int>(t.K), t.L);
   Mainloop mainloop;
   auto load_inputs = mainloop.load_init(mnkl, p.mainloop);
@@ -263,11 +264,13 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp_idx == 0) {
-      auto draw = [&, queue, count, lane] {
+      auto draw = [&, queue, count, chunk, lane] {
         int q = 0;
         if (lane == 0) q = atomicAdd(queue, 1);
         q = __shfl_sync(ht::kFull, q, 0);
-        return q < count ? tile_order(ss.block_start, t.L, col_blocks, kRasterRowBlocks, q) : -1;
+        return q < count
+                   ? chunked_tile_order(ss.block_start, t.L, col_blocks, chunk, kRasterRowBlocks, q)
+                   : -1;
       };
       PipelineState state = cutlass::make_producer_start_state<MainloopPipeline>();
       int i = draw();
