@@ -47,7 +47,7 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
             w_gate_up: jax.Array | grouped_gemm.Fp8Weights, w_down: jax.Array, *,
             num_experts: int, axis_name: str = "ep", mode: str = "high_throughput",
             capacity: int | None = None, use_fp8: bool = False,
-            max_tokens_per_rank: int | None = None, fused: bool = False,
+            max_tokens_per_rank: int | None = None, fused: bool | None = None,
             fused_copy_blocks: int = 0, fused_combine_blocks: int = 0,
             backend: str = "auto", check: bool | None = None) -> jax.Array:
     """One MoE feed-forward layer, per shard inside `jax.shard_map` over `axis_name`.
@@ -85,7 +85,9 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
         (docs/kernels.md#fused-gemm-combine; per-process groups run this half unfused). Same
         results as fused=False up to float32 accumulation order; the backward runs the
         unfused ops. Expert segments start at multiples of 128 rows (the default capacity
-        adds L * 127 rows for it).
+        adds L * 127 rows for it). None (default): fused wherever it applies (high-throughput
+        mode, x bfloat16, no use_fp8), since it was the faster layer at R = 1, 2 and 4
+        (docs/API.md#the-moe-layer); True where it does not apply raises ValueError.
       fused_copy_blocks: with fused=True, how many of the first launch's blocks (one per SM)
         pull rows before they join the others on the tiles; 0: automatic (an eighth of the
         SMs).
@@ -126,7 +128,7 @@ def _moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_
              capacity, use_fp8, max_tokens_per_rank, fused, fused_copy_blocks,
              fused_combine_blocks, backend):
     use_fp8 = _checks.flag("use_fp8", use_fp8)
-    fused = _checks.flag("fused", fused)
+    fused = _checks.flag("fused", fused, allow_none=True)
     fused_copy_blocks = _checks.static_int("fused_copy_blocks", fused_copy_blocks, 0)
     fused_combine_blocks = _checks.static_int("fused_combine_blocks", fused_combine_blocks, 0)
     if fused and (mode != "high_throughput" or use_fp8):
@@ -152,6 +154,9 @@ def _moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_
     if gu_shape[1] != H or gu_shape[2] % 2:
         raise ValueError(f"w_gate_up: shape {gu_shape}, expected [L, H={H}, 2I]")
     I = gu_shape[2] // 2
+    if fused is None:  # the default: fused wherever it applies
+        fused = (mode == "high_throughput" and not use_fp8 and I > 0
+                 and jnp.dtype(x.dtype) == jnp.bfloat16)
     if fused and I == 0:
         raise ValueError(f"w_gate_up: shape {gu_shape}; fused=True needs 2I > 0")
     if tuple(w_down.shape[1:]) != (I, H):
@@ -299,7 +304,7 @@ def _alignment(fused, backend):
 
 
 def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_ranks: int,
-                 capacity_factor: float = 1.25, fused: bool = False,
+                 capacity_factor: float = 1.25, fused: bool | None = None,
                  backend: str = "auto") -> int:
     """The expert-major rows of one pass of `moe_ffn` (its `capacity`) from the expected load.
 
@@ -318,7 +323,9 @@ def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_r
       num_topk: K, the top-k slots of each token.
       num_ranks: R, the ranks of the EP axis.
       capacity_factor: the rows of a pass over the expected pairs (a finite number above 0).
-      fused: the capacity of `moe_ffn(fused=True)` (its segments' alignment).
+      fused: the capacity of `moe_ffn(fused=True)` (its segments' alignment); None (default):
+        of moe_ffn's default, which is fused in bfloat16 (for another dtype the alignment
+        rows are then unused; pass fused=False there).
       backend: the layer's backend ("auto", "reference" or "cuda"): the alignment is the
         CUDA kernels'.
 
@@ -331,7 +338,8 @@ def moe_capacity(tokens_per_rank: int, *, num_experts: int, num_topk: int, num_r
     K = _checks.static_int("num_topk", num_topk, 1)
     f = _checks.capacity_factor(capacity_factor)
     L = _checks.experts_per_rank(E, R)
-    A = _alignment(_checks.flag("fused", fused), _checks.resolve_backend(backend, empty=T == 0))
+    fused = _checks.flag("fused", fused, allow_none=True)
+    A = _alignment(fused is None or fused, _checks.resolve_backend(backend, empty=T == 0))
     rows = -(-math.ceil(T * min(K, E) * f) // 8) * 8
     return int(max(1, min(max(rows, R * T), R * T * min(K, L)) + L * (A - 1)))
 

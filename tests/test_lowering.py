@@ -360,6 +360,33 @@ def _moe_gradients_lowered(monkeypatch, wrap, argnums, rows, experts, **kw):
     return wrap(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("kw, fused", [
+    (dict(), True), (dict(x_dtype=jnp.float16), False), (dict(use_fp8=True), False),
+    (dict(mode="low_latency"), False), (dict(fused=False), False)],
+    ids=["bf16", "f16", "fp8", "low_latency", "fused=False"])
+def test_moe_ffn_default_is_fused_where_it_applies(cuda_lowering, monkeypatch, mesh2, kw, fused):
+    """moe_ffn's default `fused=None` runs the fused kernels in high-throughput mode on bfloat16
+    (the faster layer at R = 1, 2 and 4), and the unfused ops where the fused path does not
+    apply (float16, FP8, low-latency mode) instead of raising; fused=False keeps them unfused."""
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    kw = dict(kw)
+    dt = kw.pop("x_dtype", jnp.bfloat16)
+    wgu = jnp.ones((LL, LH, 2 * LI), dt)
+    if kw.get("use_fp8"):
+        wgu = jax_ep.quantize_fp8_weights(wgu.astype(jnp.bfloat16))
+
+    def layer(x, idx, w, wd):
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=2 * LL, backend="cuda", **kw)
+    args = (jnp.ones((2, LT, LH), dt), jnp.zeros((2, LT, LK), jnp.int32),
+            jnp.ones((2, LT, LK), jnp.float32),
+            jnp.ones((2, LL, LI, LH), jnp.bfloat16 if kw.get("use_fp8") else dt))
+    text = smap(mesh2, layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    targets = {t for t, _ in custom_calls(text)}
+    assert ("jax_ep_ht_gather_gemm" in targets) == fused, targets
+    assert ("jax_ep_ht_gemm_combine" in targets) == fused, targets
+
+
 @pytest.mark.parametrize("capacity", [None, 16 + 127], ids=["one_pass", "extra_passes"])
 def test_fused_moe_gradients_trace_under_check_vma(cuda_lowering, monkeypatch, mesh2,
                                                    capacity):
@@ -393,7 +420,7 @@ def test_moe_extra_passes_backward_adds_weight_gradients_in_place(cuda_lowering,
     assert row_counts == [f"tensor<{LL if fused else 0}xi32>"] * 2, row_counts
 
 
-@pytest.mark.parametrize("kw", [dict(capacity=16), dict(fused=True, capacity=16 + 127),
+@pytest.mark.parametrize("kw", [dict(capacity=16, fused=False), dict(fused=True, capacity=16 + 127),
                                 dict(mode="low_latency")],
                          ids=["unfused", "fused", "low_latency"])
 def test_moe_gradients_with_weights_replicated_over_data_parallel(cuda_lowering, monkeypatch,
