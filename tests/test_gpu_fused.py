@@ -138,6 +138,21 @@ def test_fused_matmul_combine_matches_unfused(R, kind):
     _check_gemm_combine(got, R)
 
 
+@pytest.mark.parametrize("R,combine_blocks", [(1, 0), (4, 0), (2, 24)])
+def test_fused_matmul_combine_spans_column_chunks(R, combine_blocks):
+    """Outputs wider than one column chunk of the GEMM + combine (its tile queue and its combine
+    go chunk by chunk): two whole chunks and a narrower last one, bit-exact as above."""
+    ext = jax_ep.runtime.extension()
+    H = ext.fused_chunk_blocks * ext.fused_block_columns * 2 + ext.fused_block_columns
+    T, I, K, L = (29 if R > 1 else 120), 128, 4, 4
+    x, idx, w, wgu, E = _setup(R, T, H, I, K, L, "masked", 31 + R)
+    rng = np.random.default_rng(32 + R)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    poison_gpu_memory()
+    run = _gemm_combine_outputs(E, K, True, combine_blocks)
+    _check_gemm_combine(jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu, wd)), R)
+
+
 @pytest.mark.parametrize("combine_blocks,weighted", [(1, False), (3, True), (24, True)])
 def test_fused_matmul_combine_blocks_and_no_weights(combine_blocks, weighted):
     """Many tokens per combine warp (few combine-only blocks) or many combine-only blocks;
