@@ -115,7 +115,7 @@ ffi::Error fused_gemm_checks(const char* op, const char* k_name, int64_t C, int6
 
 // The grid of a fused kernel: one block per SM (its rank's share of them in the one-GPU
 // multi-rank mode, which read_sm_count already gives), `requested` of them (the attribute
-// `attr`; 0: auto(share)) in the role beside the GEMM tiles, *gemm the rest.
+// `attr`; 0: automatic(share, ranks)) in the role beside the GEMM tiles, *gemm the rest.
 ffi::Error fused_split(const char* op, int32_t device, int64_t requested, const char* attr,
                        int (*automatic)(int, int), int ranks, int* other, int* gemm) {
   int share = 0;

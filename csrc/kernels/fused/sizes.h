@@ -28,7 +28,7 @@ constexpr int kMaxDups = 32;
 // (16 of an H200's 132). They take tiles too once the rows are copied, so more copy blocks cost
 // the GEMM only while rows are still arriving (docs/kernels.md#fused-gather-gemm).
 inline int auto_copy_blocks(int share, int ranks) {
-  (void)ranks;
+  (void)ranks;  // the same at every R (the signature is auto_combine_blocks')
   const int c = share / 8;
   return c < 1 ? 1 : c;
 }
