@@ -9,12 +9,19 @@ Ops: HT dispatch bf16 with H = 8 (layout + synchronisation only), HT dispatch bf
 HT combine bf16 H = 7168, LL dispatch FP8 (128 tokens / rank, H = 7168), LL combine bf16.
 Mark indices: csrc/transport/trace_marks.h.
 
+--fused: instead, the fused second GEMM + combine of `moe_ffn` alone (its inputs from the fused
+dispatch + first GEMM, run before), 4096 tokens / rank, H = 7168, I = 2048, 32 experts / rank,
+top-8: per column chunk, when its last tile was stored, its last first-step (sum) task and its
+last second-step (pull) task ended (marks named by `_C.fused_trace_marks`). Read it with
+--absolute: each column in us since the device's first mark.
+
 With JAX_EP_LL_DIAG=1 the LL kernels also record, per phase, the latest time any block or warp
 reached a point (its first ticket, the end of its items, its fence and count...): marks 0..11
 of the LL slots. Read them with --absolute (each column in us since the device's first mark).
 
   python benchmarks/trace_phases.py [--ranks 1 2 4] [--runs 5] [--scan 20]
   JAX_EP_LL_DIAG=1 python benchmarks/trace_phases.py --ranks 4 --scan 20 --ll-only --absolute
+  python benchmarks/trace_phases.py --ranks 1 4 --fused --absolute [--combine-blocks 16]
 """
 from __future__ import annotations
 
@@ -28,13 +35,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ep  # noqa: E402
-from jax_ep import runtime  # noqa: E402
+from jax_ep import fused, moe, runtime  # noqa: E402
 
 # What each trace index records, from the extension (csrc/transport/trace_marks.h). LL slots
 # (64 and up) with JAX_EP_LL_DIAG=1 also hold per-warp diagnostic points (DIAG_MARKS): the latest
 # time any block / warp reached them.
 MARKS = dict(runtime.extension().trace_marks) if runtime.extension() is not None else {}
 DIAG_MARKS = dict(runtime.extension().diag_marks) if runtime.extension() is not None else {}
+FUSED_MARKS = (dict(runtime.extension().fused_trace_marks)
+               if runtime.extension() is not None else {})
 
 
 def routing(rng, n, K, E):
@@ -45,7 +54,7 @@ def snapshot(group):
     return {d: runtime.phase_traces(group, d) for d in group}
 
 
-def report(name, group, before, after, host_us):
+def report(name, group, before, after, host_us, names=None):
     """Print the marks of the slot(s) this op changed, per device."""
     slots = sorted({s for d in group for s, row in after[d].items()
                     if before[d].get(s) != row})
@@ -65,7 +74,8 @@ def report(name, group, before, after, host_us):
         starts = {d: min(r.values()) for d, r in rows.items() if r}
         t0 = min(starts.values()) if starts else 0
         print(f"  {name}  (slot {s}; host {host_us:.1f} us/call, median of the runs)")
-        names = {**MARKS, **DIAG_MARKS} if s >= 64 else MARKS
+        if names is None:
+            names = {**MARKS, **DIAG_MARKS} if s >= 64 else MARKS
         print("    marks: " + ", ".join(f"{i}={names.get(i, '?')}" for i in idxs))
         hdr = "    dev  skew  " + "".join(
             f"{(f'{p}->{i}' if p is not None else f'{i}'):>9s}"
@@ -92,10 +102,12 @@ def report(name, group, before, after, host_us):
 
 ABSOLUTE = False  # --absolute
 LL_ONLY = False  # --ll-only
+FUSED = False  # --fused
+COMBINE_BLOCKS = 0  # --combine-blocks (0: the kernel's automatic share)
 SCAN = 1  # calls per jitted program (--scan): the marks read are those of the last call
 
 
-def run_op(name, mesh, group, body, args, runs):
+def run_op(name, mesh, group, body, args, runs, names=None):
     def many(*a):  # SCAN back-to-back calls, unrolled: steady state, not one isolated call
         outs = [body(*a) for _ in range(SCAN)]
         return outs[-1]
@@ -110,7 +122,7 @@ def run_op(name, mesh, group, body, args, runs):
         out = jax.block_until_ready(f(*args))
         ts.append(time.perf_counter() - t)
     after = snapshot(group)
-    report(name, group, before, after, float(np.median(ts)) * 1e6)
+    report(name, group, before, after, float(np.median(ts)) * 1e6, names)
     return out
 
 
@@ -129,6 +141,8 @@ def suite(R, gpus, runs):
     w = jax.device_put(jnp.asarray(rng.random((R * T, K)), jnp.float32), shard)
     if LL_ONLY:
         return suite_ll(R, mesh, group, shard, rng, H, K, E, L, runs)
+    if FUSED:
+        return suite_fused(R, mesh, group, shard, idx, w, H, E, runs)
     x8 = jax.device_put(jnp.asarray(rng.standard_normal((R * T, 8)), jnp.bfloat16), shard)
     x = jax.jit(lambda k: jax.random.normal(k, (R * T, H), jnp.bfloat16),
                 out_shardings=shard)(jax.random.key(0))
@@ -149,6 +163,30 @@ def suite(R, gpus, runs):
         hargs, runs)
     del hargs
     suite_ll(R, mesh, group, shard, rng, H, K, E, L, runs)
+
+
+def suite_fused(R, mesh, group, shard, idx, w, H, E, runs, I=2048):
+    """The fused GEMM + combine alone: its inputs from the fused dispatch + first GEMM (one
+    program, run once), then that kernel (the program whose slot the report shows)."""
+    def normal(key, shape, scale):
+        return jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * scale)
+                       .astype(jnp.bfloat16), out_shardings=shard)(jax.random.key(key))
+    x = normal(2, (R * 4096, H), 1.0)
+    wgu = normal(3, (E, H, 2 * I), 1 / np.sqrt(H))
+    wd = normal(4, (E, I, H), 1 / np.sqrt(I))
+
+    def inputs(x, i, w, wgu):  # every leaf with a leading axis of 1 per shard
+        res, h = fused.dispatch_matmul(x, i, w, wgu, num_experts=E, backend="cuda")
+        return jax.tree.map(lambda v: v[None], (moe.swiglu(h).astype(jnp.bfloat16), res))
+    packed = jax.jit(jax.shard_map(inputs, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                                   check_vma=False))(x, idx, w, wgu)
+    del x, wgu
+
+    def second_half(packed, wd):
+        a, res = jax.tree.map(lambda v: v[0], packed)
+        return fused.matmul_combine(a, wd, res, backend="cuda", combine_blocks=COMBINE_BLOCKS)
+    run_op(f"fused GEMM + combine H={H} I={I} (combine_blocks {COMBINE_BLOCKS or 'auto'})",
+           mesh, group, second_half, (packed, wd), runs, names=FUSED_MARKS)
 
 
 def suite_ll(R, mesh, group, shard, rng, H, K, E, L, runs):
@@ -183,10 +221,14 @@ def main():
                    help="every column in us since the device's first mark (not since the "
                         "previous column)")
     p.add_argument("--ll-only", action="store_true", help="only the low-latency ops")
+    p.add_argument("--fused", action="store_true",
+                   help="only the fused GEMM + combine, its marks per column chunk")
+    p.add_argument("--combine-blocks", type=int, default=0,
+                   help="--fused: blocks that only combine (0: automatic)")
     a = p.parse_args()
-    global SCAN, ABSOLUTE, LL_ONLY
+    global SCAN, ABSOLUTE, LL_ONLY, FUSED, COMBINE_BLOCKS
     SCAN = max(1, a.scan)
-    ABSOLUTE, LL_ONLY = a.absolute, a.ll_only
+    ABSOLUTE, LL_ONLY, FUSED, COMBINE_BLOCKS = a.absolute, a.ll_only, a.fused, a.combine_blocks
     gpus = jax.devices()
     print(f"devices: {len(gpus)} x {gpus[0].device_kind}; jax {jax.__version__}; "
           f"num_blocks {runtime.num_blocks()}")

@@ -67,6 +67,19 @@ void bind_runtime(nb::module_& m) {
     for (const auto& n : jax_ep::trace::kDiagNames) diag[nb::int_(n.index)] = n.name;
     m.attr("trace_marks") = marks;
     m.attr("diag_marks") = diag;
+    namespace tr = jax_ep::trace;
+    nb::dict fused;  // the fused GEMM + combine's own slot
+    fused[nb::int_(tr::kFusedStart)] = "start (peers published)";
+    for (int c = 0; c < tr::kFusedTracedChunks; ++c) {
+      const std::string chunk = "chunk " + std::to_string(c);
+      fused[nb::int_(tr::kFusedChunkStored + c)] = chunk + ": last tile stored";
+      fused[nb::int_(tr::kFusedChunkReduced + c)] = chunk + ": last first-step task done";
+      fused[nb::int_(tr::kFusedChunkCombined + c)] = chunk + ": last second-step task done";
+    }
+    fused[nb::int_(tr::kFusedTilesDone)] = "last tile block done with its tiles";
+    fused[nb::int_(tr::kFusedEnd)] = "end barrier passed";
+    m.attr("fused_trace_marks") = fused;
+    m.attr("fused_traced_chunks") = tr::kFusedTracedChunks;
   }
   m.def(
       "lease_stats",

@@ -92,6 +92,11 @@ def test_the_extension_owns_its_sizes_and_trace_marks():
     marks = ext.trace_marks
     assert marks[0] == "layout start" and len(marks) >= 20
     assert max(marks) < ext.trace_slots and max(ext.diag_marks) < ext.trace_slots
+    # the fused GEMM + combine's own slot: its start, three marks per traced column chunk, the
+    # tiles' end and the end barrier, each index once and within the slot
+    fm, nc = ext.fused_trace_marks, ext.fused_traced_chunks
+    assert len(fm) == 3 * nc + 3 and max(fm) < ext.trace_slots and min(fm) == 0
+    assert sum("chunk" in v for v in fm.values()) == 3 * nc
 
 
 def test_flags_take_0_or_1_and_name_the_setting(monkeypatch):

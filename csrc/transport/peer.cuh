@@ -66,6 +66,11 @@ __device__ __forceinline__ void trace_mark(const PeerSlots& ps, int i) {
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
     trace_mark_last(ps, i);
 }
+// trace_max(ps, i): the latest %globaltimer at which any caller reached point i (atomicMax into
+// trace[i]; a later call's times are larger, so each call's marks replace the last one's).
+__device__ __forceinline__ void trace_max(const PeerSlots& ps, int i) {
+  atomicMax(&ps.slot[ps.rank]->trace[i], static_cast<unsigned long long>(global_timer_ns()));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Bounded waits (docs/design.md#clean-timeouts). A wait first tests its condition; only when

@@ -37,6 +37,19 @@ constexpr int kLlCombineSendDone = 25;
 constexpr int kLlCombineReceiveStarts = 26;
 constexpr int kLlCombineReceiveDone = 27;
 
+// The fused GEMM + combine (its call site's own slot, so these indices are its own; exported
+// apart as `_C.fused_trace_marks`): block 0 past the peers' publication; per column chunk
+// c < kFusedTracedChunks, the latest time a tile of chunk c was counted stored, a first-step
+// task of chunk c ended and a second-step task of chunk c ended (trace_max); the latest time a
+// tile block finished its tiles; the end barrier passed (block 0).
+constexpr int kFusedStart = 0;
+constexpr int kFusedTracedChunks = 8;
+constexpr int kFusedChunkStored = 1;                                          // + chunk
+constexpr int kFusedChunkReduced = kFusedChunkStored + kFusedTracedChunks;    // + chunk
+constexpr int kFusedChunkCombined = kFusedChunkReduced + kFusedTracedChunks;  // + chunk
+constexpr int kFusedTilesDone = kFusedChunkCombined + kFusedTracedChunks;
+constexpr int kFusedEnd = kFusedTilesDone + 1;
+
 // With the diag attribute (JAX_EP_LL_DIAG=1), the low-latency kernels' per-warp points: the
 // latest time any block or warp reached each (atomicMax into trace[i]).
 constexpr int kDiagLastBlockStart = 0;

@@ -29,6 +29,8 @@
 // - Last, every warp of the grid zeroes its share of ye past the last segment (no peer reads
 //   those rows): the worst-case capacity can leave most of ye there, far too many bytes for a
 //   few blocks.
+// The phase tracer of the call site's slot gets, per column chunk, the latest times a tile was
+// stored and a task of either step ended (trace::kFused..., benchmarks/trace_phases.py --fused).
 // Tile blocks never wait for the combine; the waits end because every block of every rank runs
 // at once (one block per SM of the rank's share, launched on otherwise idle SMs: a kernel that
 // held some of them would delay the waits until it ends, or until their timeout).
@@ -49,6 +51,7 @@ constexpr int kUnroll = 2;  // int4 loads per lane and row, per pass over a toke
 constexpr int kGroup = 8;   // rows loaded at once (kGroup * kUnroll loads in flight)
 static_assert(kGroup >= kMaxRanks, "a token's rows of every rank are loaded at once");
 constexpr int kChunkVectors = kChunkBlocks * kBlockN / 8;  // int4 of a row in one chunk
+static_assert(trace::kFusedEnd < kTraceSlots, "the phase tracer's marks fit a slot");
 
 struct Params {
   TileParams tiles;
@@ -205,8 +208,10 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
     }
   }
   __syncwarp();  // every lane's stores before lane 0's release
-  if (lane == 0)
+  if (lane == 0) {
     st_release_sys_s32(a.counters + lay.flags + ch * lay.n1 + c0 / kReducedRowsPerTask, 1 + empty);
+    if (ch < trace::kFusedTracedChunks) trace_max(a.ps, trace::kFusedChunkReduced + ch);
+  }
   return true;
 }
 
@@ -288,6 +293,7 @@ __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const
     }
     ++*done;
   }
+  if (lane == 0 && ch < trace::kFusedTracedChunks) trace_max(a.ps, trace::kFusedChunkCombined + ch);
   return true;
 }
 
@@ -345,6 +351,7 @@ __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, unsig
   }
   end_barrier(
       a.ps, e, a.timeout_ns, kPhaseEnd, [] {}, -1, static_cast<unsigned int>(a.combine_blocks));
+  trace_mark(a.ps, trace::kFusedEnd);
   zero_past_segments(a, pv.end);
 }
 
@@ -369,10 +376,10 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
       });
       // Cumulative: the stores, seen complete through the shared count, are ordered before
       // the counter's release to every GPU.
-      if (ok)
-        red_release_sys_add(a.counters + static_cast<int64_t>(i / ring.col_blocks) * chunks +
-                                (i % ring.col_blocks) / kChunkBlocks,
-                            1);
+      if (!ok) continue;
+      const int ch = (i % ring.col_blocks) / kChunkBlocks;
+      red_release_sys_add(a.counters + static_cast<int64_t>(i / ring.col_blocks) * chunks + ch, 1);
+      if (ch < trace::kFusedTracedChunks) trace_max(a.ps, trace::kFusedChunkStored + ch);
     }
   };
   // Consumer warp 0 issues a tile's TMA stores; once they are complete it counts the tile
@@ -387,8 +394,10 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
   const TileProblem t{a.sizes, a.C, a.L, a.I, a.N, kChunkBlocks};
   if (run_tiles(
           p.tiles, ss, t, a.counters + combine_tile_words(a.C, a.N) + kTileQueue, [](int) {},
-          signal, count_stored))
+          signal, count_stored)) {
+    if (threadIdx.x == cutlass::NumThreadsPerWarpGroup) trace_max(a.ps, trace::kFusedTilesDone);
     combine(a, pv, lane);
+  }
   zero_past_segments(a, pv.end);
 }
 
@@ -403,6 +412,7 @@ __device__ __forceinline__ void gemm_combine(const Params& p) {
   if (tile_block && tid == 0)
     red_release_gpu_add(a.counters + combine_tile_words(a.C, a.N) + kTilesStarted, 1);
   if (!ok) return;
+  trace_mark(a.ps, trace::kFusedStart);
   if (tid < R) {
     pv.yr[tid] = peer_ptr<const uint8_t>(a.ps, tid, 0);
     pv.counters[tid] = peer_ptr<const int>(a.ps, tid, 1);

@@ -34,7 +34,7 @@ __host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64
 // reached point i, into trace[i] of our slot; the points are named in transport/trace_marks.h
 // ("Phase tracer"). benchmarks/trace_phases.py --ll-only --absolute prints them.
 __device__ __forceinline__ void diag_max(const PeerSlots& ps, int on, int i) {
-  if (on) atomicMax(&ps.slot[ps.rank]->trace[i], (unsigned long long)global_timer_ns());
+  if (on) trace_max(ps, i);
 }
 
 // Warps per row (column parts) so that `fixed` + rows * parts items fit the grid's warps: the
