@@ -196,15 +196,8 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
         }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (i0 + u * 32 >= hi) continue;
-        int4 o;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          h[i] = __floats2bfloat162_rn(part[u][2 * i], part[u][2 * i + 1]);
-        reinterpret_cast<int4*>(dst)[i0 + u * 32] = o;
-      }
+      for (int u = 0; u < kUnroll; ++u)
+        if (i0 + u * 32 < hi) reinterpret_cast<int4*>(dst)[i0 + u * 32] = ht::pack_bf16x8(part[u]);
     }
   }
   __syncwarp();  // every lane's stores before lane 0's release
@@ -281,15 +274,8 @@ __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const
         }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (i0 + u * 32 >= hi) continue;
-        int4 o;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          h[i] = __floats2bfloat162_rn(total[u][2 * i], total[u][2 * i + 1]);
-        reinterpret_cast<int4*>(dst)[i0 + u * 32] = o;
-      }
+      for (int u = 0; u < kUnroll; ++u)
+        if (i0 + u * 32 < hi) reinterpret_cast<int4*>(dst)[i0 + u * 32] = ht::pack_bf16x8(total[u]);
     }
     ++*done;
   }

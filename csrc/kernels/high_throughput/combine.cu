@@ -55,13 +55,7 @@ struct Vec<__nv_bfloat16> {
       acc[2 * i + 1] += f.y;
     }
   }
-  __device__ static int4 pack(const float* a) {
-    int4 r;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
-    return r;
-  }
+  __device__ static int4 pack(const float* a) { return pack_bf16x8(a); }
   __device__ static float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static __nv_bfloat16 from_f32(float v) { return __float2bfloat16_rn(v); }
 };

@@ -2,6 +2,8 @@
 // fused gather + grouped GEMM (kernels/fused/gather_gemm.cu): read-only loads of peer operands,
 // the publish-and-wait step of the pull protocol for one block, and the warp-wide row copy.
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "testing/mutations.h"
@@ -14,6 +16,15 @@ constexpr unsigned kFull = 0xffffffffu;
 // int4 loads in flight per lane (row copy): a 14 KiB row (bf16, H = 7168) takes 2 rounds of
 // loads-then-stores per warp, a 7 KiB FP8 row 1.
 constexpr int kCopyUnroll = 16;
+
+// 8 floats rounded to bfloat16 (to nearest even), packed in one int4.
+__device__ __forceinline__ int4 pack_bf16x8(const float* a) {
+  int4 r;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
+  return r;
+}
 
 // Read-only loads of peer XLA operands (never written while an op runs).
 __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
