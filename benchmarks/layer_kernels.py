@@ -66,8 +66,8 @@ def main():
         w = w.astype(jnp.bfloat16)
         lay = (x, idx, w, wgu, wd)
         variants = {
-            "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend=be),
-                                     lay, (0, 2, 3, 4)),
+            "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=False,
+                                                               backend=be), lay, (0, 2, 3, 4)),
             "moe_ffn(fused=True)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=True,
                                                               backend=be), lay, (0, 2, 3, 4)),
             "expert compute alone": (functools.partial(expert_compute, backend=be),
