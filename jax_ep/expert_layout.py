@@ -215,24 +215,30 @@ def to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weight
                                 lay["recv_count"], ehandle)
 
 
-def passes_needed(tokens, *, num_ranks, num_local_experts, num_topk, capacity, alignment):
-    """Expert-major dispatches of `capacity` rows each that carry every (token, local expert)
-    pair a rank can receive (at most R * T * min(K, L)): each one keeps at least the first
-    capacity - (L - 1) * (alignment - 1) pairs of a rank in expert order (the alignment
-    padding before the last segment is all a pair can lose). 0 pairs: one pass."""
+def passes_needed(tokens, *, num_ranks, num_local_experts, num_topk, capacity, alignment,
+                  extra_capacity=None):
+    """Expert-major dispatches, the first of `capacity` rows, the others of `extra_capacity`
+    (default capacity), that carry every (token, local expert) pair a rank can receive (at most
+    R * T * min(K, L)): each one keeps at least the first rows - (L - 1) * (alignment - 1)
+    pairs of a rank in expert order (the alignment padding before the last segment is all a
+    pair can lose). 0 pairs: one pass."""
     R, T, L, K, A = num_ranks, tokens, num_local_experts, num_topk, alignment
-    progress = capacity - (L - 1) * (A - 1)
-    if progress < 1:
-        raise ValueError(f"capacity={capacity}: leaves no row for a pair after the alignment "
-                         f"of {L} segments to {A} rows; at least {(L - 1) * (A - 1) + 1}")
-    return max(1, -(-(R * T * min(K, L)) // progress))
+    extra = capacity if extra_capacity is None else extra_capacity
+    for name, rows in (("capacity", capacity), ("extra_capacity", extra)):
+        if rows - (L - 1) * (A - 1) < 1:
+            raise ValueError(f"{name}={rows}: leaves no row for a pair after the alignment of "
+                             f"{L} segments to {A} rows; at least {(L - 1) * (A - 1) + 1}")
+    rest = R * T * min(K, L) - (capacity - (L - 1) * (A - 1))
+    return 1 + max(0, -(-rest // (extra - (L - 1) * (A - 1))))
 
 
-def pass_plan(topk_idx, *, num_experts, axis_name, capacity, alignment, passes):
+def pass_plan(topk_idx, *, num_experts, axis_name, capacity, alignment, passes,
+              extra_capacity=None):
     """Which passes a routing needs, and what the passes before each one keep, from the pair
     counts of every source alone (one all_gather of [E] counts, no sort).
 
-    The `passes` expert-major dispatches of `capacity` rows (`plan` with that alignment) carry
+    The `passes` expert-major dispatches (`plan` with that alignment), the first of `capacity`
+    rows and the others of `extra_capacity` (default capacity), carry
     every (token, local expert) pair of the group, none dropped, when pass p sends the pairs
     that no earlier pass kept (`pass_slots`). The receive of every token is assumed whole (rows
     for up to R * T tokens), so a pass keeps, at each rank, the pairs whose expert-major row
@@ -246,14 +252,15 @@ def pass_plan(topk_idx, *, num_experts, axis_name, capacity, alignment, passes):
     routing needs come first)."""
     R, _ = axis_info(axis_name)
     T, K = topk_idx.shape
-    E, C, A = num_experts, capacity, alignment
+    E, A = num_experts, alignment
     L = E // R
     key = jnp.where(first_occurrence(topk_idx), topk_idx, E).reshape(T * K)
     mine = jnp.zeros((E + 1,), jnp.int32).at[key].add(1)[:E]
     cnt = lax.all_gather(mine, axis_name)                                    # [R(s), E]
     done = jnp.zeros((R, E), jnp.int32)          # pairs of (source, expert) kept so far
     dones, run = [], []
-    for _ in range(passes):
+    for p in range(passes):
+        C = capacity if p == 0 or extra_capacity is None else extra_capacity
         dones.append(done)
         left = cnt - done
         run.append(jnp.any(left > 0))
@@ -290,11 +297,13 @@ def pass_slots(topk_idx, done, *, num_experts, axis_name):
     return jnp.where(slot, topk_idx, -1)
 
 
-def pass_ids(topk_idx, *, num_experts, axis_name, capacity, alignment, passes):
+def pass_ids(topk_idx, *, num_experts, axis_name, capacity, alignment, passes,
+             extra_capacity=None):
     """Every pass's ids at once: ([passes, T, K] `pass_slots` of each pass, [passes] bool run
     of `pass_plan`)."""
     done, run = pass_plan(topk_idx, num_experts=num_experts, axis_name=axis_name,
-                          capacity=capacity, alignment=alignment, passes=passes)
+                          capacity=capacity, alignment=alignment, passes=passes,
+                          extra_capacity=extra_capacity)
     ids = [pass_slots(topk_idx, done[p], num_experts=num_experts, axis_name=axis_name)
            for p in range(passes)]
     return jnp.stack(ids), run

@@ -71,9 +71,10 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
       capacity: high-throughput mode, the (token, expert) rows of one pass, at least R * T
         (static). Default `moe_capacity(T, ...)`: the expected load times 1.25. No pair is
         ever dropped: when a rank receives more pairs than a pass holds, the layer runs
-        extra passes (in a while loop that costs nothing when the first pass held all;
-        their backward runs their forward again). R * T * min(K, L) (plus the fused
-        alignment) is the worst case: always one pass.
+        extra passes of R * T rows (plus the fused alignment: the fewest that hold every
+        token; in a while loop that costs nothing when the first pass held all; their
+        backward runs their forward again). R * T * min(K, L) (plus the fused alignment) is
+        the worst case: always one pass.
       use_fp8: dispatch FP8 activations into the FP8 GEMM of w_gate_up (an `Fp8Weights`);
         forward only.
       max_tokens_per_rank: low-latency mode, M of `low_latency_dispatch` (static, the same on
@@ -227,26 +228,32 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
     if capacity < floor:
         raise ValueError(f"capacity={capacity}: moe_ffn receives every token whole, so a pass "
                          f"needs at least R * T = {floor} rows")
+    # the extra passes (run only when a rank received more pairs than the first held) take
+    # the fewest rows that hold every token: their buffers, which XLA plans beside the
+    # weights' gradients whether the loop runs or not, stay small (docs/design.md#layer-capacity)
+    extra = min(capacity, max(floor, 1) + L * (A - 1))
     passes = el.passes_needed(T, num_ranks=R, num_local_experts=L, num_topk=K,
-                              capacity=capacity, alignment=A)
+                              capacity=capacity, alignment=A, extra_capacity=extra)
     # The weights varying along every mesh axis x does (a no-op outside shard_map): replicated
     # over data parallelism, each shard's weight gradients are its partial sums (the extra
     # passes add to them in place), summed over the replicas once, by this cast's transpose.
     leaves, tree = jax.tree.flatten((w_gate_up, w_down))
     w_gate_up, w_down = jax.tree.unflatten(tree, _ffi.varying([x, *leaves])[1:])
-    one = functools.partial(_ht_pass, num_experts=num_experts, axis_name=axis_name,
-                            capacity=capacity, backend=backend, **settings)
+    one, more = (functools.partial(_ht_pass, num_experts=num_experts, axis_name=axis_name,
+                                   capacity=c, backend=backend, **settings)
+                 for c in (capacity, extra))
     if passes == 1:
         return one(x, topk_idx, topk_weights, w_gate_up, w_down)
     idx, _ = sanitize(_checks.int32_ids(topk_idx, num_experts), num_experts)
     # the first pass sends every pair (its ids are idx); what it and each later pass keep
     # follows from the pair counts (no sort: a later pass's ids are found only if it runs)
     done, run = el.pass_plan(idx, num_experts=num_experts, axis_name=axis_name,
-                             capacity=capacity, alignment=A, passes=passes)
+                             capacity=capacity, alignment=A, passes=passes,
+                             extra_capacity=extra)
     # the passes a routing needs come first: run is True for exactly the first n_run of them
     n_run = jnp.sum(run.astype(jnp.int32))
     ids_of = functools.partial(el.pass_slots, num_experts=num_experts, axis_name=axis_name)
-    return _in_passes(one, ids_of, x, topk_weights, w_gate_up, w_down, idx, done, n_run)
+    return _in_passes(one, more, ids_of, x, topk_weights, w_gate_up, w_down, idx, done, n_run)
 
 
 def _more_passes(n_run, body, init):
@@ -256,40 +263,40 @@ def _more_passes(n_run, body, init):
                           (jnp.int32(1), init))[1]
 
 
-def _forward_rest(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run, first):
+def _forward_rest(more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run, first):
     """The first pass's output `first` plus the passes after it, in float32, in x's dtype."""
-    return _more_passes(n_run, lambda p, acc: acc + one(x, ids_of(idx, done[p]), w, w_gate_up,
-                                                        w_down).astype(jnp.float32),
+    return _more_passes(n_run, lambda p, acc: acc + more(x, ids_of(idx, done[p]), w, w_gate_up,
+                                                         w_down).astype(jnp.float32),
                         first.astype(jnp.float32)).astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _in_passes(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
-    """sum over the passes p < n_run of one(x, ids of pass p, ...): [T, H] in x's dtype, the
-    passes after the first summed in float32. Pass 0's ids are idx, pass p's
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _in_passes(one, more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
+    """one(x, idx, ...) plus, over the passes 0 < p < n_run, more(x, ids of pass p, ...): [T,
+    H] in x's dtype, the passes after the first summed in float32. Pass p's ids are
     ids_of(idx, done[p])."""
-    return _forward_rest(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run,
+    return _forward_rest(more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run,
                          one(x, idx, w, w_gate_up, w_down))
 
 
-def _in_passes_fwd(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
+def _in_passes_fwd(one, more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
     # The first pass keeps its residuals (the layer's usual backward, remat policy included);
     # the others keep none: the backward runs each again (its communication too) and adds its
     # gradients, the weights' in place (else XLA plans the loop a second set of weight
     # gradients, even when it runs none). FP8 passes have no backward.
     out, vjp = jax.vjp(lambda *a: one(a[0], idx, *a[1:]), x, w, w_gate_up, w_down)
-    out = _forward_rest(one, ids_of, x, w, w_gate_up, w_down, idx, done, n_run, out)
+    out = _forward_rest(more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run, out)
     return out, (vjp, x, w, w_gate_up, w_down, idx, done, n_run)
 
 
-def _in_passes_bwd(one, ids_of, res, g):
+def _in_passes_bwd(one, more, ids_of, res, g):
     vjp, x, w, w_gate_up, w_down, idx, done, n_run = res
 
     def add(p, grads):
         dx, dw, dgu, dd = grads
         ids = ids_of(idx, done[p])
         # the pass's weight gradients come back as the running sum plus its own
-        _, vjp_p = jax.vjp(lambda *a: one(a[0], ids, *a[1:], grad_acc=(dgu, dd)), x, w,
+        _, vjp_p = jax.vjp(lambda *a: more(a[0], ids, *a[1:], grad_acc=(dgu, dd)), x, w,
                            w_gate_up, w_down)
         px, pw, pgu, pd = vjp_p(g)
         return dx + px, dw + pw, pgu, pd

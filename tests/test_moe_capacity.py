@@ -79,6 +79,45 @@ def test_moe_ffn_drops_nothing_past_its_capacity(R, kind):
     np.testing.assert_allclose(out, _dense_moe(x, valid, w, wgu, wd), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_moe_ffn_extra_passes_take_the_fewest_rows_and_drop_nothing(R):
+    """A first pass larger than R * T rows: the extra passes take R * T rows each (the fewest
+    that hold every token, so that their buffers stay small), more of them; forward and
+    gradients still equal the dense MoE's."""
+    x, _, w, wgu, wd, E = _setup(R, "random", seed=3, L=4)
+    # every token to rank 0's experts 0, 1 and 2 (a few slots unused): up to 3 * R * T pairs
+    rng = np.random.default_rng(5)
+    idx = jnp.asarray(np.where(rng.random((R * T, K)) < 0.1, -1, np.arange(K)[None, :]),
+                      jnp.int32)
+    cap = 3 * R * T // 2
+    L = E // R
+    big = el.passes_needed(T, num_ranks=R, num_local_experts=L, num_topk=K, capacity=cap,
+                           alignment=1)
+    small = el.passes_needed(T, num_ranks=R, num_local_experts=L, num_topk=K, capacity=cap,
+                             alignment=1, extra_capacity=R * T)
+    assert small > big, (small, big)
+    clean = jnp.where((idx >= 0) & (idx < E), idx, -1)
+
+    def runs(i):
+        return el.pass_ids(i, num_experts=E, axis_name="ep", capacity=cap, alignment=1,
+                           passes=small, extra_capacity=R * T)[1][None]
+    run = np.asarray(jax.shard_map(runs, mesh=_mesh(R), in_specs=P("ep"),
+                                   out_specs=P("ep"))(clean))[0]
+    assert run[2], "the routing must need two extra passes of R * T rows"
+    layer = _layer(R, E, capacity=cap)
+    valid = jnp.where(idx < E, idx, -1)
+    np.testing.assert_allclose(layer(x, idx, w, wgu, wd), _dense_moe(x, valid, w, wgu, wd),
+                               rtol=2e-5, atol=2e-5)
+    ct = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.float32)
+
+    def loss(f):
+        return lambda x, w, wgu, wd: jnp.sum(f(x, idx, w, wgu, wd) * ct)
+    got = jax.grad(loss(layer), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    want = jax.grad(loss(_dense_moe), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    for name, g, r in zip(("x", "w", "w_gate_up", "w_down"), got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("R", [2, 4])
 def test_moe_ffn_gradients_through_extra_passes(R, fused):
