@@ -196,3 +196,10 @@ def ll_combine_vjp(y, topk_weights, topk_idx, recv_src, g, *, num_experts, axis_
     l = jnp.where(valid, clean % L, 0)
     dw = jnp.where(valid, back[q, jnp.arange(T)[:, None], l], 0.0)
     return dy.astype(y.dtype), dw.astype(w.dtype)
+
+
+def swiglu(h):
+    """silu(gate) * up of h = [gate | up] along the last axis, in float32."""
+    I = h.shape[-1] // 2
+    h = h.astype(jnp.float32)
+    return jax.nn.silu(h[..., :I]) * h[..., I:]

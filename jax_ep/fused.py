@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _checks, _ffi, expert_layout as el, grouped_gemm, remat, runtime
-from jax_ep._common import axis_info, first_occurrence
+from jax_ep._common import axis_info, first_occurrence, swiglu
 from jax_ep.high_throughput import (_Config, _combine_diff, _dispatch_diff, _gather_diff,
                                     _group_checks, _routing_checks, combine, dispatch)
 
@@ -36,6 +36,7 @@ class _GatherMatmulConfig(NamedTuple):
     cfg: _Config      # the routing dispatch's (its combine returns the rows' cotangents)
     K: int
     copy_blocks: int  # blocks that pull rows (0: the kernel's automatic share)
+    activation: bool = False  # also swiglu in the GEMM's epilogue (h's columns paired)
 
 
 def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name, max_dups):
@@ -63,28 +64,51 @@ def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name, max_dups):
     return rows_src, rows_dups
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc, fcfg):
-    """(xe, h): xe[j] = the token of rows_src[j] (zero where -1; where -2, that of the row whose
-    rows_dups name j), h = grouped_matmul(xe, w, sizes), in one launch. counts: the rows of
-    each segment that hold data (the rest is padding up to the row block). acc: None, or what
-    the backward adds w's cotangent to in place (`padded_segments_matmul`)."""
-    del counts, src, row_first, handle, acc
+def _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg):
+    """(xe, h, act) of one launch: xe[j] = the token of rows_src[j] (zero where -1; where -2,
+    that of the row whose rows_dups name j), h = grouped_matmul(xe, w, sizes); with
+    fcfg.activation act = swiglu(h) in x's dtype from the GEMM's epilogue and h's columns
+    paired (`unpair_columns`), else act None."""
     C, H, N = rows_src.shape[0], x.shape[1], w.shape[2]
     words = runtime.extension().fused_counter_words(C)
-    xe, h, _ = _ffi.call("jax_ep_ht_gather_gemm", [x, rows_src, rows_dups, sizes, w],
-                         [((C, H), x.dtype), ((C, N), x.dtype), ((words,), jnp.int32)],
-                         axis_name=fcfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
-                         copy_blocks=fcfg.copy_blocks)
-    return xe, h
+    xe, h, act, _ = _ffi.call(
+        "jax_ep_ht_gather_gemm", [x, rows_src, rows_dups, sizes, w],
+        [((C, H), x.dtype), ((C, N), x.dtype), ((C if fcfg.activation else 0, N // 2), x.dtype),
+         ((words,), jnp.int32)],
+        axis_name=fcfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
+        copy_blocks=fcfg.copy_blocks, activation=int(fcfg.activation))
+    return xe, h, act if fcfg.activation else None
+
+
+def unpair_columns(h):
+    """h [C, N] in the column order of the activation epilogue (per kernel tile of
+    `jax_ep._C.fused_block_columns` columns: half of them the gate's, then the up projection's
+    same columns) back in w's order [gate | up]."""
+    C, N = h.shape
+    B = runtime.extension().fused_block_columns
+    return h.reshape(C, N // B, 2, B // 2).transpose(0, 2, 1, 3).reshape(C, N)
+
+
+def _activation_applies(N, backend):
+    """Whether the fused dispatch + GEMM computes swiglu in its epilogue: the CUDA backend, N
+    a multiple of the kernel's tile columns."""
+    return backend == "cuda" and N % runtime.extension().fused_block_columns == 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc, fcfg):
+    """(xe, h) of `_gather_gemm_call` in one launch. counts: the rows of each segment that hold
+    data (the rest is padding up to the row block). acc: None, or what the backward adds w's
+    cotangent to in place (`padded_segments_matmul`)."""
+    del counts, src, row_first, handle, acc
+    return _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg)[:2]
 
 
 def _gather_matmul_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc,
                        fcfg):
     # Named like dispatch's outputs: under jax.checkpoint(policy=jax_ep.remat_policy) the
     # backward reuses them instead of running the kernel again.
-    xe, h = remat.named(_gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first,
-                                       handle, None, fcfg),
+    xe, h = remat.named(_gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg)[:2],
                         remat.DISPATCH)
     return (xe, h), (xe, w, sizes, counts, src, row_first, handle, acc)
 
@@ -106,6 +130,35 @@ def _gather_matmul_bwd(fcfg, res, g):
 _gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _gather_matmul_swiglu(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc,
+                          fcfg):
+    """(xe, swiglu(h) in x's dtype) of `_gather_gemm_call` with the activation in the GEMM's
+    epilogue (fcfg.activation), in one launch; arguments as `_gather_matmul`'s."""
+    del counts, src, row_first, handle, acc
+    xe, _, act = _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg)
+    return xe, act
+
+
+def _gather_matmul_swiglu_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle,
+                              acc, fcfg):
+    xe, h, act = remat.named(_gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg),
+                             remat.DISPATCH)
+    return (xe, act), (h, (xe, w, sizes, counts, src, row_first, handle, acc))
+
+
+def _gather_matmul_swiglu_bwd(fcfg, res, g):
+    h, rest = res
+    g_xe, g_act = g
+    # the activation's rule on h in w's column order (XLA fuses the reorder into it)
+    _, vjp = jax.vjp(lambda h: swiglu(h).astype(g_act.dtype), unpair_columns(h))
+    (g_h,) = vjp(g_act)
+    return _gather_matmul_bwd(fcfg, rest, (g_xe, g_h))
+
+
+_gather_matmul_swiglu.defvjp(_gather_matmul_swiglu_fwd, _gather_matmul_swiglu_bwd)
+
+
 def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep", capacity=None,
                     backend="auto", copy_blocks=0, weight_grad_acc=None):
     """`dispatch(layout="expert")` fused with `grouped_matmul(recv_x, w, expert_sizes)`.
@@ -118,13 +171,36 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     [L, H, N] in w's dtype that w's cotangent is added to, in place on the CUDA backend
     (`grouped_gemm.padded_segments_matmul`).
     """
+    return _dispatch_matmul(x, topk_idx, topk_weights, w, num_experts=num_experts,
+                            axis_name=axis_name, capacity=capacity, backend=backend,
+                            copy_blocks=copy_blocks, weight_grad_acc=weight_grad_acc,
+                            activation=False)
+
+
+def dispatch_matmul_swiglu(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep",
+                           capacity=None, backend="auto", copy_blocks=0, weight_grad_acc=None):
+    """`dispatch_matmul` then swiglu (silu(gate) * up of w's [gate | up] columns) in x's dtype:
+    (ExpertDispatchResult, act [capacity, N / 2]), the layer's first half. On the CUDA backend
+    with N a multiple of `jax_ep._C.fused_block_columns` the activation runs in the GEMM's
+    epilogue (docs/kernels.md#fused-activation): no pass of its own over the rows; elsewhere
+    after it."""
+    return _dispatch_matmul(x, topk_idx, topk_weights, w, num_experts=num_experts,
+                            axis_name=axis_name, capacity=capacity, backend=backend,
+                            copy_blocks=copy_blocks, weight_grad_acc=weight_grad_acc,
+                            activation=True)
+
+
+def _dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name, capacity, backend,
+                     copy_blocks, weight_grad_acc, activation):
+    """dispatch_matmul (activation False: h) or dispatch_matmul_swiglu (True: swiglu(h))."""
     _checks.expect_rank("x", x, 2, "[T, H]")
     T, H = x.shape
     be = _checks.resolve_backend(backend, empty=T == 0)
     if be == "reference":
         res = dispatch(x, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
                        capacity=capacity, layout="expert", backend=be)
-        return res, _unfused_matmul(res.recv_x, w, res.expert_sizes, weight_grad_acc, be)
+        h = _unfused_matmul(res.recv_x, w, res.expert_sizes, weight_grad_acc, be)
+        return res, swiglu(h).astype(x.dtype) if activation else h
     for name, a in (("x", x), ("w_gate_up", w)):
         if jnp.dtype(a.dtype) != jnp.bfloat16:
             raise TypeError(f"{name}: the fused dispatch + grouped GEMM takes bfloat16, got "
@@ -154,11 +230,16 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
     row_first = jnp.where(first_occurrence(ridx), lay["row_of"], -1)
     rows_src, rows_dups = _dedup_plan(rows_src, lay["row_of"], ridx, handle.recv_src, T,
                                       axis_name, runtime.extension().fused_max_dups)
-    xe, h = _gather_matmul(x, w, rows_src, rows_dups, lay["expert_sizes"], lay["counts"], src,
-                           row_first, handle, weight_grad_acc,
-                           _GatherMatmulConfig(cfg, K, copy_blocks))
+    operands = (x, w, rows_src, rows_dups, lay["expert_sizes"], lay["counts"], src, row_first,
+                handle, weight_grad_acc)
+    if activation and _activation_applies(w.shape[2], be):
+        xe, out = _gather_matmul_swiglu(*operands, _GatherMatmulConfig(cfg, K, copy_blocks, True))
+    else:
+        xe, out = _gather_matmul(*operands, _GatherMatmulConfig(cfg, K, copy_blocks))
+        if activation:
+            out = swiglu(out).astype(x.dtype)
     return el.ExpertDispatchResult(xe, we, lay["expert_sizes"], lay["expert_offsets"],
-                                lay["counts"], lay["recv_count"], ehandle), h
+                                lay["counts"], lay["recv_count"], ehandle), out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep import _checks, _ffi, expert_layout as el, grouped_gemm, runtime
-from jax_ep._common import axis_info, quantize_fp8, sanitize
-from jax_ep.fused import dispatch_matmul, matmul_combine
+from jax_ep._common import axis_info, quantize_fp8, sanitize, swiglu
+from jax_ep.fused import dispatch_matmul_swiglu, matmul_combine
 from jax_ep.grouped_gemm_masked import grouped_matmul_masked
 from jax_ep.high_throughput import combine, dispatch
 from jax_ep.low_latency import low_latency_combine, low_latency_dispatch
@@ -34,13 +34,6 @@ def _weights(name, w, L, shape_tail, fp8_ok):
     if w.shape[0] != L:
         raise ValueError(f"{name}: has {w.shape[0]} experts, expected L = num_experts // R = {L}")
     return w
-
-
-def swiglu(h):
-    """silu(gate) * up of h = [gate | up] along the last axis, in float32."""
-    I = h.shape[-1] // 2
-    h = h.astype(jnp.float32)
-    return jax.nn.silu(h[..., :I]) * h[..., I:]
 
 
 def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
@@ -81,10 +74,12 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
         every rank); default T, this shard's tokens (at least 1).
       fused: high-throughput mode, bfloat16: the dispatch and the first grouped GEMM in one
         launch, each expert tile starting as soon as its rows have arrived
-        (docs/kernels.md#fused-gather-gemm), and the second grouped GEMM and the combine in
-        another, each token summed as soon as its rows are computed
+        (docs/kernels.md#fused-gather-gemm; silu(gate) * up in its epilogue where 2I is a
+        multiple of 256, docs/kernels.md#fused-activation), and the second grouped GEMM and
+        the combine in another, each token summed as soon as its rows are computed
         (docs/kernels.md#fused-gemm-combine; per-process groups run this half unfused). Same
-        results as fused=False up to float32 accumulation order; the backward runs the
+        results as fused=False up to float32 accumulation order and the activation's last
+        bit (fast exponential and division); the backward runs the
         unfused ops. Expert segments start at multiples of 128 rows (the default capacity
         adds L * 127 rows for it). None (default): fused wherever it applies (high-throughput
         mode, x bfloat16, no use_fp8), since it was the faster layer at R = 1, 2 and 4
@@ -187,10 +182,10 @@ def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, grad_acc=None, *, num
     cotangents are added to in place."""
     acc_gu, acc_d = (None, None) if grad_acc is None else grad_acc
     if fused:
-        res, h = dispatch_matmul(x, topk_idx, topk_weights, w_gate_up, num_experts=num_experts,
-                                 axis_name=axis_name, capacity=capacity, backend=backend,
-                                 copy_blocks=copy_blocks, weight_grad_acc=acc_gu)
-        a = swiglu(h).astype(w_down.dtype)
+        res, a = dispatch_matmul_swiglu(x, topk_idx, topk_weights, w_gate_up,
+                                        num_experts=num_experts, axis_name=axis_name,
+                                        capacity=capacity, backend=backend,
+                                        copy_blocks=copy_blocks, weight_grad_acc=acc_gu)
         return matmul_combine(a, w_down, res, axis_name=axis_name, backend=backend,
                               combine_blocks=combine_blocks, weight_grad_acc=acc_d)
     xin = quantize_fp8(x) if use_fp8 else x

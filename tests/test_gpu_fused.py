@@ -91,6 +91,46 @@ def test_fused_dispatch_matmul_matches_unfused(R, kind):
         assert not np.any(np.asarray(h[tail], np.float32)), r
 
 
+@pytest.mark.parametrize("kind", ["random", "masked", "empty"])
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_fused_activation_epilogue_matches_swiglu_of_h(R, kind):
+    """dispatch_matmul_swiglu's activation, computed in the GEMM's epilogue on paired columns,
+    against swiglu of dispatch_matmul's h (the same products: within one bfloat16 rounding), zero
+    past the last segment; and its backward (the paired h unpaired) against the backward of
+    swiglu after dispatch_matmul."""
+    T, H, N, K, L = (37 if R > 1 else 300), 512, 768, 4, 4   # 3 column tiles, I = 384
+    x, idx, w, wgu, E = _setup(R, T, H, N, K, L, kind, 200 * R + len(kind))
+
+    def run(x, idx, w, wgu):
+        res, h = dispatch_matmul(x, idx, w, wgu, num_experts=E, backend="cuda")
+        _, act = fused.dispatch_matmul_swiglu(x, idx, w, wgu, num_experts=E, backend="cuda")
+
+        def loss(x, wgu, epilogue):
+            if epilogue:
+                r, a = fused.dispatch_matmul_swiglu(x, idx, w, wgu, num_experts=E,
+                                                    backend="cuda")
+            else:
+                r, hh = dispatch_matmul(x, idx, w, wgu, num_experts=E, backend="cuda")
+                a = jax_ep._common.swiglu(hh).astype(x.dtype)
+            # every activation weighs in, each by a fixed random factor
+            return jnp.sum(a.astype(jnp.float32)
+                           * jax.random.normal(jax.random.key(7), a.shape, jnp.float32))
+        grads = [jax.grad(lambda x, wgu, e=e: loss(x, wgu, e), argnums=(0, 1))(x, wgu)
+                 for e in (True, False)]
+        return h, act, res.recv_count, grads
+    poison_gpu_memory()
+    h, act, count, (got, want) = jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu))
+    ref = np.asarray(jax_ep._common.swiglu(jnp.asarray(h)).astype(jnp.bfloat16), np.float32)
+    act = np.asarray(act, np.float32)
+    assert np.isfinite(act).all()
+    np.testing.assert_allclose(act, ref, rtol=1e-2, atol=1e-5)
+    C = act.shape[0] // R
+    for r in range(R):
+        assert not np.any(act[r * C + int(count[r]):(r + 1) * C]), r
+    for name, a, b in zip(("d x", "d w_gate_up"), got, want):
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+
+
 def _gemm_combine_outputs(E, K, weighted, combine_blocks=0):
     """Per shard: the fused GEMM + combine's (ye, out), combine of its ye, the unfused
     grouped_matmul and combine, the public op, and recv_count."""

@@ -330,6 +330,7 @@ class _LayerTable(_GemmTable):
     ht_scratch_words = staticmethod(lambda R, T: R * T + 64)
     ht_staged_operands = {t: 1 for t in PULL_TARGETS + ("jax_ep_ht_gather_gemm",)}
     fused_block_rows = 128
+    fused_block_columns = 256
     fused_max_dups = 4
     fused_counter_words = staticmethod(lambda C: 64)
     fused_combine_counter_words = staticmethod(lambda C, Cr, N: 64 + Cr)
@@ -385,6 +386,31 @@ def test_moe_ffn_default_is_fused_where_it_applies(cuda_lowering, monkeypatch, m
     targets = {t for t, _ in custom_calls(text)}
     assert ("jax_ep_ht_gather_gemm" in targets) == fused, targets
     assert ("jax_ep_ht_gemm_combine" in targets) == fused, targets
+
+
+@pytest.mark.parametrize("inter, epilogue", [(128, True), (LI, False)])
+def test_fused_activation_rides_in_the_first_gemm_epilogue(cuda_lowering, monkeypatch, mesh2,
+                                                           inter, epilogue):
+    """With 2I a multiple of the kernel's tile columns, the fused dispatch + GEMM computes
+    silu(gate) * up in its epilogue (activation=1, a [C, I] result that the GEMM + combine
+    reads): no float32 pass over the rows between the two kernels. Otherwise activation=0 and
+    the layer applies it after the kernel."""
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    wgu = jnp.ones((LL, LH, 2 * inter), jnp.bfloat16)
+
+    def layer(x, idx, w, wd):
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=2 * LL, backend="cuda")
+    args = (jnp.ones((2, LT, LH), jnp.bfloat16), jnp.zeros((2, LT, LK), jnp.int32),
+            jnp.ones((2, LT, LK), jnp.float32), jnp.ones((2, LL, inter, LH), jnp.bfloat16))
+    text = smap(mesh2, layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    (gg,) = [a for t, a in custom_calls(text) if t == "jax_ep_ht_gather_gemm"]
+    assert int_attr(gg, "activation") == int(epilogue)
+    results = re.findall(r"tensor<[^>]*>", gg[gg.rindex(") -> "):])
+    C = int(re.match(r"tensor<(\d+)x", results[0]).group(1))
+    assert results[2] == f"tensor<{C if epilogue else 0}x{inter}xbf16>", results
+    # the XLA activation's float32 rows
+    assert (f"tensor<{C}x{inter}xf32>" in text) != epilogue
 
 
 @pytest.mark.parametrize("capacity", [None, 16 + 127], ids=["one_pass", "extra_passes"])

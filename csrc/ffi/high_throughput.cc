@@ -50,6 +50,7 @@ struct HtDispatchAttrs : HtAttrs {
 };
 struct HtGatherGemmAttrs : HtAttrs {
   int64_t copy_blocks;  // blocks that gather the rows (0: auto), beside the GEMM tiles
+  int64_t activation;   // 1: also silu(gate) * up in the tiles' epilogue (act), h's columns paired
 };
 struct HtGemmCombineAttrs : HtAttrs {
   int64_t combine_blocks;  // blocks that combine the rows (0: auto), beside the GEMM tiles
@@ -424,6 +425,7 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::BF16> w,
                             ffi::Result<ffi::Buffer<ffi::BF16>> xe,
                             ffi::Result<ffi::Buffer<ffi::BF16>> h,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> act,
                             ffi::Result<ffi::Buffer<ffi::S32>> counters, HtGatherGemmAttrs at,
                             jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_gather_gemm";
@@ -450,6 +452,13 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
   JAX_EP_CHECK_SHAPE(*xe, op, "xe", C, H);
   JAX_EP_CHECK_SHAPE(*h, op, "h", C, N);
+  if (at.activation != 0 && at.activation != 1)
+    return jax_ep::op_error(op, "activation must be 0 or 1, got " + std::to_string(at.activation));
+  if (at.activation && N % jax_ep::fused::kBlockN != 0)
+    return jax_ep::op_error(op, "activation=1 needs w's N = 2I a multiple of " +
+                                    std::to_string(jax_ep::fused::kBlockN) + ", got " +
+                                    std::to_string(N));
+  JAX_EP_CHECK_SHAPE(*act, op, "act", at.activation ? C : 0, N / 2);
   JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::counter_words(C));
   if (at.group_size * T > kMaxInt || C > kMaxInt || H > kMaxInt || N > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
@@ -479,6 +488,7 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.N = N;
   a.xe = xe->untyped_data();
   a.h = h->untyped_data();
+  a.act = at.activation ? act->untyped_data() : nullptr;
   a.counters = counters->typed_data();
   a.copy_blocks = copy;
   a.gemm_blocks = gemm;
@@ -575,7 +585,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtAttrs, JAX_EP_HT_MEMBERS);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtDispatchAttrs, JAX_EP_HT_MEMBERS,
                                       ffi::StructMember<int64_t>("num_experts"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtGatherGemmAttrs, JAX_EP_HT_MEMBERS,
-                                      ffi::StructMember<int64_t>("copy_blocks"));
+                                      ffi::StructMember<int64_t>("copy_blocks"),
+                                      ffi::StructMember<int64_t>("activation"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtGemmCombineAttrs, JAX_EP_HT_MEMBERS,
                                       ffi::StructMember<int64_t>("combine_blocks"));
 
@@ -629,6 +640,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBI
       .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, H, N] */                 \
       .Ret<ffi::Buffer<ffi::BF16>>() /* xe [C, H] */                   \
       .Ret<ffi::Buffer<ffi::BF16>>() /* h [C, N] */                    \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* act [C or 0, N / 2] */         \
       .Ret<ffi::Buffer<ffi::S32>>()  /* counters [counter_words(C)] */ \
       JAX_EP_HT_ATTRS_AND_STATE(HtGatherGemmAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT_GATHER_GEMM);

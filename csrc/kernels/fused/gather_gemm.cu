@@ -42,8 +42,9 @@ static_assert(kBlockM % kChunkRows == 0, "a chunk never straddles two row blocks
 
 struct Params {
   TileParams tiles;
+  PairedTmaB paired_b;  // w in paired columns (with act)
   GatherGemmArgs a;
-  poison::Outputs outputs;  // xe and h, filled when a wait on the device gave up
+  poison::Outputs outputs;  // xe, h and act, filled when a wait on the device gave up
 };
 
 constexpr const char* kPhasePeers = "ht_gather_gemm: wait for peers";
@@ -127,6 +128,8 @@ __device__ void zero_past_segments(const GatherGemmArgs& a) {
   auto* h = static_cast<uint8_t*>(a.h);
   const bool vec = Hb % 16 == 0 && ht::aligned16(xe);
   const bool vec_h = Nb % 16 == 0 && ht::aligned16(h);
+  auto* act = static_cast<uint8_t*>(a.act);
+  const bool vec_act = Nb / 2 % 16 == 0 && ht::aligned16(act);
   const int64_t recv = rows_in_segments(a.sizes, a.L, a.C, lane), C = a.C;
   const int64_t chunks = (C - recv + kChunkRows - 1) / kChunkRows;
   int* queue = a.counters + row_blocks(a.C) + kTailQueue;
@@ -139,7 +142,47 @@ __device__ void zero_past_segments(const GatherGemmArgs& a) {
     for (int64_t j = j0; j < min(j0 + kChunkRows, C); ++j) {
       ht::zero_row(xe + j * Hb, Hb, vec, lane);
       ht::zero_row(h + j * Nb, Nb, vec_h, lane);
+      if (act != nullptr) ht::zero_row(act + j * Nb / 2, Nb / 2, vec_act, lane);
     }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// The activation epilogue (with act): silu(gate) * up of tile (b, n) from its accumulators, into
+// act's rows [b * kBlockM, + kBlockM) below C and columns [n * kPairColumns, + kPairColumns). In
+// the paired columns a thread's accumulator i < 64 is column c < kPairColumns of the gate and
+// i + 64 the same column of the up projection (the SM90 64xN accumulator layout: 2 columns, 2
+// rows 8 apart, then N / 8 column groups), its neighbour i + 1 column c + 1. Gate and up are
+// rounded to bfloat16 first (the values h holds, which the unfused layer's activation reads),
+// silu(gate) * up = gate * up / (1 + exp(-gate)) in float32, rounded once.
+// ------------------------------------------------------------------------------------------
+template <class Acc, class Mma>
+__device__ __forceinline__ void store_activation(const GatherGemmArgs& a, const Acc& acc,
+                                                 const Mma& mma, int b, int n, int mma_thread) {
+  Tensor coord = mma.get_slice(mma_thread).partition_C(
+      make_identity_tensor(make_shape(Int<kBlockM>{}, Int<kBlockN>{})));
+  constexpr int kHalf = decltype(size(acc))::value / 2;
+  static_assert(kHalf == kBlockM * kBlockN / 2 / (2 * cutlass::NumThreadsPerWarpGroup),
+                "the gate's accumulators are the first half of each thread's");
+  const int64_t I = a.N / 2, row0 = static_cast<int64_t>(b) * kBlockM;
+  auto* out = static_cast<__nv_bfloat162*>(a.act);
+#pragma unroll
+  for (int i = 0; i < kHalf; i += 2) {
+    const int m = get<0>(coord(i)), c = get<1>(coord(i));
+    if (row0 + m >= a.C) continue;
+    float v[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      constexpr int kGate = JAX_EP_PLANTED(kActivationSwapsHalves) ? kHalf : 0;
+      const float g = __bfloat162float(__float2bfloat16_rn(acc(i + u + kGate)));
+      const float up = __bfloat162float(__float2bfloat16_rn(acc(i + u + kHalf - kGate)));
+      // fast exp and division (a few instructions each; ample for a bfloat16 result): the
+      // epilogue holds up the tile's MMAs, and IEEE division and expf cost more than the GEMM
+      // saves by skipping the activation's pass over the rows
+      v[u] = __fdividef(g * up, 1.f + __expf(-g));
+    }
+    out[((row0 + m) * I + static_cast<int64_t>(n) * kPairColumns + c) / 2] =
+        __floats2bfloat162_rn(v[0], v[1]);
   }
 }
 
@@ -148,6 +191,7 @@ __device__ void zero_past_segments(const GatherGemmArgs& a) {
 // row block b's rows have arrived before loading it; `fence.proxy.async.global` orders that
 // acquire before the TMA reads.
 // ------------------------------------------------------------------------------------------
+template <bool kAct>
 __global__ void __launch_bounds__(kThreads, 1)
     gather_gemm_kernel(const __grid_constant__ Params p) {
   const GatherGemmArgs& a = p.a;
@@ -174,14 +218,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   const TileProblem t{a.sizes, a.C, a.L, a.H, a.N};
   // the consumer warps (run_tiles is true there) then zero what the copy blocks left (the
   // producer warps gave up their registers)
-  if (run_tiles(
-          p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows,
-          [lane](TileRing& ring) {
-            while (ring.next(lane) >= 0) {
-            }
-          },
-          [](bool) {}))
-    zero_past_segments(a);
+  auto drain = [lane](TileRing& ring) {
+    while (ring.next(lane) >= 0) {
+    }
+  };
+  bool consumer;
+  if constexpr (kAct) {
+    consumer = run_tiles<true>(
+        p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows, drain,
+        [](bool) {}, &p.paired_b,
+        [&a](const auto& acc, const auto& mma, int b, int n, int mma_thread) {
+          store_activation(a, acc, mma, b, n, mma_thread);
+        });
+  } else {
+    consumer = run_tiles(p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue,
+                         wait_for_rows, drain, [](bool) {});
+  }
+  if (consumer) zero_past_segments(a);
   if (ends_call) end_wait(a.ps, e, a.timeout_ns, kPhaseEnd);
   // The tiles' TMA stores complete before the block counts itself out: a fill must land after.
   bulk_stores_complete();
@@ -196,7 +249,13 @@ std::string launch(const GatherGemmArgs& a, cudaStream_t stream) {
   p.tiles = tile_params(TileProblem{a.sizes, a.C, a.L, a.H, a.N}, a.xe, a.w, a.h);
   poison::add(p.outputs, a.xe, a.C * a.H * 2);
   poison::add(p.outputs, a.h, a.C * a.N * 2);
-  return launch_kernel(&gather_gemm_kernel, "fused gather + GEMM", a.copy_blocks + a.gemm_blocks, p,
+  const int grid = a.copy_blocks + a.gemm_blocks;
+  if (a.act == nullptr)
+    return launch_kernel(&gather_gemm_kernel<false>, "fused gather + GEMM", grid, p, stream);
+  if (a.N % kBlockN != 0) return "act: N must be a multiple of " + std::to_string(kBlockN);
+  p.paired_b = paired_tma_b(a.w, a.H, a.N, a.L);
+  poison::add(p.outputs, a.act, a.C * a.N);
+  return launch_kernel(&gather_gemm_kernel<true>, "fused gather + GEMM + activation", grid, p,
                        stream);
 }
 

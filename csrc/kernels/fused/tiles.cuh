@@ -130,6 +130,32 @@ inline TileParams tile_params(const TileProblem& t, const void* a, const void* w
   return p;
 }
 
+// The paired columns of the layer's first GEMM (gather_gemm.cu's activation epilogue,
+// docs/kernels.md#fused-activation): w [L, K, N], N = 2I (the gate projection's I columns, then
+// the up projection's), read as B = (N, K, L) with N = (kPairColumns columns, gate | up, I /
+// kPairColumns column blocks), so that tile n holds the gate's columns [kPairColumns * n, +
+// kPairColumns) and then the up projection's same columns: silu(gate) * up of kPairColumns
+// columns is then in one thread's registers (an accumulator's column c and c + kPairColumns sit
+// in the same thread). D (h) holds the tiles as computed: its columns in that paired order.
+constexpr int kPairColumns = kBlockN / 2;
+__host__ __device__ inline auto paired_b_layout(int64_t K, int64_t N, int L) {
+  return make_layout(
+      make_shape(make_shape(Int<kPairColumns>{}, _2{}, static_cast<int>(N / kBlockN)),
+                 static_cast<int>(K), L),
+      make_stride(make_stride(_1{}, N / 2, Int<kPairColumns>{}), N, K * N));
+}
+using PairedTmaB = decltype(make_tma_copy_B_sm90(
+    typename Mainloop::GmemTiledCopyB{},
+    make_tensor(static_cast<const Element*>(nullptr), paired_b_layout(0, 0, 0)),
+    typename Mainloop::SmemLayoutB{}(_, _, cute::Int<0>{}), Tile{}, Cluster{}));
+// Host: the TMA descriptor of w in paired columns (N a multiple of kBlockN).
+inline PairedTmaB paired_tma_b(const void* w, int64_t K, int64_t N, int L) {
+  return make_tma_copy_B_sm90(typename Mainloop::GmemTiledCopyB{},
+                              make_tensor(static_cast<const Element*>(w), paired_b_layout(K, N, L)),
+                              typename Mainloop::SmemLayoutB{}(_, _, cute::Int<0>{}), Tile{},
+                              Cluster{});
+}
+
 // Host: launch a fused kernel of `grid` tile-sized blocks (kThreads threads, kSmemBytes of
 // dynamic shared memory) through the launch gate (kernels/launch.cuh); an error message, empty
 // on success. In the one-GPU multi-rank mode's dry run it checks the residency and launches
@@ -197,6 +223,37 @@ __device__ __forceinline__ void segment_starts(const int32_t* sizes, int L, int 
   if (lane == 0) block_start[L] = static_cast<int>((carry + kBlockM - 1) / kBlockM);
 }
 
+// The producer warp (all lanes): the k tiles of tile (b, n) of expert l into the pipeline, A
+// through the mainloop's descriptor (gA: its tiled view, (BLK_M, BLK_K, m, k, l)) and B through
+// the paired one; what CUTLASS's mainloop load does, with B's columns paired.
+template <class Pipeline, class State, class TensorA>
+__device__ __forceinline__ void load_paired(const TileParams& p, const PairedTmaB& tma_b,
+                                            Pipeline& pipeline, State state, const TensorA& gA_mkl,
+                                            const TileProblem& t, int b, int n, int l, int k_tiles,
+                                            SharedStorage& ss) {
+  if (!cute::elect_one_sync()) return;
+  Tensor sA = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_A.data()),
+                          typename Mainloop::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_B.data()),
+                          typename Mainloop::SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+  Tensor mB = tma_b.get_tma_tensor(shape(paired_b_layout(t.K, t.N, t.L)));
+  Tensor gB_nkl = local_tile(mB, Tile{}, make_coord(_, _, _), Step<Underscore, _1, _1>{});
+  auto tma_a = p.mainloop.tma_load_a.get_slice(0);
+  auto tma_b_slice = tma_b.get_slice(0);
+  Tensor tAgA = tma_a.partition_S(gA_mkl(_, _, b, _, l));  // (TMA, TMA_M, TMA_K, k)
+  Tensor tAsA = tma_a.partition_D(sA);                      // (TMA, TMA_M, TMA_K, PIPE)
+  Tensor tBgB = tma_b_slice.partition_S(gB_nkl(_, _, n, _, l));
+  Tensor tBsB = tma_b_slice.partition_D(sB);
+  for (int k = 0; k < k_tiles; ++k) {
+    pipeline.producer_acquire(state);
+    auto* bar = pipeline.producer_get_barrier(state);
+    const int stage = state.index();
+    copy(p.mainloop.tma_load_a.with(*bar, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
+    copy(tma_b.with(*bar, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
+    ++state;
+  }
+}
+
 // The tile loop of one block (all kThreads threads): the producer warp takes tiles from
 // `queue` (an int zeroed before the launch, shared by every block that computes tiles: the tiles
 // go out in chunked_tile_order's order to whichever block is free) and passes their ids on through
@@ -205,14 +262,19 @@ __device__ __forceinline__ void segment_starts(const int32_t* sizes, int L, int 
 // - warp_one(ring): warp 1 of the producer warpgroup (all lanes), otherwise idle: it must read
 //   the ring up to its -1;
 // - after_mma(stored): the consumer threads after each tile's MMAs, before its epilogue
-//   (stored: an earlier tile's stores were issued), and once after the last epilogue.
+//   (stored: an earlier tile's stores were issued), and once after the last epilogue;
+// - on_acc(acc, tiled_mma, b, n, mma_thread): the consumer threads, each tile's accumulators
+//   (float32, read-only) before its epilogue.
+// paired: B in paired columns (paired_tma_b, kPaired) instead of the mainloop's descriptor.
 // True in the consumer threads (232 registers each, free once this returns), false in the
 // producer warpgroup's (40 registers).
-template <class BeforeLoad, class WarpOne, class AfterMma>
+template <bool kPaired = false, class BeforeLoad, class WarpOne, class AfterMma,
+          class OnAcc = void (*)()>
 __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss,
                                           const TileProblem& t, int* queue,
                                           BeforeLoad&& before_load, WarpOne&& warp_one,
-                                          AfterMma&& after_mma) {
+                                          AfterMma&& after_mma, const PairedTmaB* paired = nullptr,
+                                          OnAcc&& on_acc = nullptr) {
 #if defined(__CUDA_ARCH__)  // CUTLASS's epilogue visitors are device-only: not in the host pass
   using Barrier = cutlass::arch::ClusterBarrier;
   const int thread_idx = threadIdx.x;
@@ -232,6 +294,7 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
   if (warp_idx == 0 && cute::elect_one_sync()) {
     Mainloop::prefetch_tma_descriptors(p.mainloop);
     Epilogue::prefetch_tma_descriptors(p.epilogue);
+    if constexpr (kPaired) cute::prefetch_tma_descriptor(paired->get_tma_descriptor());
   }
   typename MainloopPipeline::Params mp;
   if (warp_group == 0 && warp_idx == 0) mp.role = MainloopPipeline::ThreadCategory::Producer;
@@ -286,10 +349,14 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
         const int next = draw();  // in flight while this tile loads
         const int b = i / col_blocks, n = i % col_blocks;
         before_load(b);
-        auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
-        mainloop.load(p.mainloop, pipeline, state, load_inputs,
-                      make_coord(b, n, _, expert_of(ss.block_start, t.L, b)), k_iter, k_tiles, lane,
-                      0u, ss.tensors.mainloop);
+        const int l = expert_of(ss.block_start, t.L, b);
+        if constexpr (kPaired) {
+          load_paired(p, *paired, pipeline, state, get<0>(load_inputs), t, b, n, l, k_tiles, ss);
+        } else {
+          auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
+          mainloop.load(p.mainloop, pipeline, state, load_inputs, make_coord(b, n, _, l), k_iter,
+                        k_tiles, lane, 0u, ss.tensors.mainloop);
+        }
         state.advance(k_tiles);
         i = next;
       }
@@ -315,6 +382,7 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
     mainloop.mma_tail(pipeline, read_state, k_tiles);
     read_state.advance(k_tiles);
     after_mma(stored);
+    if constexpr (!std::is_pointer_v<std::decay_t<OnAcc>>) on_acc(acc, tiled_mma, b, n, mma_thread);
     auto [load_next, store_next] =
         epilogue.store(epi_load, epi_load_state, epi_store, epi_store_state, mnkl, Tile{},
                        make_coord(b, n, _, expert_of(ss.block_start, t.L, b)), acc, tiled_mma,
