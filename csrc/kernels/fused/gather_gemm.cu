@@ -159,8 +159,8 @@ __device__ void zero_past_segments(const GatherGemmArgs& a) {
 template <class Acc, class Mma>
 __device__ __forceinline__ void store_activation(const GatherGemmArgs& a, const Acc& acc,
                                                  const Mma& mma, int b, int n, int mma_thread) {
-  Tensor coord = mma.get_slice(mma_thread).partition_C(
-      make_identity_tensor(make_shape(Int<kBlockM>{}, Int<kBlockN>{})));
+  Tensor coord = mma.get_slice(mma_thread)
+                     .partition_C(make_identity_tensor(make_shape(Int<kBlockM>{}, Int<kBlockN>{})));
   constexpr int kHalf = decltype(size(acc))::value / 2;
   static_assert(kHalf == kBlockM * kBlockN / 2 / (2 * cutlass::NumThreadsPerWarpGroup),
                 "the gate's accumulators are the first half of each thread's");
@@ -176,9 +176,8 @@ __device__ __forceinline__ void store_activation(const GatherGemmArgs& a, const 
       constexpr int kGate = JAX_EP_PLANTED(kActivationSwapsHalves) ? kHalf : 0;
       const float g = __bfloat162float(__float2bfloat16_rn(acc(i + u + kGate)));
       const float up = __bfloat162float(__float2bfloat16_rn(acc(i + u + kHalf - kGate)));
-      // fast exp and division (a few instructions each; ample for a bfloat16 result): the
-      // epilogue holds up the tile's MMAs, and IEEE division and expf cost more than the GEMM
-      // saves by skipping the activation's pass over the rows
+      // fast exp and division (a few instructions each, IEEE's take tens; ample for a
+      // bfloat16 result): the epilogue holds up the tile's MMAs
       v[u] = __fdividef(g * up, 1.f + __expf(-g));
     }
     out[((row0 + m) * I + static_cast<int64_t>(n) * kPairColumns + c) / 2] =
@@ -231,8 +230,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           store_activation(a, acc, mma, b, n, mma_thread);
         });
   } else {
-    consumer = run_tiles(p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue,
-                         wait_for_rows, drain, [](bool) {});
+    consumer = run_tiles(p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows,
+                         drain, [](bool) {});
   }
   if (consumer) zero_past_segments(a);
   if (ends_call) end_wait(a.ps, e, a.timeout_ns, kPhaseEnd);

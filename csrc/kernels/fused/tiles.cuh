@@ -241,7 +241,7 @@ __device__ __forceinline__ void load_paired(const TileParams& p, const PairedTma
   auto tma_a = p.mainloop.tma_load_a.get_slice(0);
   auto tma_b_slice = tma_b.get_slice(0);
   Tensor tAgA = tma_a.partition_S(gA_mkl(_, _, b, _, l));  // (TMA, TMA_M, TMA_K, k)
-  Tensor tAsA = tma_a.partition_D(sA);                      // (TMA, TMA_M, TMA_K, PIPE)
+  Tensor tAsA = tma_a.partition_D(sA);                     // (TMA, TMA_M, TMA_K, PIPE)
   Tensor tBgB = tma_b_slice.partition_S(gB_nkl(_, _, n, _, l));
   Tensor tBsB = tma_b_slice.partition_D(sB);
   for (int k = 0; k < k_tiles; ++k) {
