@@ -64,10 +64,10 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
       capacity: high-throughput mode, the (token, expert) rows of one pass, at least R * T
         (static). Default `moe_capacity(T, ...)`: the expected load times 1.25. No pair is
         ever dropped: when a rank receives more pairs than a pass holds, the layer runs
-        extra passes of R * T rows (plus the fused alignment: the fewest that hold every
-        token; in a while loop that costs nothing when the first pass held all; their
-        backward runs their forward again). R * T * min(K, L) (plus the fused alignment) is
-        the worst case: always one pass.
+        extra passes of R * T rows plus the fused alignment (the fewest that hold every
+        token; capacity if smaller), in a while loop that costs nothing when the first pass
+        held all; their backward runs their forward again. R * T * min(K, L) (plus the fused
+        alignment) is the worst case: always one pass.
       use_fp8: dispatch FP8 activations into the FP8 GEMM of w_gate_up (an `Fp8Weights`);
         forward only.
       max_tokens_per_rank: low-latency mode, M of `low_latency_dispatch` (static, the same on
@@ -205,9 +205,10 @@ def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, grad_acc=None, *, num
 
 def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts,
                          axis_name, capacity, backend, **settings):
-    """The layer in passes of `capacity` expert-major rows (docs/design.md#layer-capacity): the
-    first always runs; the others, in a while loop, only when a rank received more pairs than
-    earlier passes held, so that nothing is dropped."""
+    """The layer in passes of expert-major rows (docs/design.md#layer-capacity): the first, of
+    `capacity` rows, always runs; the others, of R * T rows plus the alignment (at most
+    capacity), in a while loop, only when a rank received more pairs than earlier passes held,
+    so that nothing is dropped."""
     T = x.shape[0]
     _checks.topk("topk_idx", topk_idx, T)
     K = topk_idx.shape[1]

@@ -26,7 +26,8 @@ class RematPolicy(_SaveOnlyTheseNames):
     `jax_ep.low_latency_dispatch` (named "jax_ep.dispatch") and of `jax_ep.combine` and
     `jax_ep.low_latency_combine` (named "jax_ep.combine") are saved for the backward pass;
     everything else in f (expert GEMMs, activations, routers) is recomputed from them, so the
-    backward pass never runs a dispatch or combine again beyond the ops' own transposes.
+    backward pass never runs a dispatch or combine again beyond the ops' own transposes. (The
+    fused `moe_ffn`'s activation comes out of its dispatch kernel: it is saved with it.)
 
     It is `jax.checkpoint_policies.save_only_these_names("jax_ep.dispatch", "jax_ep.combine")`
     (an instance of a subclass of that policy's type, for this text). To save names of your

@@ -413,6 +413,33 @@ def test_fused_activation_rides_in_the_first_gemm_epilogue(cuda_lowering, monkey
     assert (f"tensor<{C}x{inter}xf32>" in text) != epilogue
 
 
+def test_extra_passes_take_the_fewest_rows(cuda_lowering, monkeypatch, mesh2):
+    """A first pass of `capacity` rows that a routing can overflow: the loop's passes take
+    R * T rows plus the alignment (the fewest that hold every token), not `capacity`, forward
+    and backward (the buffers XLA plans for the loop stay small)."""
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    T, cap = 256, 900
+    extra = 2 * T + LL * 127
+    wgu = jnp.ones((LL, LH, 2 * LI), jnp.bfloat16)
+
+    def loss(x, w, wd):
+        idx = jnp.zeros((T, LK), jnp.int32).at[:, 1].set(1)
+        y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=2 * LL, capacity=cap,
+                           backend="cuda")
+        return jnp.sum(y.astype(jnp.float32))
+
+    def step(x, w, wd):
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w, wd)
+    args = (jnp.ones((2, T, LH), jnp.bfloat16), jnp.ones((2, T, LK), jnp.float32),
+            jnp.ones((2, LL, LI, LH), jnp.bfloat16))
+    text = smap(mesh2, step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.while" in text
+    rows = [int(re.match(r"tensor<(\d+)x", operand_types(a)[1]).group(1))
+            for t, a in custom_calls(text) if t == "jax_ep_ht_gather_gemm"]
+    assert set(rows) == {cap, extra}, rows
+
+
 @pytest.mark.parametrize("capacity", [None, 16 + 127], ids=["one_pass", "extra_passes"])
 def test_fused_moe_gradients_trace_under_check_vma(cuda_lowering, monkeypatch, mesh2,
                                                    capacity):
