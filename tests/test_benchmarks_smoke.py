@@ -55,6 +55,10 @@ SCRIPTS = {
                          "layer_kernels.json", ["no GPU kernels in the trace (a CPU run)"]),
     "bench_virtual.py": (["--backend", "reference", "--ranks", "2", *_COMM, *_LL, "--reps", "1"],
                          "bench_virtual.json", []),
+    "fused_activation.py": (["--backend", "reference", "--ranks", "2", "--tokens", "8",
+                             "--hidden", "128", "--inter", "128", "--experts", "2", "--topk",
+                             "2", "--reps", "1"],
+                            "fused_activation.json", ["(reference backend: no epilogue"]),
 }
 
 # 4 host devices; XLA:CPU's cheapest code generation (compiling is most of each run's time)
