@@ -75,7 +75,7 @@ struct Layout {
   int64_t n1, n2;  // first- and second-step tasks of one chunk
   __device__ explicit Layout(const GemmCombineArgs& a)
       : chunks(static_cast<int>(combine_chunks(a.N))),
-        need_last(column_blocks(a.N) - (chunks - 1) * kChunkBlocks),
+        need_last(static_cast<int>(column_blocks(a.N)) - (chunks - 1) * kChunkBlocks),
         words(combine_tile_words(a.C, a.N)),
         flags(words + kCounterTail),
         n1(reduce_tasks(a.Cr)),

@@ -12,6 +12,8 @@ namespace fused {
 constexpr int kBlockM = 128;
 // Columns of one GEMM tile.
 constexpr int kBlockN = 256;
+// Column blocks of an N-column output: the tiles that make one row block.
+constexpr long long column_blocks(long long N) { return (N + kBlockN - 1) / kBlockN; }
 // Row blocks of a group of the tile queue: within an expert's segment the tiles go column by
 // column over this many row blocks at a time (kernels/fused/tile_order.h; exported as
 // jax_ep._C.fused_raster_row_blocks; docs/kernels.md#fused-tile-order).
@@ -64,7 +66,7 @@ constexpr int kChunkBlocks = 4;
 
 // Column chunks of an N-column GEMM + combine.
 constexpr long long combine_chunks(long long N) {
-  return ((N + kBlockN - 1) / kBlockN + kChunkBlocks - 1) / kChunkBlocks;
+  return (column_blocks(N) + kChunkBlocks - 1) / kChunkBlocks;
 }
 // Words of the GEMM + combine's per-chunk tile counters: one per row block and chunk (the
 // chunk's column tiles of that row block stored), at row block * chunks + chunk; the words of

@@ -33,11 +33,6 @@ using Cluster = Shape<_1, _1, _1>;
 using StrideA = Stride<int64_t, _1, _0>;       // rows [C, K], shared by every expert
 using StrideB = Stride<_1, int64_t, int64_t>;  // w [L, K, N]: (N, K, L) with N contiguous
 using StrideD = Stride<int64_t, _1, _0>;       // [C, N]
-// Column blocks of an N-column output: the tiles that make one row block.
-__host__ __device__ __forceinline__ int column_blocks(int64_t N) {
-  return static_cast<int>((N + kBlockN - 1) / kBlockN);
-}
-
 // The epilogue of a schedule (TMA stores, or stores from registers: its builder wants the
 // fusion's source type void, like C), D bfloat16, alpha = 1.
 template <class Schedule, class Source = Element>
@@ -315,7 +310,7 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
   EpiStorePipeline epi_store(sp);
   __syncthreads();  // barrier init, block starts and the count visible to the whole block
 
-  const int col_blocks = column_blocks(t.N);
+  const int col_blocks = static_cast<int>(column_blocks(t.N));
   const int count = ss.block_start[t.L] * col_blocks;
   const int chunk = t.chunk_blocks > 0 ? t.chunk_blocks : col_blocks;
   auto mnkl = make_shape(t.C, static_cast<int>(t.N), static_cast<int>(t.K), t.L);
