@@ -51,6 +51,19 @@ def _layer(R, E, **kw):
     return jax.jit(jax.shard_map(body, mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep")))
 
 
+def _check_gradients(layer, x, idx, w, wgu, wd, seed):
+    """layer's gradients of sum(out * a random cotangent) in x, the routing weights and both
+    expert matrices against the dense MoE's."""
+    ct = jnp.asarray(np.random.default_rng(seed).standard_normal(x.shape), jnp.float32)
+
+    def loss(f):
+        return lambda x, w, wgu, wd: jnp.sum(f(x, idx, w, wgu, wd) * ct)
+    got = jax.grad(loss(layer), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    want = jax.grad(loss(_dense_moe), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    for name, g, r in zip(("x", "w", "w_gate_up", "w_down"), got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 def _passes_run(R, E, idx, capacity):
     """The run flags of the layer's passes: which passes the routing needs."""
     n = el.passes_needed(T, num_ranks=R, num_local_experts=E // R, num_topk=K,
@@ -108,14 +121,7 @@ def test_moe_ffn_extra_passes_take_the_fewest_rows_and_drop_nothing(R):
     valid = jnp.where(idx < E, idx, -1)
     np.testing.assert_allclose(layer(x, idx, w, wgu, wd), _dense_moe(x, valid, w, wgu, wd),
                                rtol=2e-5, atol=2e-5)
-    ct = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.float32)
-
-    def loss(f):
-        return lambda x, w, wgu, wd: jnp.sum(f(x, idx, w, wgu, wd) * ct)
-    got = jax.grad(loss(layer), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
-    want = jax.grad(loss(_dense_moe), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
-    for name, g, r in zip(("x", "w", "w_gate_up", "w_down"), got, want):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
+    _check_gradients(layer, x, idx, w, wgu, wd, seed=4)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -127,15 +133,7 @@ def test_moe_ffn_gradients_through_extra_passes(R, fused):
     x, idx, w, wgu, wd, E = _setup(R, "hot", seed=1)
     cap = R * T
     assert _passes_run(R, E, idx, cap)[1]
-    ct = jnp.asarray(np.random.default_rng(2).standard_normal(x.shape), jnp.float32)
-
-    def loss(f):
-        return lambda x, w, wgu, wd: jnp.sum(f(x, idx, w, wgu, wd) * ct)
-    got = jax.grad(loss(_layer(R, E, capacity=cap, fused=fused)), argnums=(0, 1, 2, 3))(
-        x, w, wgu, wd)
-    want = jax.grad(loss(_dense_moe), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
-    for name, g, r in zip(("x", "w", "w_gate_up", "w_down"), got, want):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
+    _check_gradients(_layer(R, E, capacity=cap, fused=fused), x, idx, w, wgu, wd, seed=2)
 
 
 def test_moe_ffn_default_capacity_is_the_expected_load():
@@ -207,14 +205,7 @@ def test_moe_ffn_gradients_through_extra_passes_with_data_parallel(fused):
                               backend="reference")
     layer = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, P("ep"), P("ep")),
                                   out_specs=tok))
-    ct = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.float32)
-
-    def loss(f):
-        return lambda x, w, wgu, wd: jnp.sum(f(x, idx, w, wgu, wd) * ct)
-    got = jax.grad(loss(layer), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
-    want = jax.grad(loss(_dense_moe), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
-    for name, g, r in zip(("x", "w", "w_gate_up", "w_down"), got, want):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
+    _check_gradients(layer, x, idx, w, wgu, wd, seed=4)
 
 
 def _sorts_outside_loops(jaxpr, in_loop=False):
