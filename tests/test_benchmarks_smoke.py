@@ -59,6 +59,10 @@ SCRIPTS = {
                              "--hidden", "128", "--inter", "128", "--experts", "2", "--topk",
                              "2", "--reps", "1"],
                             "fused_activation.json", ["(reference backend: no epilogue"]),
+    "pass_loop_cost.py": (["--backend", "reference", "--ranks", "2", "--tokens", "8", "--hidden",
+                           "128", "--inter", "128", "--experts", "2", "--topk", "2", "--rounds",
+                           "1", "--scan", "1,2"],
+                          "pass_loop_cost.json", ["one pass forced (no loop)"]),
 }
 
 # 4 host devices; XLA:CPU's cheapest code generation (compiling is most of each run's time)

@@ -1,0 +1,130 @@
+"""What the layer's dropless passes cost when the first pass holds every pair: `moe_ffn` as it is
+(the pair counts' all_gather and the extra passes' while loops, forward and backward, which run
+no pass here) against the same layer with one pass forced (`passes_needed` patched to 1: no
+exchange, no loop; exact only while the first pass holds every pair, as uniform routing at the
+default capacity does), beside the expert compute alone, in paired rounds of one run.
+
+XLA reads a while loop's predicate on the host: the stream drains there, and the GPU idles
+until the host has launched what follows (docs/design.md#layer-passes-sync).
+
+  python benchmarks/pass_loop_cost.py --ranks 2 --out DIR      (over R GPUs, one process)
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/pass_loop_cost.py \
+      --backend reference --ranks 2 --tokens 16 --hidden 64 --inter 32 --experts 2 --topk 2
+      (checks the script on a CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+import jax_ep
+from jax_ep import moe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_layer import expert_compute, layer_inputs, with_backward  # noqa: E402
+from harness import rank_map, scan_fn, time_slope  # noqa: E402
+
+
+@contextlib.contextmanager
+def passes(one_pass):
+    """moe_ffn traced as it is, or (one_pass) with passes_needed forced to 1: no loop."""
+    saved = moe.el.passes_needed
+    if one_pass:
+        moe.el.passes_needed = lambda *a, **k: 1
+    try:
+        yield
+    finally:
+        moe.el.passes_needed = saved
+
+
+VARIANTS = {"moe_ffn": False, "one pass forced (no loop)": True}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--ranks", default="2")
+    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=32, help="per rank")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--scan", default="2,6", help="n_short,n_long calls of the timed scans")
+    ap.add_argument("--fused", default="default", help="default, True or False")
+    ap.add_argument("--backend", default="cuda")
+    args = ap.parse_args()
+    T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
+    be = args.backend
+    fused = {"default": None, "True": True, "False": False}[args.fused]
+    n_short, n_long = (int(v) for v in args.scan.split(","))
+    devs = jax.devices()
+    os.makedirs(args.out, exist_ok=True)
+    rng = np.random.default_rng(0)
+    print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}, backend {be}")
+    rows = []
+    for R in (int(r) for r in args.ranks.split(",")):
+        if R > len(devs):
+            continue
+        mesh = Mesh(np.array(devs[:R]), ("ep",))
+        E = R * L
+        wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
+        w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
+            jnp.asarray(rng.standard_normal((R * T, E)), jnp.float32))
+        w = w.astype(jnp.bfloat16)
+        lay = (x, idx, w, wgu, wd)
+
+        def layer(*a):
+            return jax_ep.moe_ffn(*a, num_experts=E, fused=fused, backend=be)
+        compiled, outs = {}, {}
+        for name, p in VARIANTS.items():
+            with passes(p):
+                outs[name] = np.asarray(rank_map(mesh, layer)(*lay), np.float32)
+                for op, f in (("fwd", layer), ("fwd+bwd", with_backward(layer, (0, 2, 3, 4)))):
+                    compiled[name, op] = tuple(scan_fn(mesh, f, n).lower(*lay).compile()
+                                               for n in (n_short, n_long))
+        ec = functools.partial(expert_compute, backend=be)
+        ec_args = (xr, w, wgu, wd)
+        for op, f in (("fwd", ec), ("fwd+bwd", with_backward(ec, (0, 1, 2, 3)))):
+            compiled["expert compute alone", op] = tuple(
+                scan_fn(mesh, f, n).lower(*ec_args).compile() for n in (n_short, n_long))
+        times = {key: [] for key in compiled}
+        for _ in range(args.rounds):   # each side in turn, so that clock drift weighs alike
+            for key, (fs, fl) in compiled.items():
+                fargs = ec_args if key[0] == "expert compute alone" else lay
+                times[key].append(time_slope(fs, fl, n_short, n_long, fargs, 1)[0] * 1e3)
+        ref = outs["moe_ffn"]
+        print(f"\n== R={R} T={T} H={H} I={I} L={L} K={K} uniform, fused={args.fused}: "
+              f"ms per call, median of {args.rounds} paired rounds")
+        base = {op: float(np.median(times["expert compute alone", op])) for op in
+                ("fwd", "fwd+bwd")}
+        for name in [*VARIANTS, "expert compute alone"]:
+            row = dict(ranks=R, name=name)
+            for op in ("fwd", "fwd+bwd"):
+                row[op + "_ms"] = float(np.median(times[name, op]))
+                row[op + "_rounds"] = times[name, op]
+                row[op + "_over_expert_compute"] = row[op + "_ms"] / base[op]
+            if name in outs:
+                row["rel_diff_vs_first"] = float(np.linalg.norm(outs[name] - ref)
+                                                 / max(np.linalg.norm(ref), 1e-30))
+            rows.append(row)
+            print(f"  {name:<34} fwd {row['fwd_ms']:7.3f} ({row['fwd_over_expert_compute']:.3f})"
+                  f"  fwd+bwd {row['fwd+bwd_ms']:7.3f} "
+                  f"({row['fwd+bwd_over_expert_compute']:.3f})"
+                  + (f"  diff {row['rel_diff_vs_first']:.1e}" if name in outs else ""))
+    with open(os.path.join(args.out, "pass_loop_cost.json"), "w") as f:
+        json.dump(dict(device=devs[0].device_kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
