@@ -232,50 +232,67 @@ def passes_needed(tokens, *, num_ranks, num_local_experts, num_topk, capacity, a
     return 1 + max(0, -(-rest // (extra - (L - 1) * (A - 1))))
 
 
+def pair_counts(topk_idx, *, num_experts, axis_name):
+    """[R, E] int32: the (token, expert) pairs of every source rank (row) for every expert, from
+    one all_gather of each rank's [E] counts (a token naming an expert in two slots is one
+    pair). topk_idx: [T, K] ids with -1 for every slot that names no expert."""
+    T, K = topk_idx.shape
+    E = num_experts
+    key = jnp.where(first_occurrence(topk_idx), topk_idx, E).reshape(T * K)
+    mine = jnp.zeros((E + 1,), jnp.int32).at[key].add(1)[:E]
+    return lax.all_gather(mine, axis_name)
+
+
+def pass_keeps(counts, done, *, capacity, alignment, num_local_experts):
+    """[R, E]: the pairs of each (source, expert) kept by the passes before one of `capacity`
+    rows (`done`) and by that pass: it keeps, at each rank, the pairs left whose expert-major
+    row, were every pair left sent, falls below capacity (segments of `alignment` rows in
+    expert order, each by source, then token): for each (source, expert) a prefix of the pairs
+    left. The kept pairs alone land on those same rows, so a pass that sends only them
+    (`pass_slots` with `upto`) receives at most `capacity` pairs, hence tokens."""
+    R, A, L = counts.shape[0], alignment, num_local_experts
+    left = counts - done
+    per_rank = jnp.sum(left, axis=0).reshape(R, L)
+    padded = (per_rank + (A - 1)) // A * A
+    offsets = (jnp.cumsum(padded, axis=1) - padded).reshape(R * L)
+    row = offsets[None, :] + jnp.cumsum(left, axis=0) - left         # first left pair's row
+    return done + jnp.clip(capacity - row, 0, left)
+
+
 def pass_plan(topk_idx, *, num_experts, axis_name, capacity, alignment, passes,
               extra_capacity=None):
     """Which passes a routing needs, and what the passes before each one keep, from the pair
     counts of every source alone (one all_gather of [E] counts, no sort).
 
     The `passes` expert-major dispatches (`plan` with that alignment), the first of `capacity`
-    rows and the others of `extra_capacity` (default capacity), carry
-    every (token, local expert) pair of the group, none dropped, when pass p sends the pairs
-    that no earlier pass kept (`pass_slots`). The receive of every token is assumed whole (rows
-    for up to R * T tokens), so a pass keeps, at each rank, the pairs whose expert-major row
-    falls below capacity: for each (source, expert) a prefix of the source's pairs in token
-    order, whose length follows from the counts. So every rank knows every pass's pairs, and
-    whether it runs, before any row moves.
+    rows and the others of `extra_capacity` (default capacity), carry every (token, local
+    expert) pair of the group, none dropped, when the first pass sends every pair (its receive
+    holds every token) and pass p > 0 sends the pairs it keeps (`pass_slots(topk_idx, done[p],
+    done[p + 1])`). A pass keeps `pass_keeps`'s pairs. So every rank knows every pass's pairs,
+    and whether it runs, before any row moves.
 
-    topk_idx: [T, K] ids with -1 for every slot that names no expert. Returns (done [passes,
-    R, E] int32: the pairs of (source, expert) that the passes before p kept; run [passes]
-    bool: pass p has a pair somewhere in the group, the same on every rank; the passes a
-    routing needs come first)."""
+    topk_idx: [T, K] ids with -1 for every slot that names no expert. Returns (done [passes +
+    1, R, E] int32: done[p] the pairs of (source, expert) that the passes before p kept,
+    done[passes] those that all keep; run [passes] bool: pass p has a pair somewhere in the
+    group, the same on every rank; the passes a routing needs come first)."""
     R, _ = axis_info(axis_name)
-    T, K = topk_idx.shape
-    E, A = num_experts, alignment
-    L = E // R
-    key = jnp.where(first_occurrence(topk_idx), topk_idx, E).reshape(T * K)
-    mine = jnp.zeros((E + 1,), jnp.int32).at[key].add(1)[:E]
-    cnt = lax.all_gather(mine, axis_name)                                    # [R(s), E]
+    E = num_experts
+    cnt = pair_counts(topk_idx, num_experts=E, axis_name=axis_name)
     done = jnp.zeros((R, E), jnp.int32)          # pairs of (source, expert) kept so far
     dones, run = [], []
     for p in range(passes):
         C = capacity if p == 0 or extra_capacity is None else extra_capacity
         dones.append(done)
-        left = cnt - done
-        run.append(jnp.any(left > 0))
-        per_rank = jnp.sum(left, axis=0).reshape(R, L)
-        padded = (per_rank + (A - 1)) // A * A
-        offsets = (jnp.cumsum(padded, axis=1) - padded).reshape(E)
-        row = offsets[None, :] + jnp.cumsum(left, axis=0) - left         # first left pair's row
-        done = done + jnp.clip(C - row, 0, left)
-    return jnp.stack(dones), jnp.stack(run)
+        run.append(jnp.any(cnt > done))
+        done = pass_keeps(cnt, done, capacity=C, alignment=alignment, num_local_experts=E // R)
+    return jnp.stack(dones + [done]), jnp.stack(run)
 
 
-def pass_slots(topk_idx, done, *, num_experts, axis_name):
+def pass_slots(topk_idx, done, upto=None, *, num_experts, axis_name):
     """[T, K] ids of the pass after those that kept `done` [R, E] pairs of each (source,
-    expert) (`pass_plan`): the slots whose pair they did not keep, the others -1. The first
-    pass (done all 0) sends every slot: its ids are topk_idx."""
+    expert) (`pass_plan`): the slots whose pair they did not keep and (with `upto` [R, E], what
+    the passes up to this one keep) that this pass keeps, the others -1. The first pass (done
+    all 0, no upto) sends every slot: its ids are topk_idx."""
     _, me = axis_info(axis_name)
     T, K = topk_idx.shape
     E = num_experts
@@ -292,8 +309,10 @@ def pass_slots(topk_idx, done, *, num_experts, axis_name):
     # every slot takes the status of the first slot naming its expert
     same = topk_idx[:, :, None] == topk_idx[:, None, :]
     first_slot = jnp.argmax(same, axis=2)
-    left_here = first & (rank >= jnp.take(done, me, axis=0)[expert])
-    slot = jnp.take_along_axis(left_here, first_slot, axis=1) & (topk_idx >= 0)
+    here = first & (rank >= jnp.take(done, me, axis=0)[expert])
+    if upto is not None:
+        here = here & (rank < jnp.take(upto, me, axis=0)[expert])
+    slot = jnp.take_along_axis(here, first_slot, axis=1) & (topk_idx >= 0)
     return jnp.where(slot, topk_idx, -1)
 
 
@@ -304,6 +323,6 @@ def pass_ids(topk_idx, *, num_experts, axis_name, capacity, alignment, passes,
     done, run = pass_plan(topk_idx, num_experts=num_experts, axis_name=axis_name,
                           capacity=capacity, alignment=alignment, passes=passes,
                           extra_capacity=extra_capacity)
-    ids = [pass_slots(topk_idx, done[p], num_experts=num_experts, axis_name=axis_name)
-           for p in range(passes)]
+    ids = [pass_slots(topk_idx, done[p], done[p + 1] if p else None, num_experts=num_experts,
+                      axis_name=axis_name) for p in range(passes)]
     return jnp.stack(ids), run

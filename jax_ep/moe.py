@@ -64,10 +64,10 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
       capacity: high-throughput mode, the (token, expert) rows of one pass, at least R * T
         (static). Default `moe_capacity(T, ...)`: the expected load times 1.25. No pair is
         ever dropped: when a rank receives more pairs than a pass holds, the layer runs
-        extra passes of R * T rows plus the fused alignment (the fewest that hold every
-        token; capacity if smaller), in a while loop that costs nothing when the first pass
-        held all; their backward runs their forward again. R * T * min(K, L) (plus the fused
-        alignment) is the worst case: always one pass.
+        extra passes, each sending only the pairs it keeps, of a quarter of the expected
+        load plus the fused alignment (capacity if smaller), in a while loop that costs
+        nothing when the first pass held all; their backward runs their forward again.
+        R * T * min(K, L) (plus the fused alignment) is the worst case: always one pass.
       use_fp8: dispatch FP8 activations into the FP8 GEMM of w_gate_up (an `Fp8Weights`);
         forward only.
       max_tokens_per_rank: low-latency mode, M of `low_latency_dispatch` (static, the same on
@@ -206,9 +206,8 @@ def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, grad_acc=None, *, num
 def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts,
                          axis_name, capacity, backend, **settings):
     """The layer in passes of expert-major rows (docs/design.md#layer-capacity): the first, of
-    `capacity` rows, always runs; the others, of R * T rows plus the alignment (at most
-    capacity), in a while loop, only when a rank received more pairs than earlier passes held,
-    so that nothing is dropped."""
+    `capacity` rows, always runs; the others (`_extra_capacity` rows), in a while loop, only
+    when a rank received more pairs than earlier passes held, so that nothing is dropped."""
     T = x.shape[0]
     _checks.topk("topk_idx", topk_idx, T)
     K = topk_idx.shape[1]
@@ -224,10 +223,11 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
     if capacity < floor:
         raise ValueError(f"capacity={capacity}: moe_ffn receives every token whole, so a pass "
                          f"needs at least R * T = {floor} rows")
-    # the extra passes (run only when a rank received more pairs than the first held) take
-    # the fewest rows that hold every token: their buffers, which XLA plans beside the
-    # weights' gradients whether the loop runs or not, stay small (docs/design.md#layer-capacity)
-    extra = min(capacity, max(floor, 1) + L * (A - 1))
+    # the extra passes (run only when a rank received more pairs than the first held) each
+    # send only the pairs they keep, so they need not hold every token: their buffers, which
+    # XLA plans beside the weights' gradients whether the loop runs or not, follow the
+    # expected load, not R * T (docs/design.md#layer-capacity)
+    extra = _extra_capacity(T, K, num_experts, L, A, capacity)
     passes = el.passes_needed(T, num_ranks=R, num_local_experts=L, num_topk=K,
                               capacity=capacity, alignment=A, extra_capacity=extra)
     # The weights varying along every mesh axis x does (a no-op outside shard_map): replicated
@@ -241,62 +241,78 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
     if passes == 1:
         return one(x, topk_idx, topk_weights, w_gate_up, w_down)
     idx, _ = sanitize(_checks.int32_ids(topk_idx, num_experts), num_experts)
-    # the first pass sends every pair (its ids are idx); what it and each later pass keep
-    # follows from the pair counts (no sort: a later pass's ids are found only if it runs)
-    done, run = el.pass_plan(idx, num_experts=num_experts, axis_name=axis_name,
-                             capacity=capacity, alignment=A, passes=passes,
-                             extra_capacity=extra)
-    # the passes a routing needs come first: run is True for exactly the first n_run of them
-    n_run = jnp.sum(run.astype(jnp.int32))
+    # the first pass sends every pair (its ids are idx); what it keeps follows from the pair
+    # counts, and what each later pass keeps (no sort) is found inside the loop, only if it runs
+    cnt = el.pair_counts(idx, num_experts=num_experts, axis_name=axis_name)
+    kept = el.pass_keeps(cnt, jnp.zeros_like(cnt), capacity=capacity, alignment=A,
+                         num_local_experts=L)
+    plan = functools.partial(el.pass_keeps, capacity=extra, alignment=A, num_local_experts=L)
     ids_of = functools.partial(el.pass_slots, num_experts=num_experts, axis_name=axis_name)
-    return _in_passes(one, more, ids_of, x, topk_weights, w_gate_up, w_down, idx, done, n_run)
+    return _in_passes(one, more, (plan, ids_of), x, topk_weights, w_gate_up, w_down, idx, cnt,
+                      kept)
 
 
-def _more_passes(n_run, body, init):
-    """body(p, carry) for p = 1 .. n_run - 1, in a while loop: nothing runs (one predicate)
-    when the first pass held every pair."""
-    return lax.while_loop(lambda c: c[0] < n_run, lambda c: (c[0] + 1, body(c[0], c[1])),
-                          (jnp.int32(1), init))[1]
+def _extra_capacity(T, K, E, L, A, capacity):
+    """The expert-major rows of each pass after the first: a quarter of a rank's expected pairs
+    (T * min(K, E) / 4, rounded up to 8, at least 1) plus the alignment padding of the L
+    segments, at most `capacity`. A pass sends only the pairs it keeps, so it needs no rows
+    for every token; a routing that overflows by more takes more passes."""
+    quarter = -(-T * min(K, E) // 4)
+    rows = max(1, -(-quarter // 8) * 8)
+    return min(capacity, rows + L * (A - 1))
 
 
-def _forward_rest(more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run, first):
+def _more_passes(passes, idx, cnt, kept, body, init):
+    """body(ids, carry) for each pass after the first while a pair is left (pair counts cnt
+    [R, E], the first pass kept `kept`), in a while loop: nothing runs (one predicate) when the
+    first pass kept every pair. passes: (plan, ids_of): plan(cnt, done) what the passes so far
+    and the next keep, ids_of(idx, done, upto) the next pass's ids."""
+    plan, ids_of = passes
+
+    def step(c):
+        done, carry = c
+        upto = plan(cnt, done)
+        return upto, body(ids_of(idx, done, upto), carry)
+    return lax.while_loop(lambda c: jnp.any(cnt > c[0]), step, (kept, init))[1]
+
+
+def _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first):
     """The first pass's output `first` plus the passes after it, in float32, in x's dtype."""
-    return _more_passes(n_run, lambda p, acc: acc + more(x, ids_of(idx, done[p]), w, w_gate_up,
-                                                         w_down).astype(jnp.float32),
+    return _more_passes(passes, idx, cnt, kept,
+                        lambda ids, acc: acc + more(x, ids, w, w_gate_up,
+                                                    w_down).astype(jnp.float32),
                         first.astype(jnp.float32)).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _in_passes(one, more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
-    """one(x, idx, ...) plus, over the passes 0 < p < n_run, more(x, ids of pass p, ...): [T,
-    H] in x's dtype, the passes after the first summed in float32. Pass p's ids are
-    ids_of(idx, done[p])."""
-    return _forward_rest(more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run,
+def _in_passes(one, more, passes, x, w, w_gate_up, w_down, idx, cnt, kept):
+    """one(x, idx, ...) plus, over the passes after it (`_more_passes`), more(x, the pass's
+    ids, ...): [T, H] in x's dtype, the passes after the first summed in float32."""
+    return _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept,
                          one(x, idx, w, w_gate_up, w_down))
 
 
-def _in_passes_fwd(one, more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run):
+def _in_passes_fwd(one, more, passes, x, w, w_gate_up, w_down, idx, cnt, kept):
     # The first pass keeps its residuals (the layer's usual backward, remat policy included);
     # the others keep none: the backward runs each again (its communication too) and adds its
     # gradients, the weights' in place (else XLA plans the loop a second set of weight
     # gradients, even when it runs none). FP8 passes have no backward.
     out, vjp = jax.vjp(lambda *a: one(a[0], idx, *a[1:]), x, w, w_gate_up, w_down)
-    out = _forward_rest(more, ids_of, x, w, w_gate_up, w_down, idx, done, n_run, out)
-    return out, (vjp, x, w, w_gate_up, w_down, idx, done, n_run)
+    out = _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, out)
+    return out, (vjp, x, w, w_gate_up, w_down, idx, cnt, kept)
 
 
-def _in_passes_bwd(one, more, ids_of, res, g):
-    vjp, x, w, w_gate_up, w_down, idx, done, n_run = res
+def _in_passes_bwd(one, more, passes, res, g):
+    vjp, x, w, w_gate_up, w_down, idx, cnt, kept = res
 
-    def add(p, grads):
+    def add(ids, grads):
         dx, dw, dgu, dd = grads
-        ids = ids_of(idx, done[p])
         # the pass's weight gradients come back as the running sum plus its own
         _, vjp_p = jax.vjp(lambda *a: more(a[0], ids, *a[1:], grad_acc=(dgu, dd)), x, w,
                            w_gate_up, w_down)
         px, pw, pgu, pd = vjp_p(g)
         return dx + px, dw + pw, pgu, pd
-    return tuple(_more_passes(n_run, add, vjp(g))) + (None, None, None)
+    return tuple(_more_passes(passes, idx, cnt, kept, add, vjp(g))) + (None, None, None)
 
 
 _in_passes.defvjp(_in_passes_fwd, _in_passes_bwd)

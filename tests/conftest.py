@@ -77,8 +77,22 @@ _MUTATIONS = {
 }
 
 
+# JAX_EP_LAYER_MUTATION=<name> plants a bug in moe_ffn's passes (Python, either backend); the
+# capacity tests (tests/test_moe_capacity.py) must then fail.
+_LAYER_MUTATIONS = {
+    # a later pass sends every pair left, not only those it keeps: its transfer cuts tokens
+    # where it has fewer rows than the tokens that reach a rank
+    "later_passes_send_every_pair": lambda real: (
+        lambda topk_idx, done, upto=None, **kw: real(topk_idx, done, **kw)),
+}
+
+
 @pytest.fixture(autouse=True)
 def _planted_bug(monkeypatch):
+    layer = os.environ.get("JAX_EP_LAYER_MUTATION")
+    if layer:
+        from jax_ep import expert_layout as el
+        monkeypatch.setattr(el, "pass_slots", _LAYER_MUTATIONS[layer](el.pass_slots))
     name = os.environ.get("JAX_EP_GEMM_MUTATION")
     if not name:
         return

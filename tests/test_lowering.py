@@ -414,13 +414,15 @@ def test_fused_activation_rides_in_the_first_gemm_epilogue(cuda_lowering, monkey
 
 
 def test_extra_passes_take_the_fewest_rows(cuda_lowering, monkeypatch, mesh2):
-    """A first pass of `capacity` rows that a routing can overflow: the loop's passes take
-    R * T rows plus the alignment (the fewest that hold every token), not `capacity`, forward
-    and backward (the buffers XLA plans for the loop stay small)."""
+    """A first pass of `capacity` rows that a routing can overflow: the loop's passes take a
+    quarter of a rank's expected pairs plus the alignment, fewer rows than R * T tokens (each
+    sends only the pairs it keeps), not `capacity`, forward and backward (the buffers XLA
+    plans for the loop stay small)."""
     monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
     monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
     T, cap = 256, 900
-    extra = 2 * T + LL * 127
+    extra = T * LK // 4 + LL * 127      # (T * K / 4 is a multiple of 8 here)
+    assert extra < 2 * T
     wgu = jnp.ones((LL, LH, 2 * LI), jnp.bfloat16)
 
     def loss(x, w, wd):

@@ -93,10 +93,11 @@ def test_moe_ffn_drops_nothing_past_its_capacity(R, kind):
 
 
 @pytest.mark.parametrize("R", [2, 4, 8])
-def test_moe_ffn_extra_passes_take_the_fewest_rows_and_drop_nothing(R):
-    """A first pass larger than R * T rows: the extra passes take R * T rows each (the fewest
-    that hold every token, so that their buffers stay small), more of them; forward and
-    gradients still equal the dense MoE's."""
+def test_moe_ffn_extra_passes_hold_fewer_rows_than_tokens_and_drop_nothing(R):
+    """A first pass larger than R * T rows: the extra passes take a quarter of a rank's
+    expected pairs (fewer rows than the R * T tokens that reach the hot rank: each pass sends
+    only the pairs it keeps), more of them; forward and gradients still equal the dense
+    MoE's."""
     x, _, w, wgu, wd, E = _setup(R, "random", seed=3, L=4)
     # every token to rank 0's experts 0, 1 and 2 (a few slots unused): up to 3 * R * T pairs
     rng = np.random.default_rng(5)
@@ -104,19 +105,25 @@ def test_moe_ffn_extra_passes_take_the_fewest_rows_and_drop_nothing(R):
                       jnp.int32)
     cap = 3 * R * T // 2
     L = E // R
+    extra = 8    # T * K / 4 = 6 pairs, rounded up to 8 rows (alignment 1: no padding)
+    assert jax_ep.moe._extra_capacity(T, K, E, L, 1, cap) == extra < R * T
     big = el.passes_needed(T, num_ranks=R, num_local_experts=L, num_topk=K, capacity=cap,
                            alignment=1)
     small = el.passes_needed(T, num_ranks=R, num_local_experts=L, num_topk=K, capacity=cap,
-                             alignment=1, extra_capacity=R * T)
+                             alignment=1, extra_capacity=extra)
     assert small > big, (small, big)
     clean = jnp.where((idx >= 0) & (idx < E), idx, -1)
 
-    def runs(i):
-        return el.pass_ids(i, num_experts=E, axis_name="ep", capacity=cap, alignment=1,
-                           passes=small, extra_capacity=R * T)[1][None]
-    run = np.asarray(jax.shard_map(runs, mesh=_mesh(R), in_specs=P("ep"),
-                                   out_specs=P("ep"))(clean))[0]
-    assert run[2], "the routing must need two extra passes of R * T rows"
+    def plan(i):
+        ids, run = el.pass_ids(i, num_experts=E, axis_name="ep", capacity=cap, alignment=1,
+                               passes=small, extra_capacity=extra)
+        return ids[None], run[None]
+    ids, run = jax.shard_map(plan, mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep"))(clean)
+    assert np.asarray(run)[0][2], "the routing must need two extra passes"
+    # each later pass sends at most `extra` tokens to rank 0 (R * T if it sent every pair left)
+    sent = np.asarray(ids).reshape(R, small, T, K)[:, 1:]
+    tokens = (sent >= 0).any(axis=3).sum(axis=(0, 2))
+    assert tokens.max() <= extra < R * T, tokens
     layer = _layer(R, E, capacity=cap)
     valid = jnp.where(idx < E, idx, -1)
     np.testing.assert_allclose(layer(x, idx, w, wgu, wd), _dense_moe(x, valid, w, wgu, wd),
