@@ -230,6 +230,14 @@ def layer_inputs(seed, mesh, R, T, H, I, L, K):
     return jax.jit(draw, out_shardings=shard)(jax.random.key(seed))
 
 
+def topk_routing(logits, K):
+    """(weights [S, K] bfloat16, ids [S, K]) of the softmax router over logits [S, E]: the
+    routing every layer of the benchmarks takes."""
+    w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
+        jnp.asarray(logits, jnp.float32))
+    return w.astype(jnp.bfloat16), idx
+
+
 def dense_check(mesh, x, idx, w, wgu, wd):
     """dense_moe of the tokens x [S, H] (routing idx, w: [S, K], replicated), each rank over
     its own experts (wgu, wd sharded over "ep"), summed over the ranks."""
@@ -289,9 +297,7 @@ def main():
         for routing in args.routing.split(","):
             logits = (rng.standard_normal((R * T, E)) if routing == "uniform"
                       else zipf_logits(rng, R * T, E, args.zipf))
-            w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
-                jnp.asarray(logits, jnp.float32))
-            w = w.astype(jnp.bfloat16)
+            w, idx = topk_routing(logits, K)
             tag = f"R={R} T={T} H={H} I={I} L={L} K={K} {routing}"
             group = dict(num_experts=E, num_topk=K, num_ranks=R, backend=be)
             load = np.bincount(np.asarray(idx).reshape(-1) // L, minlength=R) / (T * K)

@@ -15,7 +15,6 @@ and prints the relative difference of the two layers' outputs. Writes fused_acti
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -23,7 +22,6 @@ import sys
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
@@ -62,10 +60,7 @@ def main():
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
         wgu, wd, x, _ = bl.layer_inputs(R, mesh, R, T, H, I, L, K)
-        logits = np.random.default_rng(0).standard_normal((R * T, E))
-        w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
-            jnp.asarray(logits, jnp.float32))
-        w = w.astype(jnp.bfloat16)
+        w, idx = bl.topk_routing(np.random.default_rng(0).standard_normal((R * T, E)), K)
         cap = jax_ep.moe_capacity(T, num_experts=E, num_topk=K, num_ranks=R, backend=be)
         run = dict(num_experts=E, capacity=cap, backend=be)
 

@@ -24,14 +24,14 @@ import tempfile
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_times  # noqa: E402
-from bench_layer import expert_compute, layer_inputs, with_backward  # noqa: E402
+from bench_layer import (expert_compute, layer_inputs, topk_routing,  # noqa: E402
+                         with_backward)
 from harness import scan_fn  # noqa: E402
 
 
@@ -61,9 +61,7 @@ def main():
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
         wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
-        w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
-            jnp.asarray(rng.standard_normal((R * T, E)), jnp.float32))
-        w = w.astype(jnp.bfloat16)
+        w, idx = topk_routing(rng.standard_normal((R * T, E)), K)
         lay = (x, idx, w, wgu, wd)
         variants = {
             "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=False,

@@ -24,14 +24,14 @@ import sys
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import jax_ep
 from jax_ep import moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import expert_compute, layer_inputs, with_backward  # noqa: E402
+from bench_layer import (expert_compute, layer_inputs, topk_routing,  # noqa: E402
+                         with_backward)
 from harness import rank_map, scan_fn, time_slope  # noqa: E402
 
 
@@ -79,9 +79,7 @@ def main():
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
         wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
-        w, idx = jax.jit(functools.partial(jax_ep.routing.softmax_topk, k=K))(
-            jnp.asarray(rng.standard_normal((R * T, E)), jnp.float32))
-        w = w.astype(jnp.bfloat16)
+        w, idx = topk_routing(rng.standard_normal((R * T, E)), K)
         lay = (x, idx, w, wgu, wd)
 
         def layer(*a):
