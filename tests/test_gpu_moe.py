@@ -82,6 +82,26 @@ def test_moe_ffn_extra_passes_match_reference(R, fused):
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("R, T", [(4, 128), (8, 96)])
+def test_moe_ffn_fused_extra_passes_hold_fewer_rows_than_tokens(R, T):
+    """The fused kernels given extra passes of fewer rows than the R * T tokens (each sends only
+    the pairs it keeps, docs/design.md#layer-capacity): two experts of rank 0 take half the
+    tokens' first two slots, so rank 0 needs several passes; CUDA against the reference,
+    forward and gradients."""
+    from jax_ep import moe
+    H, I, K, L = 512, 256, 4, 2
+    x, idx, w, wgu, wd, E = _setup(R, T, H, I, K, L, jnp.bfloat16, 60 + R, masked=True)
+    idx = idx.at[::2, 0].set(0).at[::2, 1].set(1)
+    A = jax_ep.runtime.extension().fused_block_rows
+    cap = max(R * T, (L - 1) * (A - 1) + 32)
+    extra = moe._extra_capacity(T, K, E, L, A, cap)
+    assert extra < R * T, (extra, R * T)   # the case this test is for
+    kw = dict(num_experts=E, capacity=cap, fused=True)
+    g, r = _cuda_and_reference(R, kw, (x, idx, w, wgu, wd))
+    for name, a, b in zip(NAMES, g, r):
+        assert _rel(a, b) < 2e-2, (name, _rel(a, b))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_moe_ffn_on_a_dp_ep_mesh_with_replicated_weights(fused):
     """A (dp, ep) = (2, 2) mesh of 4 GPUs, the experts sharded over ep and replicated over dp,
