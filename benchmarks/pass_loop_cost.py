@@ -8,6 +8,7 @@ XLA reads a while loop's predicate on the host: the stream drains there, and the
 until the host has launched what follows (docs/design.md#layer-passes-sync).
 
   python benchmarks/pass_loop_cost.py --ranks 2 --out DIR      (over R GPUs, one process)
+  python benchmarks/pass_loop_cost.py --ranks 2 --virtual      (R virtual ranks on one GPU)
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/pass_loop_cost.py \
       --backend reference --ranks 2 --tokens 16 --hidden 64 --inter 32 --experts 2 --topk 2
       (checks the script on a CPU)
@@ -63,6 +64,10 @@ def main():
     ap.add_argument("--scan", default="2,6", help="n_short,n_long calls of the timed scans")
     ap.add_argument("--fused", default="default", help="default, True or False")
     ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file's name")
+    ap.add_argument("--virtual", action="store_true",
+                    help="the R ranks as virtual ranks on the first device (the one-GPU "
+                         "multi-rank mode: each rank's kernels on its share of the SMs)")
     args = ap.parse_args()
     T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
     be = args.backend
@@ -71,15 +76,23 @@ def main():
     devs = jax.devices()
     os.makedirs(args.out, exist_ok=True)
     rng = np.random.default_rng(0)
-    print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}, backend {be}")
+    where = "1, virtual ranks" if args.virtual else len(devs)
+    print(f"device: {devs[0].device_kind} x {where}, jax {jax.__version__}, backend {be}, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     rows = []
     for R in (int(r) for r in args.ranks.split(",")):
-        if R > len(devs):
+        if args.virtual:   # per-rank bodies under vmap, every argument stacked over the ranks
+            mesh = functools.partial(jax_ep.testing.virtual_ranks, num_ranks=R)
+        elif R > len(devs):
             continue
-        mesh = Mesh(np.array(devs[:R]), ("ep",))
+        else:
+            mesh = Mesh(np.array(devs[:R]), ("ep",))
+
+        def ranked(a, R=R):
+            return a.reshape(R, -1, *a.shape[1:]) if args.virtual else a
         E = R * L
-        wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
-        w, idx = topk_routing(rng.standard_normal((R * T, E)), K)
+        wgu, wd, x, xr = map(ranked, layer_inputs(R, mesh, R, T, H, I, L, K))
+        w, idx = map(ranked, topk_routing(rng.standard_normal((R * T, E)), K))
         lay = (x, idx, w, wgu, wd)
 
         def layer(*a):
@@ -93,7 +106,10 @@ def main():
                                                for n in (n_short, n_long))
         ec = functools.partial(expert_compute, backend=be)
         ec_args = (xr, w, wgu, wd)
-        for op, f in (("fwd", ec), ("fwd+bwd", with_backward(ec, (0, 1, 2, 3)))):
+        # (not with virtual ranks: they share one GPU, so no rank's expert compute is a base)
+        names = [*VARIANTS] + ([] if args.virtual else ["expert compute alone"])
+        for op, f in (("fwd", ec), ("fwd+bwd", with_backward(ec, (0, 1, 2, 3))))[
+                :0 if args.virtual else 2]:
             compiled["expert compute alone", op] = tuple(
                 scan_fn(mesh, f, n).lower(*ec_args).compile() for n in (n_short, n_long))
         times = {key: [] for key in compiled}
@@ -102,12 +118,13 @@ def main():
                 fargs = ec_args if key[0] == "expert compute alone" else lay
                 times[key].append(time_slope(fs, fl, n_short, n_long, fargs, 1)[0] * 1e3)
         ref = outs["moe_ffn"]
-        print(f"\n== R={R} T={T} H={H} I={I} L={L} K={K} uniform, fused={args.fused}: "
+        print(f"\n== R={R}{' virtual' if args.virtual else ''} T={T} H={H} I={I} L={L} K={K} "
+              f"uniform, fused={args.fused}: "
               f"ms per call, median of {args.rounds} paired rounds")
-        base = {op: float(np.median(times["expert compute alone", op])) for op in
-                ("fwd", "fwd+bwd")}
-        for name in [*VARIANTS, "expert compute alone"]:
-            row = dict(ranks=R, name=name)
+        base = {op: float(np.median(times["expert compute alone", op])) if not args.virtual
+                else float("nan") for op in ("fwd", "fwd+bwd")}
+        for name in names:
+            row = dict(ranks=R, virtual=args.virtual, name=name)
             for op in ("fwd", "fwd+bwd"):
                 row[op + "_ms"] = float(np.median(times[name, op]))
                 row[op + "_rounds"] = times[name, op]
@@ -120,8 +137,12 @@ def main():
                   f"  fwd+bwd {row['fwd+bwd_ms']:7.3f} "
                   f"({row['fwd+bwd_over_expert_compute']:.3f})"
                   + (f"  diff {row['rel_diff_vs_first']:.1e}" if name in outs else ""))
-    with open(os.path.join(args.out, "pass_loop_cost.json"), "w") as f:
-        json.dump(dict(device=devs[0].device_kind, rows=rows), f, indent=1)
+        layer, one = (rows[-len(names) + i] for i in range(2))
+        print("  the loop and the count exchange: " + ", ".join(
+            f"{op} {layer[op + '_ms'] - one[op + '_ms']:.3f} ms" for op in ("fwd", "fwd+bwd")))
+    with open(os.path.join(args.out, f"pass_loop_cost{args.tag}.json"), "w") as f:
+        json.dump(dict(device=devs[0].device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                       rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
