@@ -63,6 +63,11 @@ SCRIPTS = {
                            "128", "--inter", "128", "--experts", "2", "--topk", "2", "--rounds",
                            "1", "--scan", "1,2"],
                           "pass_loop_cost.json", ["one pass forced (no loop)"]),
+    # this checkout's fused halves against themselves
+    "fused_ab.py": (["--baseline", os.path.join(ROOT, "jax_ep", "fused.py"), "--ranks", "2",
+                     "--tokens", "8", "--hidden", "128", "--inter", "128", "--experts", "2",
+                     "--topk", "2", "--rounds", "1", "--scan", "1,2"],
+                    "fused_ab.json", ["  baseline "]),
 }
 
 # 4 host devices; XLA:CPU's cheapest code generation (compiling is most of each run's time)
