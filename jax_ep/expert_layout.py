@@ -150,10 +150,17 @@ def _reduce_rows_fwd(y, w, src, row_of, K):
     return reduce_rows(y, w, src, row_of, K), (y, w, src, row_of)
 
 
+def row_weights(w, src, row_of):
+    """[capacity] float32: each expert-major row's weight in `reduce_rows` (its pair's summed
+    slot weights; 0 on rows without a pair)."""
+    C, K = w.shape
+    return take_rows(_pair_weights(w, row_of).reshape(C * K), src)
+
+
 def reduce_rows_vjp(y, w, src, row_of, K, g):
     """(dy, dw): the VJP of `reduce_rows` in y and w for the cotangent g [C, H] of its output."""
     C = w.shape[0]
-    wj = take_rows(_pair_weights(w, row_of).reshape(C * K), src)
+    wj = row_weights(w, src, row_of)
     dy = (take_rows(g, jnp.where(src >= 0, src // K, -1)) * wj[:, None]).astype(y.dtype)
     yg = take_rows(y, row_of.reshape(C * K)).reshape(C, K, y.shape[-1]).astype(jnp.float32)
     dw = jnp.sum(g[:, None, :] * yg, axis=-1)
@@ -184,7 +191,7 @@ def plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights, poison=N
     src, row_of = lay["src"], lay["row_of"]
     # without weights each (token, expert) pair weighs 1, however many slots name it
     w = rw if has_weights else first_occurrence(ridx).astype(jnp.float32)
-    we = take_rows(_pair_weights(w, row_of).reshape(C * K), src)
+    we = row_weights(w, src, row_of)
     num_dropped = handle.num_dropped + lay["num_dropped"]
     bad = gave_up(handle, poison)
     if bad is not None:

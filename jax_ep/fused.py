@@ -281,23 +281,37 @@ def _matmul_combine(a, w, weights, sizes, counts, row_of, src, rank, acc, ccfg):
 
 
 def _matmul_combine_fwd(a, w, weights, sizes, counts, row_of, src, rank, acc, ccfg):
-    # Named like combine's outputs (the backward's ye too: see _gather_matmul_fwd).
-    ye, out = remat.named(_gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg),
-                          remat.COMBINE)
-    return out, (a, w, ye, weights, sizes, counts, row_of, src, rank, acc)
+    # Named like combine's outputs (see _gather_matmul_fwd). The GEMM's rows ye are not kept:
+    # the backward needs no [C, N] residual (below).
+    _, out = remat.named(_gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg),
+                         remat.COMBINE)
+    return out, (a, w, weights, sizes, counts, row_of, src, rank, acc)
 
 
 def _matmul_combine_bwd(ccfg, res, g):
-    # The unfused ops' backward, rule by rule: combine's (a gather), the pre-reduction's (on
-    # the kernel's GEMM rows ye), the GEMM's (its forward, unused, is dropped by XLA).
-    a, w, ye, weights, sizes, counts, row_of, src, rank, acc = res
-    g_rows = _gather_diff(g, rank, ccfg.cfg).astype(jnp.float32)
-    d_ye, d_weights = el.reduce_rows_vjp(ye, weights, src, row_of, ccfg.K, g_rows)
+    # combine's rule (a gather of each token's cotangent to the rows' ranks), then the GEMM's
+    # with the routing weights moved to the other side: for row j of token t with weight w_j,
+    # out[t] += w_j * a_j @ W, so with u_j = g[t] @ W^T
+    #   d a_j = w_j * u_j,   d W = sum_j (w_j * a_j)^T g[t],   d w_j = <a_j @ W, g[t]> = <a_j, u_j>
+    # (docs/kernels.md#fused-backward-weights): one GEMM transpose on the unweighted rows gives
+    # the first two, and the weights' gradient reads [C, I] rows, not the GEMM's [C, N] output
+    # (which the forward would otherwise keep until the backward).
+    a, w, weights, sizes, counts, row_of, src, rank, acc = res
+    K = ccfg.K
+    g_rows = _gather_diff(g, rank, ccfg.cfg).astype(a.dtype)
+    g_exp = el.take_rows(g_rows, jnp.where(src >= 0, src // K, -1))        # [C, N], unweighted
+    wj = el.row_weights(weights, src, row_of)                              # [C] float32
+    aw = (a.astype(jnp.float32) * wj[:, None]).astype(a.dtype)
     gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts,
                             acc=acc)
-    _, vjp = jax.vjp(gmm, a, w)
-    d_a, d_w = vjp(d_ye)
-    return d_a, d_w, d_weights, None, None, None, None, None, None
+    _, vjp = jax.vjp(gmm, aw, w)
+    u, d_w = vjp(g_exp)
+    u = u.astype(jnp.float32)
+    d_a = (u * wj[:, None]).astype(a.dtype)
+    d_row = jnp.sum(a.astype(jnp.float32) * u, axis=-1)                    # [C]
+    Cr = weights.shape[0]
+    d_weights = el.take_rows(d_row, row_of.reshape(Cr * K)).reshape(Cr, K)
+    return d_a, d_w, d_weights.astype(weights.dtype), None, None, None, None, None, None
 
 
 _matmul_combine.defvjp(_matmul_combine_fwd, _matmul_combine_bwd)
