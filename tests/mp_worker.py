@@ -174,13 +174,21 @@ def fused_check(mesh, kind):
     wgu = np.asarray(jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), bf16))
     wd = np.asarray(jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), bf16))
 
+    # Several processes on one GPU (LOCAL_REFERENCE) have no NCCL, and a layer whose first pass
+    # may overflow exchanges its pair counts by an XLA all_gather: there the layer takes the
+    # worst-case capacity (one pass, no exchange)
+    L = E // R
+    cap = R * T * min(K, L) + L * (A - 1) if LOCAL_REFERENCE else None
+
     def body(x, idx, w, wgu, wd):
         res, h = dispatch_matmul(x, idx, w, wgu, num_experts=E, backend="cuda")
         u = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", expert_alignment=A,
                             backend="cuda")
         hu = jax_ep.grouped_matmul(u.recv_x, wgu, u.expert_sizes, backend="cuda")
-        yf = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=True, backend="cuda")
-        yu = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, backend="cuda")
+        yf = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=True, capacity=cap,
+                            backend="cuda")
+        yu = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=False, capacity=cap,
+                            backend="cuda")
         return res.recv_x, h, u.recv_x, hu, yf, yu
 
     spec = P("ep")

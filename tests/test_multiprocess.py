@@ -2,7 +2,8 @@
 
 Marked `gpu`: each test starts its own processes with `python -m jax_ep.launch` running
 tests/mp_worker.py (the per-process GPU suite). With fewer GPUs than processes every process
-runs on GPU 0 (NVSHMEM allows it) and computes the reference itself (NCCL does not).
+runs on GPU 0 (NVSHMEM allows it) and computes the reference itself (NCCL does not), and the
+MoE layer runs at its worst-case capacity there (one pass: no XLA all_gather of its counts).
 """
 from __future__ import annotations
 
