@@ -342,3 +342,54 @@ def test_a_receive_that_gave_up_poisons_every_expert_major_result():
                 assert np.isnan(a).all(), jax.tree_util.keystr(path)
             else:
                 assert (a == sentinel).all(), (jax.tree_util.keystr(path), a)
+
+
+@pytest.mark.parametrize("kind", ["random", "masked", "dups"])
+@pytest.mark.parametrize("mesh_name", ["ep2", "ep4"])
+def test_fused_combine_backward_rule_equals_the_unfused_ops(meshes, mesh_name, kind,
+                                                            monkeypatch):
+    """The fused GEMM + combine's backward rule (the routing weights moved to the other side of
+    the GEMM, docs/kernels.md#fused-backward-weights) against autodiff of the ops it fuses,
+    combine(grouped_matmul(a, w, sizes), handle): the cotangents of a, w and the routing
+    weights, in float32, its grouped GEMM on the reference."""
+    from jax_ep import _checks, fused, grouped_gemm, high_throughput
+    mesh = meshes[mesh_name]
+    n, R = num_shards(mesh), ep_size(mesh)
+    L = E // R
+    rng = np.random.default_rng(8)
+    T, K, H, I = 6, 3, 8, 4
+    x = jnp.asarray(rng.standard_normal((n, T, H)), jnp.float32)
+    idx = jnp.asarray(np.stack(routing(rng, n, T, K, E, kind)))
+    w = jnp.asarray(rng.random((n, T, K)), jnp.float32)
+    C = capacity_of(mesh, T, K, 4, None)
+    a = jnp.asarray(rng.standard_normal((n, C, I)), jnp.float32)
+    wd = jnp.asarray(rng.standard_normal((n, L, I, H)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((n, T, H)), jnp.float32)
+
+    def reference_gmm(lhs, rhs, sizes, counts, acc=None):
+        return grouped_gemm._gmm_diff(lhs, rhs, sizes, counts, acc,
+                                      grouped_gemm._Config(jnp.dtype(lhs.dtype), False))
+    monkeypatch.setattr(grouped_gemm, "padded_segments_matmul", reference_gmm)
+
+    def both(x, idx, w, a, wd, g):
+        res = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", expert_alignment=4,
+                              backend=BACKEND)
+        h = res.handle
+        a = a * (res.recv_weights != 0)[:, None]   # the padding rows are zeros, as the kernel's
+
+        def ops(a, wd, weights):
+            y = jax_ep.grouped_matmul(a, wd, res.expert_sizes, backend=BACKEND)
+            return jax_ep.combine(y, h._replace(weights=weights), backend=BACKEND)
+        _, vjp = jax.vjp(ops, a, wd, h.weights)
+        cfg = high_throughput._Config(0, h.rank.recv_src.shape[0], "ep",
+                                      _checks.resolve_backend(BACKEND, empty=False))
+        rule = fused._matmul_combine_bwd(
+            fused._GemmCombineConfig(cfg, K, 0),
+            (a, wd, h.weights, res.expert_sizes, res.recv_tokens_per_expert, h.row_of, h.src,
+             h.rank, None), g)[:3]
+        return vjp(g), rule
+
+    want, got = to_np(smap(mesh, both)(x, idx, w, a, wd, g))
+    for name, e, r in zip(("d a", "d w_down", "d topk_weights"), want, got):
+        assert np.abs(e).max() > 0, name   # a zero cotangent would check nothing
+        np.testing.assert_allclose(r, e, rtol=1e-4, atol=1e-4, err_msg=name)
