@@ -106,11 +106,17 @@ def _pair_weights(w, row_of):
     return jnp.sum(jnp.where(same, w.astype(jnp.float32)[:, None, :], 0.0), axis=2)
 
 
+def received_row(src, K):
+    """[capacity] int32: the received row each expert-major row holds (src // K), -1 on
+    padding."""
+    return jnp.where(src >= 0, src // K, -1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def expand_rows(x, src, row_first, K):
     """[C, H] received rows -> [capacity, H] expert-major rows (row j holds x[src[j] // K]).
     row_first: row_of on the first slot of each pair, -1 on the others."""
-    return take_rows(x, jnp.where(src >= 0, src // K, -1))
+    return take_rows(x, received_row(src, K))
 
 
 def _expand_rows_fwd(x, src, row_first, K):
@@ -161,7 +167,7 @@ def reduce_rows_vjp(y, w, src, row_of, K, g):
     """(dy, dw): the VJP of `reduce_rows` in y and w for the cotangent g [C, H] of its output."""
     C = w.shape[0]
     wj = row_weights(w, src, row_of)
-    dy = (take_rows(g, jnp.where(src >= 0, src // K, -1)) * wj[:, None]).astype(y.dtype)
+    dy = (take_rows(g, received_row(src, K)) * wj[:, None]).astype(y.dtype)
     yg = take_rows(y, row_of.reshape(C * K)).reshape(C, K, y.shape[-1]).astype(jnp.float32)
     dw = jnp.sum(g[:, None, :] * yg, axis=-1)
     return dy, dw.astype(w.dtype)
@@ -214,7 +220,7 @@ def to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weight
         # every row from received row 0, NaN like every received row then: no [capacity, H] pass
         src = jnp.where(bad, 0, src)
     if isinstance(recv_x, tuple):    # FP8: forward only
-        rows = jnp.where(src >= 0, src // K, -1)
+        rows = received_row(src, K)
         xe = tuple(take_rows(a, rows) for a in recv_x)
     else:
         xe = expand_rows(recv_x, src, jnp.where(first_occurrence(ridx), lay["row_of"], -1), K)

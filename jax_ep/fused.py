@@ -299,7 +299,7 @@ def _matmul_combine_bwd(ccfg, res, g):
     a, w, weights, sizes, counts, row_of, src, rank, acc = res
     K = ccfg.K
     g_rows = _gather_diff(g, rank, ccfg.cfg).astype(a.dtype)
-    g_exp = el.take_rows(g_rows, jnp.where(src >= 0, src // K, -1))        # [C, N], unweighted
+    g_exp = el.take_rows(g_rows, el.received_row(src, K))                  # [C, N], unweighted
     wj = el.row_weights(weights, src, row_of)                              # [C] float32
     aw = (a.astype(jnp.float32) * wj[:, None]).astype(a.dtype)
     gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts,
