@@ -230,6 +230,16 @@ def layer_inputs(seed, mesh, R, T, H, I, L, K):
     return jax.jit(draw, out_shardings=shard)(jax.random.key(seed))
 
 
+def add_shape_args(ap):
+    """The layer's shape arguments of the layer benchmarks (per rank: T tokens, L experts),
+    DeepEP's shapes by default."""
+    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=32, help="per rank")
+    ap.add_argument("--topk", type=int, default=8)
+
+
 def topk_routing(logits, K):
     """(weights [S, K] bfloat16, ids [S, K]) of the softmax router over logits [S, E]: the
     routing every layer of the benchmarks takes."""
@@ -261,11 +271,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--ranks", default="1,2,4",
                     help="comma-separated EP sizes; those above the device count are skipped")
-    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=32, help="per rank")
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_args(ap)
     ap.add_argument("--routing", default="uniform,zipf")
     ap.add_argument("--zipf", type=float, default=1.0, help="the Zipf exponent s")
     ap.add_argument("--reps", type=int, default=3)

@@ -38,7 +38,7 @@ import jax_ep.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_parts  # noqa: E402
-from bench_layer import layer_inputs  # noqa: E402
+from bench_layer import add_shape_args, layer_inputs  # noqa: E402
 from harness import barh_plot, rank_map, scan_fn, time_slope  # noqa: E402
 
 
@@ -46,11 +46,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--ranks", type=int, default=4, help="GPUs of the EP group (the first R)")
-    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=32, help="per rank")
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_args(ap)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--copy-blocks", default="",
                     help="comma-separated fused_copy_blocks values to also time the fused "

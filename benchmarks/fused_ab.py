@@ -25,8 +25,9 @@ import jax_ep
 from jax_ep import moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import layer_inputs, step_bytes, topk_routing, with_backward  # noqa: E402
-from harness import rank_map, scan_fn, time_slope  # noqa: E402
+from bench_layer import (add_shape_args, layer_inputs, step_bytes, topk_routing,  # noqa: E402
+                         with_backward)
+from harness import op_timer, paired, rank_map, scan_fn  # noqa: E402
 
 
 def load_baseline(path):
@@ -55,11 +56,7 @@ def main():
     ap.add_argument("--baseline", required=True, help="another checkout's jax_ep/fused.py")
     ap.add_argument("--out", default=".")
     ap.add_argument("--ranks", default="2,1")
-    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=32, help="per rank")
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--scan", default="2,6", help="n_short,n_long calls of the timed scans")
     args = ap.parse_args()
@@ -83,20 +80,16 @@ def main():
 
         def layer(*a):
             return jax_ep.moe_ffn(*a, num_experts=E)
-        compiled, outs, mem = {}, {}, {}
+        timers, outs, mem = {}, {}, {}
         for name, mod in variants.items():
             with halves(mod):
                 outs[name] = np.asarray(rank_map(mesh, layer)(*lay), np.float32)
                 for op, f in (("fwd", layer), ("fwd+bwd", with_backward(layer, (0, 2, 3, 4)))):
-                    compiled[name, op] = tuple(scan_fn(mesh, f, n).lower(*lay).compile()
-                                               for n in (n_short, n_long))
+                    timers[name, op] = op_timer(f, lay, n_short, n_long, reps=1, mesh=mesh)
                 # (one call in the harness's scan: bench_layer.py's step figure)
                 mem[name] = step_bytes(scan_fn(mesh, with_backward(layer, (0, 2, 3, 4)), 1)
                                        .lower(*lay).compile())[0]
-        times = {key: [] for key in compiled}
-        for _ in range(args.rounds):
-            for key, (fs, fl) in compiled.items():
-                times[key].append(time_slope(fs, fl, n_short, n_long, lay, 1)[0] * 1e3)
+        times = {key: [t * 1e3 for t in ts] for key, ts in paired(timers, args.rounds).items()}
         print(f"\n== R={R} T={T} H={H} I={I} L={L} K={K} uniform, default arguments: ms per call, "
               f"median of {args.rounds} paired rounds; step memory XLA plans")
         for name in variants:

@@ -93,14 +93,15 @@ def timed_scan(mesh, body, args, iters, reps):
     return time_fn(scan_fn(mesh, body, iters), args, iters, reps)
 
 
-def op_timer(fn, args, n_short=2, n_long=8, reps=5):
-    """A timer of fn(*args) on the first device, compiled once: each call returns (median, min,
-    max) seconds per call, the slope between a jit-compiled scan of n_short calls and one of
-    n_long (scan_fn: calls chained through optimization barriers, so they neither merge nor
-    overlap), over `reps` interleaved pairs of runs."""
-    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
-    fs = scan_fn(mesh, fn, n_short)
-    fl = scan_fn(mesh, fn, n_long)
+def op_timer(fn, args, n_short=2, n_long=8, reps=5, mesh=None):
+    """A timer of fn(*args) on the first device (or per rank over `mesh`, as rank_map), compiled
+    here, once (so fn is traced as it is now): each call returns (median, min, max) seconds per
+    call, the slope between a jit-compiled scan of n_short calls and one of n_long (scan_fn:
+    calls chained through optimization barriers, so they neither merge nor overlap), over
+    `reps` interleaved pairs of runs."""
+    if mesh is None:
+        mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    fs, fl = (scan_fn(mesh, fn, n).lower(*args).compile() for n in (n_short, n_long))
 
     def timer():
         med, lo, hi, _ = time_slope(fs, fl, n_short, n_long, args, reps)

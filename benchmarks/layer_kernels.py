@@ -30,8 +30,8 @@ import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_times  # noqa: E402
-from bench_layer import (expert_compute, layer_inputs, topk_routing,  # noqa: E402
-                         with_backward)
+from bench_layer import (add_shape_args, expert_compute, layer_inputs,  # noqa: E402
+                         topk_routing, with_backward)
 from harness import scan_fn  # noqa: E402
 
 
@@ -39,11 +39,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--ranks", default="1,2")
-    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=32, help="per rank")
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_args(ap)
     ap.add_argument("--calls", type=int, default=3, help="calls in the traced scan")
     ap.add_argument("--top", type=int, default=30, help="kernels printed per variant")
     ap.add_argument("--backend", default="cuda")

@@ -31,9 +31,9 @@ import jax_ep
 from jax_ep import moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import (expert_compute, layer_inputs, topk_routing,  # noqa: E402
-                         with_backward)
-from harness import rank_map, scan_fn, time_slope  # noqa: E402
+from bench_layer import (add_shape_args, expert_compute, layer_inputs,  # noqa: E402
+                         topk_routing, with_backward)
+from harness import op_timer, paired, rank_map  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -55,11 +55,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--ranks", default="2")
-    ap.add_argument("--tokens", type=int, default=4096, help="per rank")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=32, help="per rank")
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--scan", default="2,6", help="n_short,n_long calls of the timed scans")
     ap.add_argument("--fused", default="default", help="default, True or False")
@@ -97,26 +93,22 @@ def main():
 
         def layer(*a):
             return jax_ep.moe_ffn(*a, num_experts=E, fused=fused, backend=be)
-        compiled, outs = {}, {}
+        timers, outs = {}, {}
         for name, p in VARIANTS.items():
             with passes(p):
                 outs[name] = np.asarray(rank_map(mesh, layer)(*lay), np.float32)
                 for op, f in (("fwd", layer), ("fwd+bwd", with_backward(layer, (0, 2, 3, 4)))):
-                    compiled[name, op] = tuple(scan_fn(mesh, f, n).lower(*lay).compile()
-                                               for n in (n_short, n_long))
+                    timers[name, op] = op_timer(f, lay, n_short, n_long, reps=1, mesh=mesh)
         ec = functools.partial(expert_compute, backend=be)
         ec_args = (xr, w, wgu, wd)
         # (not with virtual ranks: they share one GPU, so no rank's expert compute is a base)
         names = [*VARIANTS] + ([] if args.virtual else ["expert compute alone"])
         for op, f in (("fwd", ec), ("fwd+bwd", with_backward(ec, (0, 1, 2, 3))))[
                 :0 if args.virtual else 2]:
-            compiled["expert compute alone", op] = tuple(
-                scan_fn(mesh, f, n).lower(*ec_args).compile() for n in (n_short, n_long))
-        times = {key: [] for key in compiled}
-        for _ in range(args.rounds):   # each side in turn, so that clock drift weighs alike
-            for key, (fs, fl) in compiled.items():
-                fargs = ec_args if key[0] == "expert compute alone" else lay
-                times[key].append(time_slope(fs, fl, n_short, n_long, fargs, 1)[0] * 1e3)
+            timers["expert compute alone", op] = op_timer(f, ec_args, n_short, n_long, reps=1,
+                                                          mesh=mesh)
+        # each side in turn, so that clock drift weighs alike
+        times = {key: [t * 1e3 for t in ts] for key, ts in paired(timers, args.rounds).items()}
         ref = outs["moe_ffn"]
         print(f"\n== R={R}{' virtual' if args.virtual else ''} T={T} H={H} I={I} L={L} K={K} "
               f"uniform, fused={args.fused}: "
