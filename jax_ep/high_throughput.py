@@ -145,7 +145,11 @@ def _dispatch_bwd(cfg, res, g):
     # differentiated (grad of grad) on every backend.
     ridx, handle = res
     g_rx, _, g_rw, _, _ = g
-    dx = _combine_diff(g_rx, handle, cfg)
+    if g_rx.ndim == 2 and g_rx.shape[1] == 0:   # zero-width rows (a routing alone): no launch
+        dx = _ffi.varying([jnp.zeros((handle.send_rows.shape[0], 0), g_rx.dtype), g_rx],
+                          cfg.axis_name)[0]
+    else:
+        dx = _combine_diff(g_rx, handle, cfg)
     # recv_topk_weights[j, k] copies w[src, k] where the expert lives here, else is 0.
     g_rw = jnp.where(ridx >= 0, g_rw.astype(jnp.float32), 0.0)
     dw = _combine_diff(g_rw, handle, cfg)
