@@ -3,14 +3,18 @@ installed `jax_ep.fused` against the same layer with another checkout's `jax_ep/
 (e.g. the last commit's: `git show HEAD:jax_ep/fused.py > /tmp/fused_base.py`) swapped in
 for the layer's two fused halves (their forward and custom-VJP rules; the kernels are the
 installed ones). Forward and forward + backward, timed in paired rounds (each variant in turn,
-so that clock drift weighs alike), and the memory XLA plans for the step.
+so that clock drift weighs alike), the memory XLA plans for the step, and how far the output
+and the gradients of the baseline are from the installed one's.
 
   python benchmarks/fused_ab.py --baseline /tmp/fused_base.py --ranks 2,1 --out DIR
+  python benchmarks/fused_ab.py --baseline /tmp/fused_base.py --ranks 2 --virtual --out DIR
+      (R virtual ranks on one GPU: each rank's kernels on its share of the SMs)
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -26,7 +30,7 @@ from jax_ep import moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_layer import (add_shape_args, layer_inputs, step_bytes, topk_routing,  # noqa: E402
-                         with_backward)
+                         training_step, with_backward)
 from harness import op_timer, paired, rank_map, scan_fn  # noqa: E402
 
 
@@ -59,6 +63,10 @@ def main():
     add_shape_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--scan", default="2,6", help="n_short,n_long calls of the timed scans")
+    ap.add_argument("--virtual", action="store_true",
+                    help="the R ranks as virtual ranks on the first device (the one-GPU "
+                         "multi-rank mode: each rank's kernels on its share of the SMs)")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file's name")
     args = ap.parse_args()
     T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
     n_short, n_long = (int(v) for v in args.scan.split(","))
@@ -66,16 +74,23 @@ def main():
     devs = jax.devices()
     os.makedirs(args.out, exist_ok=True)
     rng = np.random.default_rng(0)
-    print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}, "
+    where = "1, virtual ranks" if args.virtual else len(devs)
+    print(f"device: {devs[0].device_kind} x {where}, jax {jax.__version__}, "
           f"baseline {args.baseline}")
     rows = []
     for R in (int(r) for r in args.ranks.split(",")):
-        if R > len(devs):
+        if args.virtual:   # per-rank bodies under vmap, every argument stacked over the ranks
+            mesh = functools.partial(jax_ep.testing.virtual_ranks, num_ranks=R)
+        elif R > len(devs):
             continue
-        mesh = Mesh(np.array(devs[:R]), ("ep",))
+        else:
+            mesh = Mesh(np.array(devs[:R]), ("ep",))
+
+        def ranked(a, R=R):
+            return a.reshape(R, -1, *a.shape[1:]) if args.virtual else a
         E = R * L
-        wgu, wd, x, _ = layer_inputs(R, mesh, R, T, H, I, L, K)
-        w, idx = topk_routing(rng.standard_normal((R * T, E)), K)
+        wgu, wd, x, _ = map(ranked, layer_inputs(R, mesh, R, T, H, I, L, K))
+        w, idx = map(ranked, topk_routing(rng.standard_normal((R * T, E)), K))
         lay = (x, idx, w, wgu, wd)
 
         def layer(*a):
@@ -83,7 +98,10 @@ def main():
         timers, outs, mem = {}, {}, {}
         for name, mod in variants.items():
             with halves(mod):
-                outs[name] = np.asarray(rank_map(mesh, layer)(*lay), np.float32)
+                # the output, and the gradients in x, the weights and both weight matrices
+                grads = rank_map(mesh, training_step(layer, (0, 2, 3, 4)))(*lay)[1]
+                outs[name] = [np.asarray(v, np.float32) for v in
+                              (rank_map(mesh, layer)(*lay), *grads)]
                 for op, f in (("fwd", layer), ("fwd+bwd", with_backward(layer, (0, 2, 3, 4)))):
                     timers[name, op] = op_timer(f, lay, n_short, n_long, reps=1, mesh=mesh)
                 # (one call in the harness's scan: bench_layer.py's step figure)
@@ -93,19 +111,20 @@ def main():
         print(f"\n== R={R} T={T} H={H} I={I} L={L} K={K} uniform, default arguments: ms per call, "
               f"median of {args.rounds} paired rounds; step memory XLA plans")
         for name in variants:
-            row = dict(ranks=R, name=name, step_bytes=mem[name],
-                       rel_diff_vs_installed=float(
-                           np.linalg.norm(outs[name] - outs["installed"])
-                           / max(np.linalg.norm(outs["installed"]), 1e-30)))
+            diffs = [float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+                     for a, b in zip(outs[name], outs["installed"])]
+            row = dict(ranks=R, name=name, step_bytes=mem[name], rel_diff_vs_installed=diffs[0],
+                       grad_rel_diffs_vs_installed=diffs[1:])
             for op in ("fwd", "fwd+bwd"):
                 row[op + "_ms"] = float(np.median(times[name, op]))
                 row[op + "_rounds"] = times[name, op]
             rows.append(row)
             print(f"  {name:<10} fwd {row['fwd_ms']:7.3f}  fwd+bwd {row['fwd+bwd_ms']:7.3f}  "
-                  f"step {mem[name] / 1e9:.2f} GB  diff {row['rel_diff_vs_installed']:.1e}")
-    with open(os.path.join(args.out, "fused_ab.json"), "w") as f:
-        json.dump(dict(device=devs[0].device_kind, baseline=args.baseline, rows=rows), f,
-                  indent=1)
+                  f"step {mem[name] / 1e9:.2f} GB  diff {row['rel_diff_vs_installed']:.1e}, "
+                  f"gradients {max(diffs[1:]):.1e}")
+    with open(os.path.join(args.out, f"fused_ab{args.tag}.json"), "w") as f:
+        json.dump(dict(device=devs[0].device_kind, virtual=args.virtual,
+                       baseline=args.baseline, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
