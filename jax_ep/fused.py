@@ -1,7 +1,10 @@
 """The fused halves of `moe_ffn(fused=True)`: the dispatch and the first grouped GEMM in one
 launch (`dispatch_matmul`), the second grouped GEMM and the combine in another
 (`matmul_combine`). Each computes what the unfused ops compute (`dispatch(layout="expert")`
-then `grouped_matmul`; `grouped_matmul` then `combine`), and its backward runs their rules.
+then `grouped_matmul`; `grouped_matmul` then `combine`). Their backward rules are the unfused
+ops' rules, run by the same kernels with the weights read transposed: the second half's by
+the gather + GEMM, the first half's (when nothing reads its expert-major rows) by the GEMM +
+combine (docs/kernels.md#fused-backward).
 """
 from __future__ import annotations
 
@@ -15,6 +18,10 @@ from jax_ep import _checks, _ffi, expert_layout as el, grouped_gemm, remat, runt
 from jax_ep._common import axis_info, first_occurrence, swiglu
 from jax_ep.high_throughput import (_Config, _combine_diff, _dispatch_diff, _gather_diff,
                                     _group_checks, _routing_checks, combine, dispatch)
+
+# The fused backward: a cotangent JAX knows to be zero (an output nothing reads) comes as this.
+_SymbolicZero = jax.custom_derivatives.SymbolicZero
+_primal_values = jax.custom_derivatives.custom_vjp_primal_tree_values
 
 
 def _unfused_matmul(a, w, sizes, acc, backend):
@@ -37,9 +44,10 @@ class _GatherMatmulConfig(NamedTuple):
     K: int
     copy_blocks: int  # blocks that pull rows (0: the kernel's automatic share)
     activation: bool = False  # also swiglu in the GEMM's epilogue (h's columns paired)
+    w_k_major: bool = False   # w is [L, N, H]: the product by its transpose (the backward's)
 
 
-def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name, max_dups):
+def _dedup_plan(rows_src, row_of, recv_src, T, axis_name, max_dups):
     """Each token of another rank crosses the link once: (rows_src with -2 on the rows that are
     copies of an earlier row of the same token, rows_dups [C, D]: the copies of each token's
     first row (its lowest expert's), -1 padded, D = min(K - 1, max_dups), the kernel's limit
@@ -50,7 +58,7 @@ def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name, max_dups):
     D = min(row_of.shape[1] - 1, max_dups)
     if R == 1 or D <= 0:
         return rows_src, jnp.zeros((C, 0), jnp.int32)
-    valid = (row_of >= 0) & first_occurrence(ridx)        # the token's distinct rows
+    valid = first_occurrence(row_of)     # the token's distinct rows (slots of one expert share)
     first = jnp.min(jnp.where(valid, row_of, C), axis=1)      # [Cr] its lowest row
     remote = (recv_src >= 0) & (recv_src // T != rank)
     copies = valid & (row_of != first[:, None]) & remote[:, None]
@@ -64,19 +72,30 @@ def _dedup_plan(rows_src, row_of, ridx, recv_src, T, axis_name, max_dups):
     return rows_src, rows_dups
 
 
+def _gather_plan(src, row_of, rank, K, axis_name):
+    """(rows_src, rows_dups) of the fused gather of the expert-major rows (src [C], row_of
+    [Cr, K]) of the rank-major receive `rank`: each row's token as s * T + t (-1 on padding),
+    each token of another rank read once (`_dedup_plan`)."""
+    rows_src = jnp.where(src >= 0, rank.recv_src[jnp.maximum(src, 0) // K], -1)
+    return _dedup_plan(rows_src, row_of, rank.recv_src, rank.send_rows.shape[0], axis_name,
+                       runtime.extension().fused_max_dups)
+
+
 def _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg):
     """(xe, h, act) of one launch: xe[j] = the token of rows_src[j] (zero where -1; where -2,
-    that of the row whose rows_dups name j), h = grouped_matmul(xe, w, sizes); with
-    fcfg.activation act = swiglu(h) in x's dtype from the GEMM's epilogue and h's columns
-    paired (`unpair_columns`), else act None."""
-    C, H, N = rows_src.shape[0], x.shape[1], w.shape[2]
+    that of the row whose rows_dups name j), h = grouped_matmul(xe, w, sizes) (w [L, H, N]; with
+    fcfg.w_k_major w [L, N, H] and h = xe @ w[l]^T); with fcfg.activation act = swiglu(h) in x's
+    dtype from the GEMM's epilogue and h's columns paired (`unpair_columns`), else act None."""
+    C, H = rows_src.shape[0], x.shape[1]
+    N = w.shape[1] if fcfg.w_k_major else w.shape[2]
     words = runtime.extension().fused_counter_words(C)
     xe, h, act, _ = _ffi.call(
         "jax_ep_ht_gather_gemm", [x, rows_src, rows_dups, sizes, w],
         [((C, H), x.dtype), ((C, N), x.dtype), ((C if fcfg.activation else 0, N // 2), x.dtype),
          ((words,), jnp.int32)],
         axis_name=fcfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
-        copy_blocks=fcfg.copy_blocks, activation=int(fcfg.activation))
+        copy_blocks=fcfg.copy_blocks, activation=int(fcfg.activation),
+        w_k_major=int(fcfg.w_k_major))
     return xe, h, act if fcfg.activation else None
 
 
@@ -104,8 +123,11 @@ def _gather_matmul(x, w, rows_src, rows_dups, sizes, counts, src, row_first, han
     return _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg)[:2]
 
 
-def _gather_matmul_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc,
-                       fcfg):
+def _gather_matmul_fwd(*args):
+    # (symbolic zeros: the primals come wrapped)
+    x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc = _primal_values(
+        args[:-1])
+    fcfg = args[-1]
     # Named like dispatch's outputs: under jax.checkpoint(policy=jax_ep.remat_policy) the
     # backward reuses them instead of running the kernel again.
     xe, h = remat.named(_gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg)[:2],
@@ -116,18 +138,31 @@ def _gather_matmul_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row_first,
 def _gather_matmul_bwd(fcfg, res, g):
     xe, w, sizes, counts, src, row_first, handle, acc = res
     g_xe, g_h = g
+    if isinstance(g_h, _SymbolicZero):
+        g_h = jnp.zeros(g_h.shape, g_h.dtype)
+    g_h = g_h.astype(xe.dtype)
+    if isinstance(g_xe, _SymbolicZero) and not runtime.per_process():
+        # Nothing reads xe (moe_ffn): d x is the combine of g_h @ w^T, each token's rows summed
+        # here and then over the ranks, in one launch that sums each row block's rows as soon
+        # as its tiles are stored (docs/kernels.md#fused-backward).
+        dx = _gemm_combine_call(g_h, w, jnp.ones(row_first.shape, jnp.float32), sizes,
+                                row_first, handle, _GemmCombineConfig(fcfg.cfg, fcfg.K, 0),
+                                w_k_major=True)[1]
+        d_w = grouped_gemm.padded_segments_weight_grad(xe, g_h, sizes, counts, acc)
+        return dx, d_w, None, None, None, None, None, None, None, None
     # the weight gradient skips each segment's padding rows (zeros in xe)
     gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts,
                             acc=acc)
     _, vjp = jax.vjp(gmm, xe, w)
-    d_xe, d_w = vjp(g_h.astype(xe.dtype))
-    d_xe = (d_xe.astype(jnp.float32) + g_xe.astype(jnp.float32)).astype(xe.dtype)
+    d_xe, d_w = vjp(g_h)
+    if not isinstance(g_xe, _SymbolicZero):
+        d_xe = (d_xe.astype(jnp.float32) + g_xe.astype(jnp.float32)).astype(xe.dtype)
     d_rows = el.expand_rows_transpose(d_xe, src, row_first, fcfg.K)
     dx = _combine_diff(d_rows, handle, fcfg.cfg)
     return dx, d_w, None, None, None, None, None, None, None, None
 
 
-_gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
+_gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
@@ -140,8 +175,10 @@ def _gather_matmul_swiglu(x, w, rows_src, rows_dups, sizes, counts, src, row_fir
     return xe, act
 
 
-def _gather_matmul_swiglu_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle,
-                              acc, fcfg):
+def _gather_matmul_swiglu_fwd(*args):
+    x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc = _primal_values(
+        args[:-1])
+    fcfg = args[-1]
     xe, h, act = remat.named(_gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg),
                              remat.DISPATCH)
     return (xe, act), (h, (xe, w, sizes, counts, src, row_first, handle, acc))
@@ -150,13 +187,16 @@ def _gather_matmul_swiglu_fwd(x, w, rows_src, rows_dups, sizes, counts, src, row
 def _gather_matmul_swiglu_bwd(fcfg, res, g):
     h, rest = res
     g_xe, g_act = g
+    if isinstance(g_act, _SymbolicZero):
+        g_act = jnp.zeros(g_act.shape, g_act.dtype)
     # the activation's rule on h in w's column order (XLA fuses the reorder into it)
     _, vjp = jax.vjp(lambda h: swiglu(h).astype(g_act.dtype), unpair_columns(h))
     (g_h,) = vjp(g_act)
     return _gather_matmul_bwd(fcfg, rest, (g_xe, g_h))
 
 
-_gather_matmul_swiglu.defvjp(_gather_matmul_swiglu_fwd, _gather_matmul_swiglu_bwd)
+_gather_matmul_swiglu.defvjp(_gather_matmul_swiglu_fwd, _gather_matmul_swiglu_bwd,
+                             symbolic_zeros=True)
 
 
 def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep", capacity=None,
@@ -221,15 +261,16 @@ def _dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name, ca
            else topk_weights.astype(jnp.float32))
     # (the zero-width rows too: the routing dispatch's backward gives them a varying cotangent)
     x, wts, rows = _ffi.varying([x, wts, jnp.zeros((T, 0), x.dtype), idx], axis_name)[:3]
+    # w varying like x (replicated over data parallelism, its gradient is summed over the
+    # replicas by this cast's transpose, outside the rule); acc checked against it
+    x, w, weight_grad_acc = grouped_gemm._same_axes(x, w, weight_grad_acc)
     # the routing alone: a dispatch of zero-width rows (differentiable in the weights)
     _, ridx, rw, _, handle = _dispatch_diff(rows, wts, idx, cfg)
     lay, we, ehandle = el.plan_receive(ridx, rw, handle, L, capacity, A, topk_weights is not None,
                                        runtime.poison_int())
     src = lay["src"]
-    rows_src = jnp.where(src >= 0, handle.recv_src[jnp.maximum(src, 0) // K], -1)
     row_first = jnp.where(first_occurrence(ridx), lay["row_of"], -1)
-    rows_src, rows_dups = _dedup_plan(rows_src, lay["row_of"], ridx, handle.recv_src, T,
-                                      axis_name, runtime.extension().fused_max_dups)
+    rows_src, rows_dups = _gather_plan(src, lay["row_of"], handle, K, axis_name)
     operands = (x, w, rows_src, rows_dups, lay["expert_sizes"], lay["counts"], src, row_first,
                 handle, weight_grad_acc)
     if activation and _activation_applies(w.shape[2], be):
@@ -256,9 +297,11 @@ class _GemmCombineConfig(NamedTuple):
     combine_blocks: int  # blocks that only combine (0: the kernel's automatic share)
 
 
-def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg):
-    """(ye, out): ye = grouped_matmul(a, w, sizes), out = its combine, in one launch."""
-    C, N, Cr = a.shape[0], w.shape[2], row_of.shape[0]
+def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg, w_k_major=False):
+    """(ye, out): ye = grouped_matmul(a, w, sizes) (w_k_major: w [L, N, I], ye = a @ w[l]^T),
+    out = its combine, in one launch."""
+    C, Cr = a.shape[0], row_of.shape[0]
+    N = w.shape[1] if w_k_major else w.shape[2]
     T = rank.send_rows.shape[0]
     words = runtime.extension().fused_combine_counter_words(C, Cr, N)
     # (yr: each received row's weighted sum of its rows here, which the peers pull)
@@ -267,7 +310,7 @@ def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg):
                               [((C, N), a.dtype), ((Cr, N), a.dtype), ((T, N), a.dtype),
                                ((words,), jnp.int32)],
                               axis_name=ccfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
-                              combine_blocks=ccfg.combine_blocks)
+                              combine_blocks=ccfg.combine_blocks, w_k_major=int(w_k_major))
     return ye, out
 
 
@@ -298,14 +341,23 @@ def _matmul_combine_bwd(ccfg, res, g):
     # (which the forward would otherwise keep until the backward).
     a, w, weights, sizes, counts, row_of, src, rank, acc = res
     K = ccfg.K
-    g_rows = _gather_diff(g, rank, ccfg.cfg).astype(a.dtype)
-    g_exp = el.take_rows(g_rows, el.received_row(src, K))                  # [C, N], unweighted
     wj = el.row_weights(weights, src, row_of)                              # [C] float32
     aw = (a.astype(jnp.float32) * wj[:, None]).astype(a.dtype)
-    gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts,
-                            acc=acc)
-    _, vjp = jax.vjp(gmm, aw, w)
-    u, d_w = vjp(g_exp)
+    if ccfg.cfg.backend == "cuda":
+        # the gather of g to the rows and u = g_exp @ W^T in one launch, each row block's tiles
+        # starting as soon as its rows arrived (the forward dispatch's plan,
+        # docs/kernels.md#fused-backward)
+        rows_src, rows_dups = _gather_plan(src, row_of, rank, K, ccfg.cfg.axis_name)
+        g_exp, u, _ = _gather_gemm_call(g.astype(a.dtype), w, rows_src, rows_dups, sizes,
+                                        _GatherMatmulConfig(ccfg.cfg, K, 0, w_k_major=True))
+        d_w = grouped_gemm.padded_segments_weight_grad(aw, g_exp, sizes, counts, acc)
+    else:   # the rule's specification: the ops it fuses
+        g_rows = _gather_diff(g, rank, ccfg.cfg).astype(a.dtype)
+        g_exp = el.take_rows(g_rows, el.received_row(src, K))              # [C, N], unweighted
+        gmm = functools.partial(grouped_gemm.padded_segments_matmul, sizes=sizes, counts=counts,
+                                acc=acc)
+        _, vjp = jax.vjp(gmm, aw, w)
+        u, d_w = vjp(g_exp)
     u = u.astype(jnp.float32)
     d_a = (u * wj[:, None]).astype(a.dtype)
     d_row = jnp.sum(a.astype(jnp.float32) * u, axis=-1)                    # [C]
@@ -352,6 +404,7 @@ def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=
     K = handle.row_of.shape[1]
     cfg = _Config(0, rank.recv_src.shape[0], axis_name, be)
     a, weights = _ffi.varying([a, handle.weights, rank.recv_src], axis_name)[:2]
+    a, w, weight_grad_acc = grouped_gemm._same_axes(a, w, weight_grad_acc)   # as dispatch_matmul
     return _matmul_combine(a, w, weights, res.expert_sizes, res.recv_tokens_per_expert,
                            handle.row_of, handle.src, rank, weight_grad_acc,
                            _GemmCombineConfig(cfg, K, combine_blocks))

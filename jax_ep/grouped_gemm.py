@@ -295,11 +295,17 @@ def _gmm_bwd(cfg, res, g):
     # d lhs[rows of g] = dout[rows of g] @ rhs[g]^T: rhs [G, K, N] read as [G, N', K'] (N' = K).
     dlhs = gemm_call(g, rhs, sizes, None, None, mode="contiguous", rhs_kn=False,
                       small_m=False, out_shape=(M, K), out_dtype=lhs.dtype)
-    # d rhs[g] = lhs[rows of g]^T @ dout[rows of g] (zeros for groups without rows).
-    drhs = gemm_call(lhs, g, sizes, None, None, mode="transposed", rhs_kn=True,
-                      small_m=False, out_shape=(G, K, N), out_dtype=rhs.dtype,
-                      row_counts=counts, acc=acc)
+    drhs = _weight_grad(lhs, g, sizes, counts, acc, rhs.dtype)
     return dlhs, drhs, None, None, None
+
+
+def _weight_grad(lhs, g, sizes, counts, acc, dtype):
+    """d rhs[g] = lhs[rows of g]^T @ dout[rows of g] (zeros for groups without rows), over the
+    first counts[g] rows of each segment (all: counts None), added to acc in its buffer when
+    given: [G, K, N] in dtype, the CUDA backend's transposed grouped GEMM."""
+    (_, K), N, G = lhs.shape, g.shape[1], sizes.shape[0]
+    return gemm_call(lhs, g, sizes, None, None, mode="transposed", rhs_kn=True, small_m=False,
+                     out_shape=(G, K, N), out_dtype=dtype, row_counts=counts, acc=acc)
 
 
 _gmm_diff.defvjp(_gmm_fwd, _gmm_bwd)
@@ -450,3 +456,11 @@ def padded_segments_matmul(lhs, rhs, sizes, counts, acc=None):
     lhs, rhs, acc = _same_axes(lhs, rhs, acc)
     return _gmm_diff(lhs, rhs, sizes, counts, acc,
                      _Config(jnp.dtype(lhs.dtype), True, small_m=small))
+
+
+def padded_segments_weight_grad(lhs, g, sizes, counts, acc=None):
+    """The weight gradient of `padded_segments_matmul(lhs, rhs, sizes, counts, acc)` alone, for
+    the cotangent g [M, N] of its output (what a backward needs when another kernel computes
+    the gradient in lhs): [G, K, N] in lhs's dtype, acc plus it in acc's buffer when given."""
+    lhs, g = _ffi.varying([lhs, g.astype(lhs.dtype)])
+    return _weight_grad(lhs, g, sizes, counts, acc, lhs.dtype)

@@ -79,11 +79,12 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
         the combine in another, each token summed as soon as its rows are computed
         (docs/kernels.md#fused-gemm-combine; per-process groups run this half unfused). Same
         results as fused=False up to float32 accumulation order and the activation's last
-        bit (fast exponential and division); the backward runs the
-        unfused ops. Expert segments start at multiples of 128 rows (the default capacity
-        adds L * 127 rows for it). None (default): fused wherever it applies (high-throughput
-        mode, x bfloat16, no use_fp8), since it was the faster layer at R = 1, 2 and 4
-        (docs/API.md#the-moe-layer); True where it does not apply raises ValueError.
+        bit (fast exponential and division); the backward runs the same kernels with the
+        weights transposed (docs/kernels.md#fused-backward). Expert segments start at
+        multiples of 128 rows (the default capacity adds L * 127 rows for it). None
+        (default): fused wherever it applies (high-throughput mode, x bfloat16, no use_fp8),
+        since it was the faster layer at R = 1, 2 and 4 (docs/API.md#the-moe-layer); True
+        where it does not apply raises ValueError.
       fused_copy_blocks: with fused=True, how many of the first launch's blocks (one per SM)
         pull rows before they join the others on the tiles; 0: automatic (an eighth of the
         SMs).

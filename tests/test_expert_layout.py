@@ -288,8 +288,8 @@ def test_fused_gather_reads_each_token_of_another_rank_once(R, K, L, max_dups):
     rows_src = rng.integers(-1, R * T, size=(R, C)).astype(np.int32)
 
     got_src, got_dups = jax.vmap(
-        lambda s, o, i, rs: fused._dedup_plan(s, o, i, rs, T, "ep", max_dups), axis_name="ep")(
-            rows_src, row_of, ridx, recv_src)
+        lambda s, o, rs: fused._dedup_plan(s, o, rs, T, "ep", max_dups), axis_name="ep")(
+            rows_src, row_of, recv_src)
     got_src, got_dups = np.asarray(got_src), np.asarray(got_dups)
     D = 0 if R == 1 else min(K - 1, max_dups)
     assert got_dups.shape == (R, C, D)
@@ -391,5 +391,118 @@ def test_fused_combine_backward_rule_equals_the_unfused_ops(meshes, mesh_name, k
 
     want, got = to_np(smap(mesh, both)(x, idx, w, a, wd, g))
     for name, e, r in zip(("d a", "d w_down", "d topk_weights"), want, got):
+        assert np.abs(e).max() > 0, name   # a zero cotangent would check nothing
+        np.testing.assert_allclose(r, e, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def _kernel_stand_ins(monkeypatch):
+    """The fused kernels' contracts (docs/ffi.md) in plain JAX, so that the backward rules'
+    CUDA branch runs on a CPU: jax_ep_ht_gather_gemm (rows from every rank's x, copies written
+    by the row that lists them) and jax_ep_ht_gemm_combine (each received token's rows summed
+    with its weights, then over the ranks), both with w read transposed on request."""
+    import types
+    from jax_ep import fused, grouped_gemm, runtime
+
+    def product(a, w, sizes, k_major):
+        w = jnp.swapaxes(w, 1, 2) if k_major else w
+        return jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
+
+    def gather_gemm(x, w, rows_src, rows_dups, sizes, fcfg):
+        xs = jax.lax.all_gather(x, fcfg.cfg.axis_name, tiled=True)          # [R * T, H]
+        xe = el_take(xs, jnp.where(rows_src >= 0, rows_src, -1))
+        C, D = rows_dups.shape
+        rows = jnp.broadcast_to(jnp.arange(C)[:, None], (C, D))
+        xe = xe.at[jnp.where(rows_dups >= 0, rows_dups, C)].set(xe[rows], mode="drop")
+        return xe, product(xe, w, sizes, fcfg.w_k_major).astype(x.dtype), None
+
+    def gemm_combine(a, w, weights, sizes, row_of, rank, ccfg, w_k_major=False):
+        ye = product(a, w, sizes, w_k_major).astype(a.dtype)
+        Cr, K = row_of.shape
+        yr = jnp.sum(el_take(ye, row_of.reshape(-1)).reshape(Cr, K, -1).astype(jnp.float32)
+                     * weights[:, :, None], axis=1).astype(a.dtype)
+        yrs = jax.lax.all_gather(yr, ccfg.cfg.axis_name)                      # [R, Cr, N]
+        R = yrs.shape[0]
+        got = [el_take(yrs[q], rank.send_rows[:, q]).astype(jnp.float32) for q in range(R)]
+        return ye, sum(got).astype(a.dtype)
+
+    def weight_grad(lhs, g, sizes, counts, acc=None):
+        # per segment l: lhs^T @ g over its first counts[l] rows, plus acc
+        ends = jnp.cumsum(sizes)
+        j = jnp.arange(lhs.shape[0])
+        seg = jnp.searchsorted(ends, j, side="right")
+        held = j - (ends - sizes)[jnp.minimum(seg, sizes.shape[0] - 1)] < counts[
+            jnp.minimum(seg, sizes.shape[0] - 1)]
+        onehot = ((seg[:, None] == jnp.arange(sizes.shape[0])) & held[:, None]).astype(
+            jnp.float32)
+        d = jnp.einsum("jl,jk,jn->lkn", onehot, lhs, g.astype(jnp.float32))
+        return (d if acc is None else d + acc.astype(jnp.float32)).astype(lhs.dtype)
+
+    from jax_ep.expert_layout import take_rows as el_take
+    monkeypatch.setattr(fused, "_gather_gemm_call", gather_gemm)
+    monkeypatch.setattr(fused, "_gemm_combine_call", gemm_combine)
+    monkeypatch.setattr(grouped_gemm, "padded_segments_weight_grad", weight_grad)
+    monkeypatch.setattr(runtime, "extension", lambda: types.SimpleNamespace(fused_max_dups=32))
+
+
+@pytest.mark.parametrize("kind", ["random", "masked", "dups"])
+@pytest.mark.parametrize("mesh_name", ["ep2", "ep4"])
+def test_fused_backward_kernel_rules_equal_the_unfused_ops(meshes, mesh_name, kind, monkeypatch):
+    """The fused backward rules' kernel branch (the gather of the output's cotangent fused with
+    the product by W_down^T; the product by W_gate_up^T fused with the combine), the kernels
+    replaced by their contracts in plain JAX, against autodiff of the unfused ops of each half:
+    the wiring of the kernels' operands (the gather plan, w read transposed, each pair's row
+    once with weight 1) on a CPU. The rows' cotangent of the first half is symbolically zero
+    there (nothing reads the rows in moe_ffn), as the branch requires."""
+    from jax_ep import fused, high_throughput
+    from jax_ep._common import first_occurrence
+    _kernel_stand_ins(monkeypatch)
+    mesh = meshes[mesh_name]
+    n, R = num_shards(mesh), ep_size(mesh)
+    L = E // R
+    rng = np.random.default_rng(9)
+    T, K, H, I = 6, 3, 8, 6     # (2I != H: a missing transpose cannot pass by its shape)
+    x = jnp.asarray(rng.standard_normal((n, T, H)), jnp.float32)
+    idx = jnp.asarray(np.stack(routing(rng, n, T, K, E, kind)))
+    w = jnp.asarray(rng.random((n, T, K)), jnp.float32)
+    C = capacity_of(mesh, T, K, 4, None)
+    a = jnp.asarray(rng.standard_normal((n, C, I)), jnp.float32)
+    wgu = jnp.asarray(rng.standard_normal((n, L, H, 2 * I)), jnp.float32)
+    wd = jnp.asarray(rng.standard_normal((n, L, I, H)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((n, T, H)), jnp.float32)
+    g_h = jnp.asarray(rng.standard_normal((n, C, 2 * I)), jnp.float32)
+
+    def both(x, idx, w, a, wgu, wd, g, g_h):
+        def first(x, wgu):
+            res = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", expert_alignment=4,
+                                  backend="reference")
+            return jax_ep.grouped_matmul(res.recv_x, wgu, res.expert_sizes,
+                                         backend="reference"), res
+        _, vjp1, res = jax.vjp(first, x, wgu, has_aux=True)
+        hd = res.handle
+        want1 = vjp1(g_h)
+        a = a * (res.recv_weights != 0)[:, None]   # the padding rows are zeros, as the kernel's
+
+        def ops(a, wd, weights):
+            y = jax_ep.grouped_matmul(a, wd, res.expert_sizes, backend="reference")
+            return jax_ep.combine(y, hd._replace(weights=weights), backend="reference")
+        _, vjp2 = jax.vjp(ops, a, wd, hd.weights)
+        cfg = high_throughput._Config(0, hd.rank.recv_src.shape[0], "ep", "cuda")
+        # the weight gradients come added to an accumulator (the extra passes' sum)
+        acc2, acc1 = jnp.full(wd.shape, 0.5, wd.dtype), jnp.full(wgu.shape, 0.25, wgu.dtype)
+        d_a, d_wd, d_weights = fused._matmul_combine_bwd(
+            fused._GemmCombineConfig(cfg, K, 0),
+            (a, wd, hd.weights, res.expert_sizes, res.recv_tokens_per_expert, hd.row_of, hd.src,
+             hd.rank, acc2), g)[:3]
+        row_first = jnp.where(first_occurrence(hd.row_of), hd.row_of, -1)
+        zero = jax.custom_derivatives.SymbolicZero(jax.core.ShapedArray((C, H), x.dtype))
+        d_x, d_wgu = fused._gather_matmul_bwd(
+            fused._GatherMatmulConfig(cfg, K, 0),
+            (res.recv_x, wgu, res.expert_sizes, res.recv_tokens_per_expert, hd.src, row_first,
+             hd.rank, acc1), (zero, g_h))[:2]
+        return vjp2(g), (d_a, d_wd - acc2, d_weights), want1, (d_x, d_wgu - acc1)
+
+    want2, got2, want1, got1 = to_np(smap(mesh, both)(x, idx, w, a, wgu, wd, g, g_h))
+    for name, e, r in zip(("d a", "d w_down", "d topk_weights", "d x", "d w_gate_up"),
+                          (*want2, *want1), (*got2, *got1)):
         assert np.abs(e).max() > 0, name   # a zero cotangent would check nothing
         np.testing.assert_allclose(r, e, rtol=1e-4, atol=1e-4, err_msg=name)

@@ -9,6 +9,8 @@ Marked `gpu` (skipped without CUDA GPUs). Run: scripts/gpu_check.sh fused, or
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -226,6 +228,45 @@ def test_moe_ffn_fused_matches_unfused_and_reference(R):
         assert _rel(a, c) < 2e-2, (name, "reference", _rel(a, c))
 
 
+@pytest.mark.parametrize("kind", ["random", "masked", "skewed", "empty", "invalid"])
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+def test_fused_backward_kernels_match_the_unfused_rules(R, kind):
+    """Both fused halves' backward kernels (docs/kernels.md#fused-backward: the gather of the
+    output's cotangent with its product by W_down^T, the product by W_gate_up^T with the combine
+    of d x) against the gradients of the unfused ops on the same routing: d x, d topk_weights,
+    d w_gate_up and d w_down within float32 accumulation."""
+    T, H, I, K, L = (37 if R > 1 else 300), 384, 256, 4, 4
+    x, idx, w, wgu, E = _setup(R, T, H, 2 * I, K, L, kind, 300 * R + len(kind))
+    rng = np.random.default_rng(R + 70)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    A = _rows(None)
+
+    def loss(x, w, wgu, wd, idx, fused_halves):
+        if fused_halves:
+            res, h = dispatch_matmul(x, idx, w, wgu, num_experts=E, backend="cuda")
+        else:
+            res = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert",
+                                  expert_alignment=A, backend="cuda")
+            h = jax_ep.grouped_matmul(res.recv_x, wgu, res.expert_sizes, backend="cuda")
+        a = jax_ep._common.swiglu(h).astype(x.dtype)
+        if fused_halves:
+            out = matmul_combine(a, wd, res, backend="cuda")
+        else:
+            y = jax_ep.grouped_matmul(a, wd, res.expert_sizes, backend="cuda")
+            out = jax_ep.combine(y, res.handle, backend="cuda")
+        proj = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
+        return jnp.sum(out.astype(jnp.float32) * proj)
+
+    def run(x, idx, w, wgu, wd):
+        return [jax.grad(functools.partial(loss, idx=idx, fused_halves=f),
+                         argnums=(0, 1, 2, 3))(x, w, wgu, wd) for f in (True, False)]
+    poison_gpu_memory()
+    got, want = jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu, wd))
+    for name, a, b in zip(("d x", "d topk_weights", "d w_gate_up", "d w_down"), got, want):
+        assert np.abs(np.asarray(b, np.float32)).max() > 0, name
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+
+
 def test_fused_matmul_combine_rows_past_the_segments_read_as_zero():
     """A handle naming rows past the last segment (no tile computes them) reads them as the
     zero rows they are, as the unfused combine would, instead of waiting for tiles."""
@@ -259,19 +300,39 @@ def test_fused_matmul_combine_rows_past_the_segments_read_as_zero():
 
 def test_moe_ffn_fused_runs_both_fused_kernels():
     """moe_ffn(fused=True) on the CUDA backend lowers to the two fused kernels (not to a
-    fallback that the comparisons above could not tell apart)."""
+    fallback that the comparisons above could not tell apart), and its backward to both again,
+    with the weights read transposed (docs/kernels.md#fused-backward), in place of the unfused
+    gather and combine."""
+    import re
     if not gpu_devices():
         pytest.skip("needs a GPU")
     R, T, H, I, K, L = 2, 16, 256, 128, 2, 2
     x, idx, w, wgu, E = _setup(R, T, H, 2 * I, K, L, "random", 3)
     wd = jnp.zeros((E, I, H), jnp.bfloat16)
+    # the worst-case capacity: one pass (the extra passes' loop would hold more kernels)
+    cap = R * T * K + L * (_rows(None) - 1)
 
     def layer(x, idx, w, wgu, wd):
-        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=True, backend="cuda")
-    hlo = jax_ep.testing.run_ranks(layer, R).lower(
-        *(split_ranks(a, R) for a in (x, idx, w, wgu, wd))).as_text()
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=True, backend="cuda",
+                              capacity=cap)
+
+    def step(x, idx, w, wgu, wd):   # (the loss too: else XLA drops the forward's combine)
+        def loss(x, w, wgu, wd):
+            return jnp.sum(layer(x, idx, w, wgu, wd).astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    args = [split_ranks(a, R) for a in (x, idx, w, wgu, wd)]
+    hlo = jax_ep.testing.run_ranks(layer, R).lower(*args).as_text()
     for target in ("jax_ep_ht_gather_gemm", "jax_ep_ht_gemm_combine"):
         assert target in hlo, target
+    hlo = jax_ep.testing.run_ranks(step, R).lower(*args).as_text()
+    calls = re.findall(r'custom_call_target\s*=\s*"(jax_ep_[a-z_]+)"|'
+                       r'stablehlo.custom_call @(jax_ep_[a-z_]+)', hlo)
+    names = [(a or b).removesuffix("_vr") for a, b in calls]   # (virtual ranks: _vr)
+    for target in ("jax_ep_ht_gather_gemm", "jax_ep_ht_gemm_combine"):
+        assert names.count(target) == 2, (target, names)
+    # no gather of the output's cotangent, and one combine: the routing weights' cotangent
+    assert "jax_ep_ht_gather" not in names and names.count("jax_ep_ht_combine") == 1, names
+    assert len(re.findall(r"w_k_major\s*=\s*1", hlo)) == 2, "the backward's transposed weights"
 
 
 def test_fused_grids_take_each_virtual_rank_share_of_the_sms():

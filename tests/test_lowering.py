@@ -491,3 +491,38 @@ def test_moe_gradients_with_weights_replicated_over_data_parallel(cuda_lowering,
     text = _moe_gradients_lowered(monkeypatch, wrap, (0, 2, 3, 4), (S * LT,), (R * LL,), **kw)
     if kw.get("mode") != "low_latency":
         assert "stablehlo.while" in text      # R * T rows a pass: a loop of extra passes
+
+
+@pytest.mark.parametrize("inter", [LI, 128], ids=["activation_after", "activation_epilogue"])
+def test_fused_halves_backward_lowers_to_the_fused_kernels(cuda_lowering, monkeypatch,
+                                                           mesh_dp_ep, inter):
+    """A training step of the fused halves (dispatch_matmul_swiglu, matmul_combine) lowers to
+    each fused kernel twice, the backward's reading the weights transposed (w_k_major = 1,
+    docs/kernels.md#fused-backward), with no gather of the output's cotangent and one combine
+    (the routing weights' cotangent). On a (dp, ep) mesh with the weights replicated over dp,
+    the halves' gradients trace under shard_map's check_vma (the weights' summed over dp)."""
+    from jax_ep import fused
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    R, S = mesh_dp_ep.shape["ep"], 4
+
+    def step(x, idx, w, wgu, wd):
+        def loss(x, w, wgu, wd):
+            res, a = fused.dispatch_matmul_swiglu(x, idx, w, wgu, num_experts=R * LL,
+                                                  backend="cuda")
+            return jnp.sum(fused.matmul_combine(a, wd, res, backend="cuda").astype(jnp.float32))
+        v, g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+        return v[None], g
+    sp, ep = P(("dp", "ep")), P("ep")
+    f = jax.jit(jax.shard_map(step, mesh=mesh_dp_ep, in_specs=(sp, sp, sp, ep, ep),
+                              out_specs=(sp, (sp, sp, ep, ep))))
+    args = (jnp.ones((S * LT, LH), jnp.bfloat16), jnp.zeros((S * LT, LK), jnp.int32),
+            jnp.ones((S * LT, LK), jnp.bfloat16), jnp.ones((R * LL, LH, 2 * inter), jnp.bfloat16),
+            jnp.ones((R * LL, inter, LH), jnp.bfloat16))
+    calls = custom_calls(f.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    targets = [t for t, _ in calls]
+    for kernel in ("jax_ep_ht_gather_gemm", "jax_ep_ht_gemm_combine"):
+        assert [int_attr(c, "w_k_major") for t, c in calls if t == kernel] == [0, 1], targets
+    assert "jax_ep_ht_gather" not in targets and targets.count("jax_ep_ht_combine") == 1, targets
+    epilogue = [int_attr(c, "activation") for t, c in calls if t == "jax_ep_ht_gather_gemm"]
+    assert epilogue == [int(inter == 128), 0], epilogue

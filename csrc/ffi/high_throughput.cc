@@ -51,9 +51,11 @@ struct HtDispatchAttrs : HtAttrs {
 struct HtGatherGemmAttrs : HtAttrs {
   int64_t copy_blocks;  // blocks that gather the rows (0: auto), beside the GEMM tiles
   int64_t activation;   // 1: also silu(gate) * up in the tiles' epilogue (act), h's columns paired
+  int64_t w_k_major;    // 1: w is [L, N, H] (the product by its transpose: the backward's)
 };
 struct HtGemmCombineAttrs : HtAttrs {
   int64_t combine_blocks;  // blocks that combine the rows (0: auto), beside the GEMM tiles
+  int64_t w_k_major;       // 1: w is [L, N, I] (the product by its transpose: the backward's)
 };
 
 ffi::Error common_checks(const char* op, const HtAttrs& a, const jax_ep::SiteState* st) {
@@ -87,12 +89,16 @@ ffi::Error fused_unbuilt(const char* op) {
 #else
 // The weights w [L, K, N] bfloat16 of a fused kernel, K (named `k_name`) given: *L and *N.
 ffi::Error fused_weights(const char* op, ffi::Span<const int64_t> dw, const char* k_name, int64_t K,
-                         int64_t* L, int64_t* N) {
-  if (dw.size() != 3 || dw[1] != K)
-    return ffi::Error::InvalidArgument(std::string(op) + ": w must be [L, " + k_name + "=" +
-                                       std::to_string(K) + ", N] bfloat16, got " + dims_str(dw));
+                         int64_t k_major, int64_t* L, int64_t* N) {
+  if (k_major != 0 && k_major != 1)
+    return jax_ep::op_error(op, "w_k_major must be 0 or 1, got " + std::to_string(k_major));
+  const std::string k = std::string(k_name) + "=" + std::to_string(K);
+  if (dw.size() != 3 || dw[k_major ? 2 : 1] != K)
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": w must be " + (k_major ? "[L, N, " + k + "]" : "[L, " + k + ", N]") +
+        " bfloat16" + (k_major ? " (w_k_major=1)" : "") + ", got " + dims_str(dw));
   *L = dw[0];
-  *N = dw[2];
+  *N = dw[k_major ? 1 : 2];
   return ffi::Error::Success();
 }
 
@@ -440,7 +446,7 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   JAX_EP_RETURN_IF_ERROR(expect_rank(op, "x", dx, 2, "[T, H] bfloat16"));
   const int64_t T = dx[0], H = dx[1];
   int64_t L = 0, N = 0;
-  JAX_EP_RETURN_IF_ERROR(fused_weights(op, w.dimensions(), "H", H, &L, &N));
+  JAX_EP_RETURN_IF_ERROR(fused_weights(op, w.dimensions(), "H", H, at.w_k_major, &L, &N));
   const auto dc = rows_src.dimensions();
   JAX_EP_RETURN_IF_ERROR(expect_rank(op, "rows_src", dc, 1, "[C]"));
   const int64_t C = dc[0];
@@ -454,6 +460,8 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   JAX_EP_CHECK_SHAPE(*h, op, "h", C, N);
   if (at.activation != 0 && at.activation != 1)
     return jax_ep::op_error(op, "activation must be 0 or 1, got " + std::to_string(at.activation));
+  if (at.activation && at.w_k_major)
+    return jax_ep::op_error(op, "activation=1 reads w as [L, H, N] (w_k_major=0)");
   if (at.activation && N % jax_ep::fused::kBlockN != 0)
     return jax_ep::op_error(op, "activation=1 needs w's N = 2I a multiple of " +
                                     std::to_string(jax_ep::fused::kBlockN) + ", got " +
@@ -489,6 +497,7 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.xe = xe->untyped_data();
   a.h = h->untyped_data();
   a.act = at.activation ? act->untyped_data() : nullptr;
+  a.w_k_major = at.w_k_major != 0;
   a.counters = counters->typed_data();
   a.copy_blocks = copy;
   a.gemm_blocks = gemm;
@@ -521,7 +530,7 @@ ffi::Error HtGemmCombineImpl(
   JAX_EP_RETURN_IF_ERROR(expect_rank(op, "a", da, 2, "[C, I] bfloat16"));
   const int64_t C = da[0], I = da[1];
   int64_t L = 0, N = 0;
-  JAX_EP_RETURN_IF_ERROR(fused_weights(op, w.dimensions(), "I", I, &L, &N));
+  JAX_EP_RETURN_IF_ERROR(fused_weights(op, w.dimensions(), "I", I, at.w_k_major, &L, &N));
   const auto dr = row_of.dimensions();
   JAX_EP_RETURN_IF_ERROR(expect_rank(op, "row_of", dr, 2, "[Cr, K]"));
   const int64_t Cr = dr[0], K = dr[1];
@@ -568,6 +577,7 @@ ffi::Error HtGemmCombineImpl(
   g.yr = yr->untyped_data();
   g.out = out->untyped_data();
   g.counters = counters->typed_data();
+  g.w_k_major = at.w_k_major != 0;
   g.combine_blocks = combine;
   g.gemm_blocks = gemm;
   return run_fused(op, gi, 0, at.timeout_ns, stream, g);
@@ -586,9 +596,11 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtDispatchAttrs, JAX_EP_HT_MEMBERS,
                                       ffi::StructMember<int64_t>("num_experts"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtGatherGemmAttrs, JAX_EP_HT_MEMBERS,
                                       ffi::StructMember<int64_t>("copy_blocks"),
-                                      ffi::StructMember<int64_t>("activation"));
+                                      ffi::StructMember<int64_t>("activation"),
+                                      ffi::StructMember<int64_t>("w_k_major"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtGemmCombineAttrs, JAX_EP_HT_MEMBERS,
-                                      ffi::StructMember<int64_t>("combine_blocks"));
+                                      ffi::StructMember<int64_t>("combine_blocks"),
+                                      ffi::StructMember<int64_t>("w_k_major"));
 
 // What every high-throughput handler binds first (stream, device), and last: its attributes
 // (one struct) and the call site's state (its lease).
@@ -637,7 +649,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBI
       .Arg<ffi::Buffer<ffi::S32>>()  /* rows_src [C] */                \
       .Arg<ffi::Buffer<ffi::S32>>()  /* rows_dups [C, D] */            \
       .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                   \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, H, N] */                 \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, H, N] or [L, N, H] */    \
       .Ret<ffi::Buffer<ffi::BF16>>() /* xe [C, H] */                   \
       .Ret<ffi::Buffer<ffi::BF16>>() /* h [C, N] */                    \
       .Ret<ffi::Buffer<ffi::BF16>>() /* act [C or 0, N / 2] */         \
@@ -649,7 +661,7 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT
   JAX_EP_HT_BIND                                                                      \
       .Arg<ffi::Buffer<ffi::BF16>>() /* a [C, I] */                                   \
       .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                                  \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, I, N] */                                \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, I, N] or [L, N, I] */                   \
       .Arg<ffi::Buffer<ffi::S32>>()  /* row_of [Cr, K] */                             \
       .Arg<ffi::Buffer<ffi::F32>>()  /* weights [Cr, K] */                            \
       .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */                           \

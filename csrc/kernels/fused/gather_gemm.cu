@@ -40,8 +40,9 @@ using namespace tiles;
 constexpr int kChunkRows = 8;  // rows a copy warp moves per arrival update (divides kBlockM)
 static_assert(kBlockM % kChunkRows == 0, "a chunk never straddles two row blocks");
 
+template <bool kKMajorB>
 struct Params {
-  TileParams tiles;
+  TileParamsFor<kKMajorB> tiles;
   PairedTmaB paired_b;  // w in paired columns (with act)
   GatherGemmArgs a;
   poison::Outputs outputs;  // xe, h and act, filled when a wait on the device gave up
@@ -190,9 +191,10 @@ __device__ __forceinline__ void store_activation(const GatherGemmArgs& a, const 
 // row block b's rows have arrived before loading it; `fence.proxy.async.global` orders that
 // acquire before the TMA reads.
 // ------------------------------------------------------------------------------------------
-template <bool kAct>
+template <bool kAct, bool kKMajorB>
 __global__ void __launch_bounds__(kThreads, 1)
-    gather_gemm_kernel(const __grid_constant__ Params p) {
+    gather_gemm_kernel(const __grid_constant__ Params<kKMajorB> p) {
+  static_assert(!(kAct && kKMajorB), "the activation's paired columns read w [L, H, N]");
   const GatherGemmArgs& a = p.a;
   const bool copier = static_cast<int>(blockIdx.x) < a.copy_blocks;
   const unsigned long long e = copier ? call_epoch(a.ps) : 0;
@@ -242,20 +244,33 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-std::string launch(const GatherGemmArgs& a, cudaStream_t stream) {
-  Params p{};
+namespace {
+template <bool kKMajorB>
+Params<kKMajorB> params(const GatherGemmArgs& a) {
+  Params<kKMajorB> p{};
   p.a = a;
-  p.tiles = tile_params(TileProblem{a.sizes, a.C, a.L, a.H, a.N}, a.xe, a.w, a.h);
+  p.tiles = tile_params<kKMajorB>(TileProblem{a.sizes, a.C, a.L, a.H, a.N}, a.xe, a.w, a.h);
   poison::add(p.outputs, a.xe, a.C * a.H * 2);
   poison::add(p.outputs, a.h, a.C * a.N * 2);
+  return p;
+}
+}  // namespace
+
+std::string launch(const GatherGemmArgs& a, cudaStream_t stream) {
   const int grid = a.copy_blocks + a.gemm_blocks;
+  if (a.w_k_major) {
+    if (a.act != nullptr) return "act: w must be [L, H, N] (w_k_major off)";
+    return launch_kernel(&gather_gemm_kernel<false, true>, "fused gather + GEMM (w transposed)",
+                         grid, params<true>(a), stream);
+  }
+  Params<false> p = params<false>(a);
   if (a.act == nullptr)
-    return launch_kernel(&gather_gemm_kernel<false>, "fused gather + GEMM", grid, p, stream);
+    return launch_kernel(&gather_gemm_kernel<false, false>, "fused gather + GEMM", grid, p, stream);
   if (a.N % kBlockN != 0) return "act: N must be a multiple of " + std::to_string(kBlockN);
   p.paired_b = paired_tma_b(a.w, a.H, a.N, a.L);
   poison::add(p.outputs, a.act, a.C * a.N);
-  return launch_kernel(&gather_gemm_kernel<true>, "fused gather + GEMM + activation", grid, p,
-                       stream);
+  return launch_kernel(&gather_gemm_kernel<true, false>, "fused gather + GEMM + activation", grid,
+                       p, stream);
 }
 
 }  // namespace fused

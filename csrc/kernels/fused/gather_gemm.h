@@ -22,7 +22,7 @@ struct GatherGemmArgs {
                              // -2 (a copy, written by its token's first row: rows_dups)
   const int32_t* rows_dups;  // [C, D] a first row's copies on this rank (-1: none), D <= kMaxDups
   const int32_t* sizes;      // [L] segment lengths, multiples of kBlockM (the last clipped to C)
-  const void* w;             // [L, H, N]
+  const void* w;             // [L, H, N], or [L, N, H] with w_k_major (h = xe @ w[l]^T)
   int T, C, L, D;
   int64_t H, N;
   void* xe;           // [C, H] the expert-major rows
@@ -33,6 +33,7 @@ struct GatherGemmArgs {
                       // computed in the tiles' epilogue; zero past the last segment
   int32_t* counters;  // [counter_words(C)] zeroed before the launch: rows arrived per block, then
                       // the queues (sizes.h)
+  bool w_k_major;     // w is [L, N, H] (H contiguous; not with act)
   int copy_blocks;    // blocks that pull rows before they compute tiles
   int gemm_blocks;    // blocks that only compute tiles
 };

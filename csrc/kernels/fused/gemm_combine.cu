@@ -53,8 +53,9 @@ static_assert(kGroup >= kMaxRanks, "a token's rows of every rank are loaded at o
 constexpr int kChunkVectors = kChunkBlocks * kBlockN / 8;  // int4 of a row in one chunk
 static_assert(trace::kFusedEnd < kTraceSlots, "the phase tracer's marks fit a slot");
 
+template <bool kKMajorB>
 struct Params {
-  TileParams tiles;
+  TileParamsFor<kKMajorB> tiles;
   GemmCombineArgs a;
   poison::Outputs outputs;  // ye and out, filled when a wait on the device gave up
 };
@@ -344,7 +345,8 @@ __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, unsig
 // ------------------------------------------------------------------------------------------
 // Tile blocks: the tiles, then the combine in the consumer warps.
 // ------------------------------------------------------------------------------------------
-__device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv) {
+template <class P>
+__device__ void tile_role(const P& p, SharedStorage& ss, const PeerView& pv) {
   const GemmCombineArgs& a = p.a;
   const int lane = threadIdx.x & 31;
   // Warp 1: each tile's row-block counter once its stores are complete.
@@ -387,7 +389,8 @@ __device__ void tile_role(const Params& p, SharedStorage& ss, const PeerView& pv
   zero_past_segments(a, pv.end);
 }
 
-__device__ __forceinline__ void gemm_combine(const Params& p) {
+template <class P>
+__device__ __forceinline__ void gemm_combine(const P& p) {
   const GemmCombineArgs& a = p.a;
   const unsigned long long e = call_epoch(a.ps);
   __shared__ PeerView pv;
@@ -418,8 +421,9 @@ __device__ __forceinline__ void gemm_combine(const Params& p) {
 
 // Every block, also one that ended early, leaves through the poison step, its TMA stores
 // complete first (a fill must land after them).
+template <bool kKMajorB>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemm_combine_kernel(const __grid_constant__ Params p) {
+    gemm_combine_kernel(const __grid_constant__ Params<kKMajorB> p) {
   gemm_combine(p);
   bulk_stores_complete();
   poison::leave(p.a.ps, p.outputs);
@@ -427,14 +431,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-std::string launch(const GemmCombineArgs& a, cudaStream_t stream) {
-  Params p{};
+namespace {
+template <bool kKMajorB>
+std::string launch_for(const GemmCombineArgs& a, const char* name, cudaStream_t stream) {
+  Params<kKMajorB> p{};
   p.a = a;
-  p.tiles = tile_params(TileProblem{a.sizes, a.C, a.L, a.I, a.N, kChunkBlocks}, a.a, a.w, a.ye);
+  p.tiles =
+      tile_params<kKMajorB>(TileProblem{a.sizes, a.C, a.L, a.I, a.N, kChunkBlocks}, a.a, a.w, a.ye);
   poison::add(p.outputs, a.ye, a.C * a.N * 2);
   poison::add(p.outputs, a.out, a.T * a.N * 2);
-  return launch_kernel(&gemm_combine_kernel, "fused GEMM + combine",
-                       a.combine_blocks + a.gemm_blocks, p, stream);
+  return launch_kernel(&gemm_combine_kernel<kKMajorB>, name, a.combine_blocks + a.gemm_blocks, p,
+                       stream);
+}
+}  // namespace
+
+std::string launch(const GemmCombineArgs& a, cudaStream_t stream) {
+  return a.w_k_major ? launch_for<true>(a, "fused GEMM + combine (w transposed)", stream)
+                     : launch_for<false>(a, "fused GEMM + combine", stream);
 }
 
 }  // namespace fused

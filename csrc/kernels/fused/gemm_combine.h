@@ -20,7 +20,7 @@ struct GemmCombineArgs {
   int64_t timeout_ns;
   const void* a;             // [C, I] expert-major rows
   const int32_t* sizes;      // [L] segment lengths, multiples of kBlockM (the last clipped to C)
-  const void* w;             // [L, I, N]
+  const void* w;             // [L, I, N], or [L, N, I] with w_k_major (ye = a @ w[l]^T)
   const int32_t* row_of;     // [Cr, K] the expert-major row of each received slot, or -1
   const float* weights;      // [Cr, K] the slot's routing weight
   const int32_t* send_rows;  // [T, R] the received row of each own token on each rank, or -1
@@ -31,6 +31,7 @@ struct GemmCombineArgs {
                        // rows here, rounded to bfloat16 (rows without a slot: not written)
   void* out;           // [T, N] per token: the sum over ranks of the rank's weighted sum of rows
   int32_t* counters;   // [combine_counter_words(C, Cr)] zeroed before the launch (published)
+  bool w_k_major;      // w is [L, N, I] (I contiguous)
   int combine_blocks;  // blocks that only combine; the others compute tiles, then combine too
   int gemm_blocks;
 };

@@ -4,11 +4,15 @@
 // epilogue) in a tile loop of our own, with hooks for what each kernel adds.
 //
 // A is one [C, K] tensor of expert-major rows for every expert (its batch stride is a static 0),
-// B is w [L, K, N] with N contiguous, D is [C, N] like A. Expert segments start at multiples of
-// kBlockM, so a 128-row block never straddles two experts: tile (b, n) multiplies rows
-// [b * kBlockM, (b + 1) * kBlockM) by columns [n * 256, (n + 1) * 256) of w[expert_of(b)].
+// B is w [L, K, N] with N contiguous (the layer's forward), or w [L, N, K] with K contiguous
+// (kKMajorB: the backward's products by the transposed weights, read in place), D is [C, N] like
+// A. Expert segments start at multiples of kBlockM, so a 128-row block never straddles two
+// experts: tile (b, n) multiplies rows [b * kBlockM, (b + 1) * kBlockM) by columns
+// [n * 256, (n + 1) * 256) of w[expert_of(b)].
 #pragma once
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/arch/reg_reconfig.h"
@@ -30,9 +34,12 @@ using namespace cute;
 using Element = cutlass::bfloat16_t;
 using Tile = Shape<Int<kBlockM>, Int<kBlockN>, _64>;
 using Cluster = Shape<_1, _1, _1>;
-using StrideA = Stride<int64_t, _1, _0>;       // rows [C, K], shared by every expert
-using StrideB = Stride<_1, int64_t, int64_t>;  // w [L, K, N]: (N, K, L) with N contiguous
-using StrideD = Stride<int64_t, _1, _0>;       // [C, N]
+using StrideA = Stride<int64_t, _1, _0>;  // rows [C, K], shared by every expert
+// w as B = (N, K, L): [L, K, N] with N contiguous, or (kKMajorB) [L, N, K] with K contiguous
+template <bool kKMajorB>
+using StrideBFor =
+    std::conditional_t<kKMajorB, Stride<int64_t, _1, int64_t>, Stride<_1, int64_t, int64_t>>;
+using StrideD = Stride<int64_t, _1, _0>;  // [C, N]
 // The epilogue of a schedule (TMA stores, or stores from registers: its builder wants the
 // fusion's source type void, like C), D bfloat16, alpha = 1.
 template <class Schedule, class Source = Element>
@@ -44,10 +51,11 @@ using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
 
 // The mainloop (TMA loads into a shared-memory pipeline, two consumer warpgroups), its stage
 // count leaving `reserved` bytes of shared memory to the rest of the kernel.
-template <int reserved>
+template <int reserved, bool kKMajorB>
 using MainloopFor = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, StrideA, 8, Element, StrideB, 8,
-    float, Tile, Cluster, cutlass::gemm::collective::StageCountAutoCarveout<reserved>,
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, StrideA, 8, Element,
+    StrideBFor<kKMajorB>, 8, float, Tile, Cluster,
+    cutlass::gemm::collective::StageCountAutoCarveout<reserved>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
 using Epilogue = EpilogueFor<cutlass::epilogue::TmaWarpSpecializedCooperative>;
@@ -58,20 +66,32 @@ constexpr int kRingReaders = 2 * cutlass::NumWarpsPerWarpGroup + 1;
 // Shared memory beside the collectives' (SharedStorage below).
 constexpr int kExtraSmem = static_cast<int>(2 * kRing * sizeof(uint64_t) + kRing * sizeof(int) +
                                             sizeof(int) * (kMaxExperts + 2));
-using Mainloop =
-    MainloopFor<static_cast<int>(sizeof(typename Epilogue::SharedStorage)) + kExtraSmem + 1024>;
-using TiledMma = typename Mainloop::TiledMma;
-using MainloopPipeline = typename Mainloop::MainloopPipeline;
-using PipelineState = typename Mainloop::PipelineState;
+template <bool kKMajorB>
+using MainloopOf =
+    MainloopFor<static_cast<int>(sizeof(typename Epilogue::SharedStorage)) + kExtraSmem + 1024,
+                kKMajorB>;
+using Mainloop = MainloopOf<false>;  // B = w [L, K, N]
+using MainloopK = MainloopOf<true>;  // B = w [L, N, K]
 using EpiLoadPipeline = typename Epilogue::LoadPipeline;
 using EpiStorePipeline = typename Epilogue::StorePipeline;
-static_assert(size(TiledMma{}) == 256, "two consumer warpgroups");
+// Both mainloops share the block's shared memory layout and pipeline: only the B tiles' swizzle
+// and the MMA's B operand differ.
+static_assert(
+    sizeof(typename Mainloop::TensorStorage) == sizeof(typename MainloopK::TensorStorage) &&
+        std::is_same_v<typename Mainloop::MainloopPipeline, typename MainloopK::MainloopPipeline>,
+    "one shared-memory layout for both B layouts");
+static_assert(size(typename Mainloop::TiledMma{}) == 256 &&
+                  size(typename MainloopK::TiledMma{}) == 256,
+              "two consumer warpgroups");
 static_assert(kThreads == 384, "one producer and two consumer warpgroups");
 
 // A tile block's dynamic shared memory.
 struct SharedStorage {
   struct Tensors : cute::aligned_struct<128, _1> {
-    typename Mainloop::TensorStorage mainloop;
+    union Operands {  // the mainloop's A and B tiles, in the layout of B's mainloop
+      typename Mainloop::TensorStorage n;
+      typename MainloopK::TensorStorage k;
+    } mainloop;
     typename Epilogue::TensorStorage epilogue;
   } tensors;
   struct Pipelines : cute::aligned_struct<16, _1> {
@@ -92,11 +112,27 @@ __device__ __forceinline__ SharedStorage& shared_storage(uint8_t* raw) {
   return *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
                                            ~static_cast<uintptr_t>(1023));
 }
+// The mainloop ML's tiles in the block's shared memory.
+template <class ML>
+__device__ __forceinline__ typename ML::TensorStorage& mainloop_tensors(SharedStorage& ss) {
+  if constexpr (std::is_same_v<ML, MainloopK>)
+    return ss.tensors.mainloop.k;
+  else
+    return ss.tensors.mainloop.n;
+}
 
-struct TileParams {
-  typename Mainloop::Params mainloop;
-  typename Epilogue::Params epilogue;
+// The collectives' parameters of one GEMM, B read by the mainloop ML. (The epilogue's type is
+// named outside the template: inside it, its member `epilogue` would hide the namespace
+// cutlass::epilogue that Epilogue's arguments name.)
+using EpilogueParams = typename Epilogue::Params;
+template <class ML>
+struct TileParamsOf {
+  typename ML::Params mainloop;
+  EpilogueParams epilogue;
 };
+template <bool kKMajorB>
+using TileParamsFor = TileParamsOf<MainloopOf<kKMajorB>>;
+using TileParams = TileParamsFor<false>;
 
 // What one GEMM computes: d [C, N] = a [C, K] @ w[l] [K, N] on the rows of segment l (segment
 // lengths `sizes`, multiples of kBlockM but for one clipped to C), bfloat16.
@@ -107,13 +143,10 @@ struct TileProblem {
   int chunk_blocks = 0;  // the queue's chunks of column blocks (chunked_tile_order); 0: none
 };
 
-// Host: the collectives' parameters (TMA descriptors) of a problem.
-inline TileParams tile_params(const TileProblem& t, const void* a, const void* w, void* d) {
-  TileParams p{};
+// Host: the epilogue's parameters (D's TMA descriptor) of a problem. (Not in a template: the host
+// compiler mistakes the epilogue's argument types there.)
+inline EpilogueParams epilogue_params(const TileProblem& t, void* d) {
   auto mnkl = make_shape(t.C, static_cast<int>(t.N), static_cast<int>(t.K), t.L);
-  typename Mainloop::Arguments ma{static_cast<const Element*>(a), StrideA{t.K, _1{}, _0{}},
-                                  static_cast<const Element*>(w), StrideB{_1{}, t.N, t.K * t.N}};
-  p.mainloop = Mainloop::to_underlying_arguments(mnkl, ma, nullptr);
   typename Epilogue::Arguments ea{};
   ea.thread.alpha = 1.0f;
   ea.thread.beta = 0.0f;
@@ -121,7 +154,25 @@ inline TileParams tile_params(const TileProblem& t, const void* a, const void* w
   ea.dC = StrideD{t.N, _1{}, _0{}};
   ea.ptr_D = static_cast<Element*>(d);
   ea.dD = StrideD{t.N, _1{}, _0{}};
-  p.epilogue = Epilogue::to_underlying_arguments(mnkl, ea, nullptr);
+  return Epilogue::to_underlying_arguments(mnkl, ea, nullptr);
+}
+
+// Host: the collectives' parameters (TMA descriptors) of a problem, w [L, K, N] or (kKMajorB)
+// [L, N, K].
+template <bool kKMajorB = false>
+TileParamsFor<kKMajorB> tile_params(const TileProblem& t, const void* a, const void* w, void* d) {
+  using ML = MainloopOf<kKMajorB>;
+  TileParamsFor<kKMajorB> p{};
+  auto mnkl = make_shape(t.C, static_cast<int>(t.N), static_cast<int>(t.K), t.L);
+  StrideBFor<kKMajorB> stride_b{};
+  if constexpr (kKMajorB)
+    stride_b = StrideBFor<true>{t.K, _1{}, t.K * t.N};
+  else
+    stride_b = StrideBFor<false>{_1{}, t.N, t.K * t.N};
+  typename ML::Arguments ma{static_cast<const Element*>(a), StrideA{t.K, _1{}, _0{}},
+                            static_cast<const Element*>(w), stride_b};
+  p.mainloop = ML::to_underlying_arguments(mnkl, ma, nullptr);
+  p.epilogue = epilogue_params(t, d);
   return p;
 }
 
@@ -227,9 +278,9 @@ __device__ __forceinline__ void load_paired(const TileParams& p, const PairedTma
                                             const TileProblem& t, int b, int n, int l, int k_tiles,
                                             SharedStorage& ss) {
   if (!cute::elect_one_sync()) return;
-  Tensor sA = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_A.data()),
+  Tensor sA = make_tensor(make_smem_ptr(ss.tensors.mainloop.n.smem_A.data()),
                           typename Mainloop::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
-  Tensor sB = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_B.data()),
+  Tensor sB = make_tensor(make_smem_ptr(ss.tensors.mainloop.n.smem_B.data()),
                           typename Mainloop::SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
   Tensor mB = tma_b.get_tma_tensor(shape(paired_b_layout(t.K, t.N, t.L)));
   Tensor gB_nkl = local_tile(mB, Tile{}, make_coord(_, _, _), Step<Underscore, _1, _1>{});
@@ -260,18 +311,22 @@ __device__ __forceinline__ void load_paired(const TileParams& p, const PairedTma
 //   (stored: an earlier tile's stores were issued), and once after the last epilogue;
 // - on_acc(acc, tiled_mma, b, n, mma_thread): the consumer threads, each tile's accumulators
 //   (float32, read-only) before its epilogue.
-// paired: B in paired columns (paired_tma_b, kPaired) instead of the mainloop's descriptor.
-// True in the consumer threads (232 registers each, free once this returns), false in the
-// producer warpgroup's (40 registers).
-template <bool kPaired = false, class BeforeLoad, class WarpOne, class AfterMma,
+// paired: B in paired columns (paired_tma_b, kPaired) instead of the mainloop's descriptor (B =
+// w [L, K, N] only). ML: the mainloop of p (B's layout). True in the consumer threads (232
+// registers each, free once this returns), false in the producer warpgroup's (40 registers).
+template <bool kPaired = false, class ML, class BeforeLoad, class WarpOne, class AfterMma,
           class OnAcc = void (*)()>
-__device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss,
+__device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStorage& ss,
                                           const TileProblem& t, int* queue,
                                           BeforeLoad&& before_load, WarpOne&& warp_one,
                                           AfterMma&& after_mma, const PairedTmaB* paired = nullptr,
                                           OnAcc&& on_acc = nullptr) {
 #if defined(__CUDA_ARCH__)  // CUTLASS's epilogue visitors are device-only: not in the host pass
+  static_assert(!kPaired || std::is_same_v<ML, Mainloop>, "paired columns read w [L, K, N]");
   using Barrier = cutlass::arch::ClusterBarrier;
+  using TiledMma = typename ML::TiledMma;
+  using MainloopPipeline = typename ML::MainloopPipeline;
+  using PipelineState = typename ML::PipelineState;
   const int thread_idx = threadIdx.x;
   const int warp_idx = cutlass::canonical_warp_idx_sync();
   const int warp_group = cutlass::canonical_warp_group_idx();
@@ -287,7 +342,7 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
     cutlass::arch::fence_barrier_init();
   }
   if (warp_idx == 0 && cute::elect_one_sync()) {
-    Mainloop::prefetch_tma_descriptors(p.mainloop);
+    ML::prefetch_tma_descriptors(p.mainloop);
     Epilogue::prefetch_tma_descriptors(p.epilogue);
     if constexpr (kPaired) cute::prefetch_tma_descriptor(paired->get_tma_descriptor());
   }
@@ -314,7 +369,7 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
   const int count = ss.block_start[t.L] * col_blocks;
   const int chunk = t.chunk_blocks > 0 ? t.chunk_blocks : col_blocks;
   auto mnkl = make_shape(t.C, static_cast<int>(t.N), static_cast<int>(t.K), t.L);
-  Mainloop mainloop;
+  ML mainloop;
   auto load_inputs = mainloop.load_init(mnkl, p.mainloop);
   const int k_tiles = static_cast<int>(size<3>(get<0>(load_inputs)));
   TileRing ring{ss, col_blocks};
@@ -350,7 +405,7 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
         } else {
           auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
           mainloop.load(p.mainloop, pipeline, state, load_inputs, make_coord(b, n, _, l), k_iter,
-                        k_tiles, lane, 0u, ss.tensors.mainloop);
+                        k_tiles, lane, 0u, mainloop_tensors<ML>(ss));
         }
         state.advance(k_tiles);
         i = next;
@@ -373,7 +428,8 @@ __device__ __forceinline__ bool run_tiles(const TileParams& p, SharedStorage& ss
   for (int i; (i = ring.next(lane)) >= 0;) {
     const int b = i / col_blocks, n = i % col_blocks;
     auto acc = partition_fragment_C(tiled_mma, take<0, 2>(Tile{}));
-    mainloop.mma(pipeline, read_state, acc, k_tiles, mma_thread, ss.tensors.mainloop, p.mainloop);
+    mainloop.mma(pipeline, read_state, acc, k_tiles, mma_thread, mainloop_tensors<ML>(ss),
+                 p.mainloop);
     mainloop.mma_tail(pipeline, read_state, k_tiles);
     read_state.advance(k_tiles);
     after_mma(stored);
