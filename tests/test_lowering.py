@@ -526,3 +526,35 @@ def test_fused_halves_backward_lowers_to_the_fused_kernels(cuda_lowering, monkey
     assert "jax_ep_ht_gather" not in targets and targets.count("jax_ep_ht_combine") == 1, targets
     epilogue = [int_attr(c, "activation") for t, c in calls if t == "jax_ep_ht_gather_gemm"]
     assert epilogue == [int(inter == 128), 0], epilogue
+
+
+@pytest.mark.parametrize("inter", [LI, 128], ids=["activation_after", "activation_epilogue"])
+@pytest.mark.parametrize("capacity", [None, 16 + 127], ids=["one_pass", "extra_passes"])
+def test_fused_moe_remat_policy_replays_no_kernel(cuda_lowering, monkeypatch, mesh2, capacity,
+                                                  inter):
+    """jax.checkpoint(moe_ffn(fused=True), policy=jax_ep.remat_policy): a training step lowers
+    to the same custom calls as without it (the forward's communicating kernels saved, the
+    backward's own), where plain jax.checkpoint replays the forward's."""
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+
+    def calls(policy):
+        def layer(x, idx, w, wgu, wd):
+            return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=2 * LL, backend="cuda",
+                                  capacity=capacity, fused=True)
+        f = layer if policy is False else jax.checkpoint(layer, policy=policy)
+
+        def step(x, idx, w, wgu, wd):
+            def loss(x, w, wgu, wd):
+                return jnp.sum(f(x, idx, w, wgu, wd).astype(jnp.float32))
+            return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+        args = (jnp.ones((2, LT, LH), jnp.bfloat16), jnp.zeros((2, LT, LK), jnp.int32),
+                jnp.ones((2, LT, LK), jnp.bfloat16),
+                jnp.ones((2, LL, LH, 2 * inter), jnp.bfloat16),
+                jnp.ones((2, LL, inter, LH), jnp.bfloat16))
+        text = smap(mesh2, step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return sorted(t for t, _ in custom_calls(text) if t != "jax_ep_grouped_gemm")
+    plain, replayed, saved = calls(False), calls(None), calls(jax_ep.remat_policy)
+    assert saved == plain, (saved, plain)
+    assert len(replayed) > len(plain), (replayed, plain)
+    assert plain.count("jax_ep_ht_gather_gemm") >= 2, plain
