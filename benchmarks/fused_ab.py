@@ -1,12 +1,14 @@
-"""An A/B of the fused halves' Python between two checkouts, in one process: `moe_ffn` with the
-installed `jax_ep.fused` against the same layer with another checkout's `jax_ep/fused.py`
-(e.g. the last commit's: `git show HEAD:jax_ep/fused.py > /tmp/fused_base.py`) swapped in
-for the layer's two fused halves (their forward and custom-VJP rules; the kernels are the
-installed ones). Forward and forward + backward, timed in paired rounds (each variant in turn,
-so that clock drift weighs alike), the memory XLA plans for the step, and how far the output
-and the gradients of the baseline are from the installed one's.
+"""An A/B of the fused halves' Python, in one process: `moe_ffn` with the installed
+`jax_ep.fused` against the same layer with another checkout's `jax_ep/fused.py` (e.g. the last
+commit's: `git show HEAD:jax_ep/fused.py > /tmp/fused_base.py`) swapped in for the layer's two
+fused halves (their forward and custom-VJP rules; the kernels are the installed ones), or
+against the installed one traced with a setting (`--baseline env:JAX_EP_FUSED_BACKWARD=0`: the
+backward on the unfused ops). Forward and forward + backward, timed in paired rounds (each
+variant in turn, so that clock drift weighs alike), the memory XLA plans for the step, and how
+far the output and the gradients of the baseline are from the installed one's.
 
   python benchmarks/fused_ab.py --baseline /tmp/fused_base.py --ranks 2,1 --out DIR
+  python benchmarks/fused_ab.py --baseline env:JAX_EP_FUSED_BACKWARD=0 --ranks 4,2 --out DIR
   python benchmarks/fused_ab.py --baseline /tmp/fused_base.py --ranks 2 --virtual --out DIR
       (R virtual ranks on one GPU: each rank's kernels on its share of the SMs)
 """
@@ -34,30 +36,46 @@ from bench_layer import (add_shape_args, layer_inputs, step_bytes, topk_routing,
 from harness import op_timer, paired, rank_map, scan_fn  # noqa: E402
 
 
-def load_baseline(path):
-    """The module of another checkout's fused.py (importing the installed jax_ep)."""
-    spec = importlib.util.spec_from_file_location("jax_ep._fused_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def load_baseline(spec):
+    """`env:NAME=VALUE`: that setting (a dict), else the module of another checkout's fused.py
+    at that path (importing the installed jax_ep)."""
+    if spec.startswith("env:"):
+        name, _, value = spec[4:].partition("=")
+        if not name.startswith("JAX_EP_"):
+            raise SystemExit(f"--baseline {spec!r}: expected env:JAX_EP_NAME=VALUE")
+        return {name: value}
+    spec_ = importlib.util.spec_from_file_location("jax_ep._fused_baseline", spec)
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
     return mod
 
 
 @contextlib.contextmanager
-def halves(mod):
-    """moe_ffn traced with mod's fused halves (None: the installed ones)."""
+def halves(variant):
+    """moe_ffn traced with a variant: None, the installed fused halves; a module, its fused
+    halves; a dict, the installed ones with those settings."""
     saved = moe.dispatch_matmul_swiglu, moe.matmul_combine
-    if mod is not None:
-        moe.dispatch_matmul_swiglu, moe.matmul_combine = (mod.dispatch_matmul_swiglu,
-                                                          mod.matmul_combine)
+    env = variant if isinstance(variant, dict) else {}
+    saved_env = {k: os.environ.get(k) for k in env}
+    if variant is not None and not env:
+        moe.dispatch_matmul_swiglu, moe.matmul_combine = (variant.dispatch_matmul_swiglu,
+                                                          variant.matmul_combine)
+    os.environ.update(env)
     try:
         yield
     finally:
         moe.dispatch_matmul_swiglu, moe.matmul_combine = saved
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", required=True, help="another checkout's jax_ep/fused.py")
+    ap.add_argument("--baseline", required=True,
+                    help="another checkout's jax_ep/fused.py, or env:JAX_EP_NAME=VALUE")
     ap.add_argument("--out", default=".")
     ap.add_argument("--ranks", default="2,1")
     add_shape_args(ap)

@@ -36,6 +36,10 @@ SETTINGS = {s.name: s for s in (
     Setting("JAX_EP_LL_PREREDUCE", "1",
             "0: the low-latency combine sends one row per (token, expert), no partial sums",
             "trace (attribute)", True),
+    Setting("JAX_EP_FUSED_BACKWARD", "1",
+            "0: moe_ffn(fused=True)'s backward runs the unfused ops instead of the fused kernels "
+            "(docs/kernels.md#fused-backward): an A/B switch, the same results",
+            "trace", True),
     Setting("JAX_EP_LL_DIAG", "0",
             "1: the low-latency kernels record per-warp timestamps (benchmarks/trace_phases.py)",
             "trace (attribute)", False),

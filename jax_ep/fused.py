@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _checks, _ffi, expert_layout as el, grouped_gemm, remat, runtime
+from jax_ep import _checks, _ffi, config, expert_layout as el, grouped_gemm, remat, runtime
 from jax_ep._common import axis_info, first_occurrence, swiglu
 from jax_ep.high_throughput import (_Config, _combine_diff, _dispatch_diff, _gather_diff,
                                     _group_checks, _routing_checks, combine, dispatch)
@@ -22,6 +22,12 @@ from jax_ep.high_throughput import (_Config, _combine_diff, _dispatch_diff, _gat
 # The fused backward: a cotangent JAX knows to be zero (an output nothing reads) comes as this.
 _SymbolicZero = jax.custom_derivatives.SymbolicZero
 _primal_values = jax.custom_derivatives.custom_vjp_primal_tree_values
+
+
+def _fused_backward():
+    """Whether the backward rules run on the fused kernels (JAX_EP_FUSED_BACKWARD, read when
+    the backward is traced)."""
+    return config.flag("JAX_EP_FUSED_BACKWARD")
 
 
 def _unfused_matmul(a, w, sizes, acc, backend):
@@ -141,7 +147,7 @@ def _gather_matmul_bwd(fcfg, res, g):
     if isinstance(g_h, _SymbolicZero):
         g_h = jnp.zeros(g_h.shape, g_h.dtype)
     g_h = g_h.astype(xe.dtype)
-    if isinstance(g_xe, _SymbolicZero) and not runtime.per_process():
+    if isinstance(g_xe, _SymbolicZero) and not runtime.per_process() and _fused_backward():
         # Nothing reads xe (moe_ffn): d x is the combine of g_h @ w^T, each token's rows summed
         # here and then over the ranks, in one launch that sums each row block's rows as soon
         # as its tiles are stored (docs/kernels.md#fused-backward).
@@ -343,7 +349,7 @@ def _matmul_combine_bwd(ccfg, res, g):
     K = ccfg.K
     wj = el.row_weights(weights, src, row_of)                              # [C] float32
     aw = (a.astype(jnp.float32) * wj[:, None]).astype(a.dtype)
-    if ccfg.cfg.backend == "cuda":
+    if ccfg.cfg.backend == "cuda" and _fused_backward():
         # the gather of g to the rows and u = g_exp @ W^T in one launch, each row block's tiles
         # starting as soon as its rows arrived (the forward dispatch's plan,
         # docs/kernels.md#fused-backward)

@@ -280,3 +280,24 @@ def test_time_slope_cancels_fixed_cost():
     med, lo, hi, wall = harness.time_slope(runner(2), runner(8), 2, 8, (), 5)
     assert abs(med - per_call) < 0.6 * per_call, med
     assert wall > per_call + fixed / 8 * 0.8  # the plain figure keeps the fixed cost
+
+
+def test_fused_ab_baselines_and_their_undoing(monkeypatch):
+    """fused_ab.py's two kinds of baseline: another checkout's fused.py (a module whose fused
+    halves moe_ffn then traces) and `env:NAME=VALUE` (the installed halves traced with that
+    setting); each is undone when its block ends, the setting's earlier value restored."""
+    import fused_ab
+    from jax_ep import fused, moe
+    monkeypatch.setenv("JAX_EP_FUSED_BACKWARD", "1")
+    env = fused_ab.load_baseline("env:JAX_EP_FUSED_BACKWARD=0")
+    assert env == {"JAX_EP_FUSED_BACKWARD": "0"}
+    with fused_ab.halves(env):
+        assert os.environ["JAX_EP_FUSED_BACKWARD"] == "0"
+        assert moe.matmul_combine is fused.matmul_combine
+    assert os.environ["JAX_EP_FUSED_BACKWARD"] == "1"
+    mod = fused_ab.load_baseline(fused.__file__)
+    with fused_ab.halves(mod):
+        assert moe.matmul_combine is mod.matmul_combine is not fused.matmul_combine
+    assert moe.matmul_combine is fused.matmul_combine
+    with pytest.raises(SystemExit, match="env:JAX_EP_NAME=VALUE"):
+        fused_ab.load_baseline("env:FUSED_BACKWARD=0")

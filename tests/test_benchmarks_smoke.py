@@ -63,8 +63,9 @@ SCRIPTS = {
                            "128", "--inter", "128", "--experts", "2", "--topk", "2", "--rounds",
                            "1", "--scan", "1,2"],
                           "pass_loop_cost.json", ["one pass forced (no loop)"]),
-    # this checkout's fused halves against themselves
-    "fused_ab.py": (["--baseline", os.path.join(ROOT, "jax_ep", "fused.py"), "--ranks", "2",
+    # the fused halves against themselves with the backward on the unfused ops (the same on the
+    # reference backend; a checkout's fused.py as the baseline: tests/test_bench_harness.py)
+    "fused_ab.py": (["--baseline", "env:JAX_EP_FUSED_BACKWARD=0", "--ranks", "2",
                      "--tokens", "8", "--hidden", "128", "--inter", "128", "--experts", "2",
                      "--topk", "2", "--rounds", "1", "--scan", "1,2"],
                     "fused_ab.json", ["  baseline "]),

@@ -493,15 +493,18 @@ def test_moe_gradients_with_weights_replicated_over_data_parallel(cuda_lowering,
         assert "stablehlo.while" in text      # R * T rows a pass: a loop of extra passes
 
 
+@pytest.mark.parametrize("setting", ["", "0"], ids=["default", "JAX_EP_FUSED_BACKWARD=0"])
 @pytest.mark.parametrize("inter", [LI, 128], ids=["activation_after", "activation_epilogue"])
 def test_fused_halves_backward_lowers_to_the_fused_kernels(cuda_lowering, monkeypatch,
-                                                           mesh_dp_ep, inter):
+                                                           mesh_dp_ep, inter, setting):
     """A training step of the fused halves (dispatch_matmul_swiglu, matmul_combine) lowers to
     each fused kernel twice, the backward's reading the weights transposed (w_k_major = 1,
     docs/kernels.md#fused-backward), with no gather of the output's cotangent and one combine
-    (the routing weights' cotangent). On a (dp, ep) mesh with the weights replicated over dp,
-    the halves' gradients trace under shard_map's check_vma (the weights' summed over dp)."""
+    (the routing weights' cotangent); with JAX_EP_FUSED_BACKWARD=0, to each once and the
+    unfused backward's gather and combines. On a (dp, ep) mesh with the weights replicated over
+    dp, the halves' gradients trace under shard_map's check_vma (the weights' summed over dp)."""
     from jax_ep import fused
+    monkeypatch.setenv("JAX_EP_FUSED_BACKWARD", setting)
     monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
     monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
     R, S = mesh_dp_ep.shape["ep"], 4
@@ -521,11 +524,14 @@ def test_fused_halves_backward_lowers_to_the_fused_kernels(cuda_lowering, monkey
             jnp.ones((R * LL, inter, LH), jnp.bfloat16))
     calls = custom_calls(f.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
     targets = [t for t, _ in calls]
+    fused_bwd = setting != "0"
     for kernel in ("jax_ep_ht_gather_gemm", "jax_ep_ht_gemm_combine"):
-        assert [int_attr(c, "w_k_major") for t, c in calls if t == kernel] == [0, 1], targets
-    assert "jax_ep_ht_gather" not in targets and targets.count("jax_ep_ht_combine") == 1, targets
+        assert ([int_attr(c, "w_k_major") for t, c in calls if t == kernel]
+                == ([0, 1] if fused_bwd else [0])), targets
+    assert targets.count("jax_ep_ht_gather") == (0 if fused_bwd else 1), targets
+    assert targets.count("jax_ep_ht_combine") == (1 if fused_bwd else 2), targets
     epilogue = [int_attr(c, "activation") for t, c in calls if t == "jax_ep_ht_gather_gemm"]
-    assert epilogue == [int(inter == 128), 0], epilogue
+    assert epilogue == [int(inter == 128)] + [0] * fused_bwd, epilogue
 
 
 @pytest.mark.parametrize("inter", [LI, 128], ids=["activation_after", "activation_epilogue"])
