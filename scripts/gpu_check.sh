@@ -2,7 +2,7 @@
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
 #   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [moe] [mp] [ucx] [example] [bench]
 #                        [bench-quick] [bench-gemm] [bench-moe] [bench-moe-ranks] [bench-modes]
-#                        [bench-layer] [probe]
+#                        [bench-layer] [bench-fused-backward] [probe]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
 #   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
 #   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
@@ -30,6 +30,9 @@
 #   bench-layer: the layer against its expert compute and the plain-JAX layers, forward,
 #   forward + backward and step memory (benchmarks/bench_layer.py; LAYER_RANKS, default
 #   1,2,4; LAYER_ARGS; XLA may use 90 % of each GPU's memory there).
+#   bench-fused-backward: the layer's backward on the fused kernels against the unfused ops
+#   (JAX_EP_FUSED_BACKWARD=0), paired rounds in one process (benchmarks/fused_ab.py; the
+#   machine's GPUs, LAYER_RANKS to choose).
 #   probe: NVLink all-to-all bandwidth per method (benchmarks/nvlink_probe.cu; PROBE_ARGS).
 # Extra args: PYTEST_K="ll_ or layout" (a -k expression, test and mp stages);
 # PYTEST_ARGS="--maxfail=3";
@@ -321,6 +324,14 @@ if has bench-layer; then
   (cd /tmp && XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${LAYER_BENCH_TIMEOUT:-580} \
      $PY "$OLDPWD/benchmarks/bench_layer.py" --ranks ${LAYER_RANKS:-1,2,4} --out "$OUT" \
      ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layer.log" | tail -40) || rc=1
+fi
+if has bench-fused-backward; then
+  step "MoE layer: the backward on the fused kernels against the unfused ops"
+  n=$(nvidia-smi -L | wc -l)
+  (cd /tmp && XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${LAYER_BENCH_TIMEOUT:-580} \
+     $PY "$OLDPWD/benchmarks/fused_ab.py" --baseline env:JAX_EP_FUSED_BACKWARD=0 \
+     --ranks ${LAYER_RANKS:-$( [ "$n" -ge 4 ] && echo 4,2 || echo "$n")} --tag _backward \
+     --out "$OUT" 2>&1 | tee "$OUT/fused_backward_ab.log" | tail -20) || rc=1
 fi
 if has bench-modes; then
   step "benchmark: one process vs one process per GPU"
