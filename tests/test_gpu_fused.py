@@ -316,7 +316,9 @@ def test_moe_ffn_fused_runs_both_fused_kernels():
         return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=E, fused=True, backend="cuda",
                               capacity=cap)
 
-    def step(x, idx, w, wgu, wd):   # (the loss too: else XLA drops the forward's combine)
+    # (the loss too: without it nothing reads the forward's output, and JAX drops its GEMM +
+    # combine)
+    def step(x, idx, w, wgu, wd):
         def loss(x, w, wgu, wd):
             return jnp.sum(layer(x, idx, w, wgu, wd).astype(jnp.float32))
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
