@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib.util
 import json
 import os
@@ -25,7 +24,6 @@ import sys
 import numpy as np
 
 import jax
-from jax.sharding import Mesh
 
 import jax_ep
 from jax_ep import moe
@@ -33,7 +31,8 @@ from jax_ep import moe
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_layer import (add_shape_args, layer_inputs, step_bytes, topk_routing,  # noqa: E402
                          training_step, with_backward)
-from harness import op_timer, paired, rank_map, scan_fn  # noqa: E402
+from harness import (add_virtual_arg, op_timer, paired, rank_map, rank_mesh,  # noqa: E402
+                     scan_fn)
 
 
 def load_baseline(spec):
@@ -81,9 +80,7 @@ def main():
     add_shape_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--scan", default="2,6", help="n_short,n_long calls of the timed scans")
-    ap.add_argument("--virtual", action="store_true",
-                    help="the R ranks as virtual ranks on the first device (the one-GPU "
-                         "multi-rank mode: each rank's kernels on its share of the SMs)")
+    add_virtual_arg(ap)
     ap.add_argument("--tag", default="", help="suffix of the JSON file's name")
     args = ap.parse_args()
     T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
@@ -97,15 +94,9 @@ def main():
           f"baseline {args.baseline}")
     rows = []
     for R in (int(r) for r in args.ranks.split(",")):
-        if args.virtual:   # per-rank bodies under vmap, every argument stacked over the ranks
-            mesh = functools.partial(jax_ep.testing.virtual_ranks, num_ranks=R)
-        elif R > len(devs):
+        mesh, ranked = rank_mesh(R, args.virtual)
+        if mesh is None:
             continue
-        else:
-            mesh = Mesh(np.array(devs[:R]), ("ep",))
-
-        def ranked(a, R=R):
-            return a.reshape(R, -1, *a.shape[1:]) if args.virtual else a
         E = R * L
         wgu, wd, x, _ = map(ranked, layer_inputs(R, mesh, R, T, H, I, L, K))
         w, idx = map(ranked, topk_routing(rng.standard_normal((R * T, E)), K))

@@ -5,6 +5,7 @@ compiled extension.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -16,6 +17,30 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 def _smallest(tree):
     return min(jax.tree_util.tree_leaves(tree), key=lambda leaf: leaf.size)
+
+
+def add_virtual_arg(ap):
+    """--virtual: the R ranks of a benchmark as virtual ranks on the first device."""
+    ap.add_argument("--virtual", action="store_true",
+                    help="the R ranks as virtual ranks on the first device (the one-GPU "
+                         "multi-rank mode: each rank's kernels on its share of the SMs)")
+
+
+def rank_mesh(R, virtual):
+    """(mesh, ranked) for R ranks: the "ep" Mesh of the first R devices and the identity, or
+    (virtual) jax_ep.testing.virtual_ranks over R ranks (per-rank bodies under vmap: rank_map
+    takes it) and the stacking of an argument's rows over them; (None, None) when R exceeds
+    the devices."""
+    if virtual:
+        import jax_ep.testing   # (here only: the harness itself needs no jax_ep)
+
+        def ranked(a):
+            return a.reshape(R, -1, *a.shape[1:])
+        return functools.partial(jax_ep.testing.virtual_ranks, num_ranks=R), ranked
+    devs = jax.devices()
+    if R > len(devs):
+        return None, None
+    return Mesh(np.array(devs[:R]), ("ep",)), lambda a: a
 
 
 def rank_map(mesh, fn):

@@ -25,7 +25,6 @@ import sys
 import numpy as np
 
 import jax
-from jax.sharding import Mesh
 
 import jax_ep
 from jax_ep import moe
@@ -33,7 +32,7 @@ from jax_ep import moe
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_layer import (add_shape_args, expert_compute, layer_inputs,  # noqa: E402
                          topk_routing, with_backward)
-from harness import op_timer, paired, rank_map  # noqa: E402
+from harness import add_virtual_arg, op_timer, paired, rank_map, rank_mesh  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -61,9 +60,7 @@ def main():
     ap.add_argument("--fused", default="default", help="default, True or False")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--tag", default="", help="suffix of the JSON file's name")
-    ap.add_argument("--virtual", action="store_true",
-                    help="the R ranks as virtual ranks on the first device (the one-GPU "
-                         "multi-rank mode: each rank's kernels on its share of the SMs)")
+    add_virtual_arg(ap)
     args = ap.parse_args()
     T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
     be = args.backend
@@ -77,15 +74,9 @@ def main():
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     rows = []
     for R in (int(r) for r in args.ranks.split(",")):
-        if args.virtual:   # per-rank bodies under vmap, every argument stacked over the ranks
-            mesh = functools.partial(jax_ep.testing.virtual_ranks, num_ranks=R)
-        elif R > len(devs):
+        mesh, ranked = rank_mesh(R, args.virtual)
+        if mesh is None:
             continue
-        else:
-            mesh = Mesh(np.array(devs[:R]), ("ep",))
-
-        def ranked(a, R=R):
-            return a.reshape(R, -1, *a.shape[1:]) if args.virtual else a
         E = R * L
         wgu, wd, x, xr = map(ranked, layer_inputs(R, mesh, R, T, H, I, L, K))
         w, idx = map(ranked, topk_routing(rng.standard_normal((R * T, E)), K))
