@@ -2,10 +2,14 @@
 write: forward, forward + backward, and the memory XLA plans for one training step.
 
 Per rank: T tokens, hidden H, intermediate I, L experts (E = R * L), top-K, bf16; routing
-uniform (softmax top-k of random logits) or Zipf-skewed (expert e drawn with weight
-1 / (1 + rank of e)^s, the ranks of the experts shuffled). For each R and each routing, in one
-run, after warm-up, each figure the median slope between a jit-compiled scan of n_short calls
-and one of n_long calls (benchmarks/harness.py):
+uniform (softmax top-k of random logits), Zipf-skewed (expert e drawn with weight
+1 / (1 + rank of e)^s, the ranks of the experts shuffled) or balanced (every expert receives
+exactly R * T * K / E pairs, as the expert compute's equal groups: no expert's segment ends in a
+partial GEMM tile when that is a multiple of 128). For each R and each routing, in one run,
+after warm-up, each figure the median slope between a jit-compiled scan of n_short calls and one
+of n_long calls (benchmarks/harness.py); with --rounds N, every layer's timers run once per
+round in turn (harness.paired), each figure is the median of the rounds' and each ratio the
+median of the rounds' ratios, so that a clock drifting during the run weighs on both sides:
 - `moe_ffn` with its default arguments, and with fused=False and fused=True;
 - the expert compute alone: both grouped GEMMs, the activation and the weighted sum over K, on
   T * K rows per rank in L equal groups, no communication (the layer's floor);
@@ -24,7 +28,12 @@ expert evaluated); the GShard layer drops the pairs past its capacity, so its er
 reported, not asserted.
 Prints a table and the same-run ratios, writes bench_layer.json and bench_layer.png.
 
+--compile-only plans the memory and runs nothing (no timing, no check), from abstract inputs.
+--mock-topology 1x<R>x1 (JAX's mock GPU client: R mock GPUs on the first one) gives the plan of
+R GPUs on a machine with fewer; the peer runtime is then not set up, since no mock GPU can run.
+
   python benchmarks/bench_layer.py --ranks 1,2,4 --out DIR
+  python benchmarks/bench_layer.py --ranks 4 --mock-topology 1x4x1  (memory plans only)
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/bench_layer.py \
       --backend reference --ranks 1,2 --tokens 32 --hidden 128 --inter 128 --experts 4 \
       --topk 2 --reps 1 --out DIR   (checks the script on a CPU)
@@ -52,7 +61,7 @@ from jax_ep import moe as _moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
-from harness import barh_plot, rank_map, scan_fn, time_slope  # noqa: E402
+from harness import barh_plot, paired, rank_map, ratio_median, scan_fn, time_slope  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +269,40 @@ def dense_check(mesh, x, idx, w, wgu, wd):
                                  out_specs=rep, check_vma=False))(x, idx, w, wgu, wd)
 
 
+def balanced_routing(rng, S, E, K):
+    """(weights [S, K] bfloat16, ids [S, K]): token t's experts t + k * (E // K) mod E, k < K
+    (distinct for E >= K, spread over the ranks), so that every expert receives exactly
+    S * K / E pairs when E divides S; the weights a softmax of random logits."""
+    t = np.arange(S)[:, None]
+    idx = (t + np.arange(K)[None, :] * max(1, E // K)) % E
+    g = rng.standard_normal((S, K))
+    w = np.exp(g - g.max(axis=1, keepdims=True))
+    w /= w.sum(axis=1, keepdims=True)
+    return jnp.asarray(w, jnp.bfloat16), jnp.asarray(idx, jnp.int32)
+
+
+def abstract_inputs(mesh, R, T, H, I, L, K):
+    """layer_inputs' shapes as jax.ShapeDtypeStruct (sharded over "ep"), and the routing's
+    (weights, ids): what --compile-only lowers, with nothing drawn or placed on a device."""
+    E = R * L
+    shard = NamedSharding(mesh, P("ep"))
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=shard)
+    return ((spec((E, H, 2 * I), jnp.bfloat16), spec((E, I, H), jnp.bfloat16),
+             spec((R * T, H), jnp.bfloat16), spec((R * T * K, H), jnp.bfloat16)),
+            (spec((R * T, K), jnp.bfloat16), spec((R * T, K), jnp.int32)))
+
+
+def without_peer_runtime():
+    """--compile-only under a mock topology: the lowering's peer runtime (workspaces and peer
+    access on every device of the mesh) not set up, since mock devices cannot run, and the one
+    process over the mock devices kept (JAX's mock client reports one process per mock host)."""
+    from jax_ep import runtime
+    runtime.ensure_peer_runtime = lambda devices, groups=None: None
+    runtime.per_process = lambda: False
+
+
 def zipf_logits(rng, n, E, s):
     """Logits whose softmax top-k draws expert e about in proportion to 1 / (1 + rank e)^s."""
     rank = rng.permutation(E)
@@ -281,17 +324,38 @@ def main():
     ap.add_argument("--skip", default="", help="comma-separated layer names not to run")
     ap.add_argument("--only", default="", help="comma-separated layer names to run alone")
     ap.add_argument("--backend", default="cuda", help="'reference' checks the script on a CPU")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="paired rounds: every layer's timers once per round, in turn")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="the memory plans alone: nothing runs")
+    ap.add_argument("--mock-topology", default="",
+                    help="1x<R>x1: R mock GPUs of JAX's mock GPU client on the first GPU, for "
+                         "the memory plans of more GPUs than the machine has (implies "
+                         "--compile-only)")
     args = ap.parse_args()
     T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
     be = args.backend
     n_short, n_long = (int(v) for v in args.scan.split(","))
     skip = set(filter(None, args.skip.split(",")))
     only = set(filter(None, args.only.split(",")))
+    mock = args.mock_topology
+    if mock:  # (before the backend starts)
+        jax.config.update("jax_mock_gpu_topology", mock)
+        jax.config.update("jax_cuda_visible_devices", "0")
+        # XLA shares GEMM autotuning between processes through the distributed store, which
+        # mock processes do not have: each compiles its own
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_shard_autotuning=false").strip()
+        args.compile_only = True
+        without_peer_runtime()
     devs = jax.devices()
     os.makedirs(args.out, exist_ok=True)
-    print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}, backend {be}")
+    print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}, backend {be}"
+          + (f", mock topology {mock} (compiled only)" if mock else
+             ", compiled only" if args.compile_only else ""))
     results, summary = [], []
     rng = np.random.default_rng(0)
+    timers_later = args.rounds > 1 and not args.compile_only  # timed after all layers, paired
 
     for R in (int(r) for r in args.ranks.split(",")):
         if R > len(devs):
@@ -299,15 +363,23 @@ def main():
             continue
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
-        wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
+        if args.compile_only:
+            (wgu, wd, x, xr), (w, idx) = abstract_inputs(mesh, R, T, H, I, L, K)
+        else:
+            wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
         for routing in args.routing.split(","):
-            logits = (rng.standard_normal((R * T, E)) if routing == "uniform"
-                      else zipf_logits(rng, R * T, E, args.zipf))
-            w, idx = topk_routing(logits, K)
+            if routing == "balanced" and not args.compile_only:
+                w, idx = balanced_routing(rng, R * T, E, K)
+            elif not args.compile_only:   # (compiled only: the routing is not drawn)
+                logits = (rng.standard_normal((R * T, E)) if routing == "uniform"
+                          else zipf_logits(rng, R * T, E, args.zipf))
+                w, idx = topk_routing(logits, K)
             tag = f"R={R} T={T} H={H} I={I} L={L} K={K} {routing}"
             group = dict(num_experts=E, num_topk=K, num_ranks=R, backend=be)
-            load = np.bincount(np.asarray(idx).reshape(-1) // L, minlength=R) / (T * K)
-            print(f"\n== {tag}: pairs per rank / T*K: " + " ".join(f"{v:.2f}" for v in load)
+            load = ("(not drawn)" if args.compile_only else " ".join(
+                f"{v:.2f}" for v in np.bincount(np.asarray(idx).reshape(-1) // L, minlength=R)
+                / (T * K)))
+            print(f"\n== {tag}: pairs per rank / T*K: {load}"
                   + "; moe_ffn's rows per pass: " + ", ".join(
                       f"{name} {jax_ep.moe_capacity(T, fused=f, **group)}"
                       for name, f in (("unfused", False), ("fused", True))))
@@ -334,11 +406,12 @@ def main():
                 default = True
             same = f"moe_ffn(fused={default})"
             diff = {"expert compute alone": (0, 1, 2, 3), "communication alone": (0, 2)}
-            rows = {}
+            rows, timers = {}, {}
             # the dense MoE on the first check_tokens tokens of every rank
             S = min(args.check_tokens, T)
             pick = (np.arange(R)[:, None] * T + np.arange(S)[None, :]).reshape(-1)
-            dense = np.asarray(dense_check(mesh, x[pick], idx[pick], w[pick], wgu, wd))
+            if not args.compile_only:
+                dense = np.asarray(dense_check(mesh, x[pick], idx[pick], w[pick], wgu, wd))
             for name, (fn, fargs) in layers.items():
                 if name in skip or (only and name not in only):
                     continue
@@ -349,18 +422,29 @@ def main():
                     continue
                 row = dict(name=name, shape=tag, ranks=R, routing=routing)
                 try:
-                    out = rank_map(mesh, fn)(*fargs)
-                    if name not in ("expert compute alone", "communication alone"):
-                        got = np.asarray(out, np.float64)[pick]
-                        row["rel_err_vs_dense"] = float(np.linalg.norm(got - dense)
-                                                        / max(np.linalg.norm(dense), 1e-30))
-                    del out
+                    if not args.compile_only:
+                        out = rank_map(mesh, fn)(*fargs)
+                        if name not in ("expert compute alone", "communication alone"):
+                            got = np.asarray(out, np.float64)[pick]
+                            row["rel_err_vs_dense"] = float(np.linalg.norm(got - dense)
+                                                            / max(np.linalg.norm(dense), 1e-30))
+                        del out
                     for op, f in (("fwd", fn),
                                   ("fwd+bwd", with_backward(fn, diff.get(name, (0, 2, 3, 4))))):
+                        if args.compile_only:
+                            if op == "fwd+bwd":
+                                row["step_bytes"], row["step_temp_bytes"] = step_bytes(
+                                    scan_fn(mesh, f, 1).lower(*fargs).compile())
+                            continue
                         fs = scan_fn(mesh, f, n_short).lower(*fargs).compile()
                         fl = scan_fn(mesh, f, n_long).lower(*fargs).compile()
                         if op == "fwd+bwd" and n_short == 1:
                             row["step_bytes"], row["step_temp_bytes"] = step_bytes(fs)
+                        if timers_later:  # (one run here: a failure is this row's)
+                            jax.block_until_ready(fs(*fargs))
+                            timers[name, op] = functools.partial(
+                                time_slope, fs, fl, n_short, n_long, fargs, args.reps)
+                            continue
                         med, lo, hi, _ = time_slope(fs, fl, n_short, n_long, fargs, args.reps)
                         row[op + "_ms"] = med * 1e3
                         row[op + "_ms_range"] = [lo * 1e3, hi * 1e3]
@@ -377,35 +461,58 @@ def main():
                             .lower(*fargs).compile())
                     except Exception as e:  # noqa: BLE001 - reported beside the timings
                         row["train_failed"] = first_line(e)
-                jax.clear_caches()
+                if not timers_later:  # (else the compiled scans stay for the rounds)
+                    jax.clear_caches()
                 rows[name] = row
                 results.append(row)
-                gb, tgb = row.get("step_bytes"), row.get("train_step_bytes")
-                print(f"  {name:<34} fwd {row.get('fwd_ms', float('nan')):9.3f} ms  "
-                      f"fwd+bwd {row.get('fwd+bwd_ms', float('nan')):9.3f} ms  "
-                      f"step {gb / 1e9 if gb else float('nan'):6.2f} GB  "
-                      f"train {tgb / 1e9 if tgb else float('nan'):6.2f} GB"
-                      + (f"  err {row['rel_err_vs_dense']:.1e}" if "rel_err_vs_dense" in row
-                         else "") + (f"  FAILED {row['failed']}" if "failed" in row else "")
-                      + (f"  train FAILED {row['train_failed']}" if "train_failed" in row
-                         else ""),
-                      flush=True)
+                if not timers_later:
+                    print_row(row)
+            if timers_later:
+                print(f"  {args.rounds} paired rounds of {len(timers)} timers ...", flush=True)
+                got = paired(timers, args.rounds)
+                timers.clear()
+                for (name, op), meds in got.items():
+                    rows[name][op + "_ms"] = float(np.median(meds)) * 1e3
+                    rows[name][op + "_ms_rounds"] = [m * 1e3 for m in meds]
+                for name, row in rows.items():
+                    if "same_as" in row:  # the default's copy, made before the rounds
+                        row.update({k: v for k, v in rows[row["same_as"]].items()
+                                    if k.endswith(("_ms", "_rounds"))})
+                    else:
+                        print_row(row)
+                jax.clear_caches()
             summary.append(dict(shape=tag, ranks=R, routing=routing, ratios=ratios(rows)))
-            print("  same-run ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in
-                                                      summary[-1]["ratios"].items()))
+            print("  same-run ratios" + (" (medians of the rounds' ratios)" if timers_later
+                                         else "") + ": " + ", ".join(
+                f"{k} {v:.2f}" for k, v in summary[-1]["ratios"].items()))
             for name in ("moe_ffn", "moe_ffn(fused=False)", "moe_ffn(fused=True)"):
                 err = rows.get(name, {}).get("rel_err_vs_dense")
                 assert err is None or err < 2e-2, (name, err)
 
     with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
         json.dump(dict(device=devs[0].device_kind, jax=jax.__version__, backend=be,
-                       summary=summary, results=results), f, indent=1)
+                       mock_topology=mock or None, rounds=args.rounds, summary=summary,
+                       results=results), f, indent=1)
     ok = [r for r in results if "fwd_ms" in r]
-    barh_plot(os.path.join(args.out, "bench_layer.png"),
-              [f"{r['shape'].split(' ')[0]} {r['routing']}: {r['name']}" for r in ok],
-              [r["fwd_ms"] for r in ok], f"forward ms per layer, {devs[0].device_kind}",
-              log=True, figsize=(11, max(3, 0.3 * len(ok))))
+    if ok:
+        barh_plot(os.path.join(args.out, "bench_layer.png"),
+                  [f"{r['shape'].split(' ')[0]} {r['routing']}: {r['name']}" for r in ok],
+                  [r["fwd_ms"] for r in ok], f"forward ms per layer, {devs[0].device_kind}",
+                  log=True, figsize=(11, max(3, 0.3 * len(ok))))
     print("\nwrote", os.path.join(args.out, "bench_layer.json"))
+
+
+def print_row(row):
+    """One layer's line of the table."""
+    gb, tgb = row.get("step_bytes"), row.get("train_step_bytes")
+    print(f"  {row['name']:<34} fwd {row.get('fwd_ms', float('nan')):9.3f} ms  "
+          f"fwd+bwd {row.get('fwd+bwd_ms', float('nan')):9.3f} ms  "
+          f"step {gb / 1e9 if gb else float('nan'):6.2f} GB  "
+          f"train {tgb / 1e9 if tgb else float('nan'):6.2f} GB"
+          + (f"  err {row['rel_err_vs_dense']:.1e}" if "rel_err_vs_dense" in row else "")
+          + (f"  FAILED {row['failed']}" if "failed" in row else "")
+          + (f"  train FAILED {row['train_failed']}" if "train_failed" in row else ""),
+          flush=True)
 
 
 def ratios(rows):
@@ -414,22 +521,29 @@ def ratios(rows):
 
     def get(name, key):
         return rows.get(name, {}).get(key)
+
+    def ratio(num, den, key):  # paired rounds: the median of the rounds' ratios
+        a, b = get(num, key + "_rounds"), get(den, key + "_rounds")
+        if a and b:
+            return ratio_median(a, b)
+        a, b = get(num, key), get(den, key)
+        return a / b if a and b else None
     base = "expert compute alone"
     for key, what in (("fwd_ms", "fwd"), ("fwd+bwd_ms", "fwd+bwd"), ("step_bytes", "memory"),
                       ("train_step_bytes", "training-step memory")):
         for name, short in (("moe_ffn", "default"), ("moe_ffn(fused=True)", "fused"),
                             ("moe_ffn(fused=False)", "unfused")):
-            a, b = get(name, key), get(base, key)
-            if a and b:
-                out[f"{short} / expert compute {what}"] = a / b
+            r = ratio(name, base, key)
+            if r:
+                out[f"{short} / expert compute {what}"] = r
         for name, short in (("GShard capacity 1.25 + einsum", "gshard"),
                             ("ragged_all_to_all + ragged_dot", "ragged")):
-            a, b = get(name, key), get("moe_ffn", key)
-            if a and b and "memory" not in what:
-                out[f"{short} / default {what}"] = a / b
-    a, b = get("moe_ffn(fused=True)", "fwd_ms"), get("moe_ffn(fused=False)", "fwd_ms")
-    if a and b:
-        out["fused / unfused fwd"] = a / b
+            r = ratio(name, "moe_ffn", key)
+            if r and "memory" not in what:
+                out[f"{short} / default {what}"] = r
+    r = ratio("moe_ffn(fused=True)", "moe_ffn(fused=False)", "fwd_ms")
+    if r:
+        out["fused / unfused fwd"] = r
     return out
 
 

@@ -301,3 +301,40 @@ def test_fused_ab_baselines_and_their_undoing(monkeypatch):
     assert moe.matmul_combine is fused.matmul_combine
     with pytest.raises(SystemExit, match="env:JAX_EP_NAME=VALUE"):
         fused_ab.load_baseline("env:FUSED_BACKWARD=0")
+
+
+def test_bench_layer_balanced_routing_gives_every_expert_the_same_pairs():
+    """bench_layer.py's balanced routing: every expert exactly S * K / E pairs (the expert
+    compute's equal groups), K distinct experts per token, spread over the ranks, and weights
+    that sum to one per token."""
+    import bench_layer
+    rng = np.random.default_rng(0)
+    for S, E, K, R in ((64, 8, 2, 2), (4096, 32, 8, 1), (2 * 4096, 64, 8, 2), (96, 12, 4, 3)):
+        w, idx = bench_layer.balanced_routing(rng, S, E, K)
+        idx = np.asarray(idx)
+        assert idx.shape == (S, K) and idx.min() >= 0 and idx.max() < E
+        np.testing.assert_array_equal(np.bincount(idx.reshape(-1), minlength=E),
+                                      np.full(E, S * K // E))
+        assert all(len(set(row)) == K for row in idx.tolist())
+        ranks = idx // (E // R)
+        if R > 1:                                  # a token reaches several ranks
+            assert (np.ptp(ranks, axis=1) > 0).all(), (S, E, K, R)
+        np.testing.assert_allclose(np.asarray(w, np.float32).sum(axis=1), 1.0, atol=2e-2)
+
+
+def test_bench_layer_paired_ratios_are_medians_of_the_rounds_ratios():
+    """With paired rounds, a same-run ratio is the median over rounds of the two layers'
+    ratio (each round's clock weighs on both sides), not the ratio of their medians."""
+    import bench_layer
+    rows = {
+        "moe_ffn": {"fwd_ms": 2.0, "fwd_ms_rounds": [1.0, 2.0, 3.0], "step_bytes": 6},
+        "expert compute alone": {"fwd_ms": 1.0, "fwd_ms_rounds": [1.0, 1.0, 3.0],
+                                 "step_bytes": 4},
+        "GShard capacity 1.25 + einsum": {"fwd_ms": 4.0},
+    }
+    r = bench_layer.ratios(rows)
+    assert r["default / expert compute fwd"] == pytest.approx(1.0)   # median of 1, 2, 1
+    assert r["default / expert compute memory"] == pytest.approx(1.5)
+    assert r["gshard / default fwd"] == pytest.approx(2.0)          # no rounds: the figures'
+    del rows["moe_ffn"]["fwd_ms_rounds"]                             # one side without rounds
+    assert bench_layer.ratios(rows)["default / expert compute fwd"] == pytest.approx(2.0)

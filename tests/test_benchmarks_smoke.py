@@ -47,8 +47,9 @@ SCRIPTS = {
                       "bench_gemm.json", ["reference backend: skipped the CUDA-only rows"]),
     "bench_layer.py": (["--backend", "reference", "--ranks", "2", "--routing", "zipf",
                         "--tokens", "8", "--hidden", "128", "--inter", "128", "--experts", "2",
-                        "--topk", "2", "--reps", "1", "--check-tokens", "4"],
-                       "bench_layer.json", ["same-run ratios"]),
+                        "--topk", "2", "--reps", "1", "--rounds", "2", "--check-tokens", "4"],
+                       "bench_layer.json", ["same-run ratios (medians of the rounds' ratios)",
+                                            "2 paired rounds of"]),
     "layer_kernels.py": (["--backend", "reference", "--ranks", "2", "--tokens", "8", "--hidden",
                           "128", "--inter", "128", "--experts", "2", "--topk", "2", "--calls",
                           "1"],
@@ -120,3 +121,25 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
     assert rows, f"{path}: no rows\n{log}"
     for line in lines:
         assert line in p.stdout, f"expected a line with {line!r}\n{log}"
+
+
+def test_bench_layer_compile_only_plans_memory_and_runs_nothing(tmp_path):
+    """bench_layer.py --compile-only: every layer's memory plans from abstract inputs, no
+    timing, no check against the dense MoE (the mode that --mock-topology uses on a GPU)."""
+    out = tmp_path / "out"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS,
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, os.path.join(BENCH, "bench_layer.py"), "--out", str(out),
+           "--backend", "reference", "--ranks", "2", "--routing", "balanced", "--tokens", "8",
+           "--hidden", "128", "--inter", "128", "--experts", "2", "--topk", "2",
+           "--compile-only", "--only", "moe_ffn,expert compute alone"]
+    p = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                       timeout=600)
+    log = f"$ {' '.join(cmd)}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    assert p.returncode == 0, log
+    assert "compiled only" in p.stdout and "(not drawn)" in p.stdout, log
+    rows = json.loads((out / "bench_layer.json").read_text())["results"]
+    assert [r["name"] for r in rows] == ["moe_ffn", "expert compute alone"], log
+    for r in rows:
+        assert r["step_bytes"] > 0 and r["train_step_bytes"] > 0, r
+        assert "fwd_ms" not in r and "rel_err_vs_dense" not in r, r
