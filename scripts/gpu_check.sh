@@ -2,7 +2,7 @@
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
 #   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [moe] [mp] [ucx] [example] [bench]
 #                        [bench-quick] [bench-gemm] [bench-moe] [bench-moe-ranks] [bench-modes]
-#                        [bench-layer] [bench-fused-backward] [probe]
+#                        [bench-layer] [bench-fused-backward] [layer-memory] [probe]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
 #   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
 #   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
@@ -33,6 +33,9 @@
 #   bench-fused-backward: the layer's backward on the fused kernels against the unfused ops
 #   (JAX_EP_FUSED_BACKWARD=0), paired rounds in one process (benchmarks/fused_ab.py; the
 #   machine's GPUs, LAYER_RANKS to choose).
+#   layer-memory: the memory XLA plans for the layer's step over 2, 4 and 8 GPUs (MEMORY_RANKS),
+#   compiled on JAX's mock GPU client on this machine's first GPU, nothing run
+#   (benchmarks/bench_layer.py --mock-topology; a minute in all).
 #   probe: NVLink all-to-all bandwidth per method (benchmarks/nvlink_probe.cu; PROBE_ARGS).
 # Extra args: PYTEST_K="ll_ or layout" (a -k expression, test and mp stages);
 # PYTEST_ARGS="--maxfail=3";
@@ -332,6 +335,15 @@ if has bench-fused-backward; then
      $PY "$OLDPWD/benchmarks/fused_ab.py" --baseline env:JAX_EP_FUSED_BACKWARD=0 \
      --ranks ${LAYER_RANKS:-$( [ "$n" -ge 4 ] && echo 4,2 || echo "$n")} --tag _backward \
      --out "$OUT" 2>&1 | tee "$OUT/fused_backward_ab.log" | tail -20) || rc=1
+fi
+if has layer-memory; then
+  step "MoE layer: memory plans over ${MEMORY_RANKS:-2 4 8} GPUs (mock GPU client, compiled only)"
+  for r in ${MEMORY_RANKS:-2 4 8}; do
+    (cd /tmp && timeout 300 $PY "$OLDPWD/benchmarks/bench_layer.py" --ranks "$r" \
+       --mock-topology "1x${r}x1" --routing uniform --only "moe_ffn,expert compute alone" \
+       --out "$OUT/layer_memory_r$r" 2>&1 | tee "$OUT/layer_memory_r$r.log" \
+       | grep -E "^device|^==|moe_ffn |expert compute|ratios") || rc=1
+  done
 fi
 if has bench-modes; then
   step "benchmark: one process vs one process per GPU"
