@@ -102,9 +102,9 @@ def test_every_benchmark_file_is_listed():
     assert not gone, f"listed but not in benchmarks/: {gone}"
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_benchmark_runs_on_cpu(script, tmp_path):
-    args, out_json, lines = SCRIPTS[script]
+def run_script(script, args, tmp_path):
+    """(stdout, log, the --out folder) of a benchmark script run on the CPU; fails the test with
+    the log when it exits with an error."""
     out = tmp_path / "out"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS,
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
@@ -114,30 +114,31 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
                        timeout=600)
     log = f"$ {' '.join(cmd)}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     assert p.returncode == 0, log
+    return p.stdout, log, out
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_benchmark_runs_on_cpu(script, tmp_path):
+    args, out_json, lines = SCRIPTS[script]
+    stdout, log, out = run_script(script, args, tmp_path)
     path = out / out_json
     assert path.is_file(), f"{path} not written\n{log}"
     data = json.loads(path.read_text())
     rows = data.get("rows", data.get("results"))
     assert rows, f"{path}: no rows\n{log}"
     for line in lines:
-        assert line in p.stdout, f"expected a line with {line!r}\n{log}"
+        assert line in stdout, f"expected a line with {line!r}\n{log}"
 
 
 def test_bench_layer_compile_only_plans_memory_and_runs_nothing(tmp_path):
     """bench_layer.py --compile-only: every layer's memory plans from abstract inputs, no
     timing, no check against the dense MoE (the mode that --mock-topology uses on a GPU)."""
-    out = tmp_path / "out"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS,
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, os.path.join(BENCH, "bench_layer.py"), "--out", str(out),
-           "--backend", "reference", "--ranks", "2", "--routing", "balanced", "--tokens", "8",
-           "--hidden", "128", "--inter", "128", "--experts", "2", "--topk", "2",
-           "--compile-only", "--only", "moe_ffn,expert compute alone"]
-    p = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True,
-                       timeout=600)
-    log = f"$ {' '.join(cmd)}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
-    assert p.returncode == 0, log
-    assert "compiled only" in p.stdout and "(not drawn)" in p.stdout, log
+    stdout, log, out = run_script(
+        "bench_layer.py", ["--backend", "reference", "--ranks", "2", "--routing", "balanced",
+                           "--tokens", "8", "--hidden", "128", "--inter", "128", "--experts",
+                           "2", "--topk", "2", "--compile-only", "--only",
+                           "moe_ffn,expert compute alone"], tmp_path)
+    assert "compiled only" in stdout and "(not drawn)" in stdout, log
     rows = json.loads((out / "bench_layer.json").read_text())["results"]
     assert [r["name"] for r in rows] == ["moe_ffn", "expert compute alone"], log
     for r in rows:
