@@ -49,8 +49,13 @@ using namespace cute;
 using namespace tiles;
 constexpr int kUnroll = 2;  // int4 loads per lane and row, per pass over a token's rows
 constexpr int kGroup = 8;   // rows loaded at once (kGroup * kUnroll loads in flight)
-static_assert(kGroup >= kMaxRanks, "a token's rows of every rank are loaded at once");
 constexpr int kChunkVectors = kChunkBlocks * kBlockN / 8;  // int4 of a row in one chunk
+// The second step's rows in flight at once, and int4 loads per lane and row in one pass: the
+// first step's shape (a whole chunk of each row per pass, twice the loads, spilled registers).
+constexpr int kPullRows = kGroup;
+constexpr int kPullUnroll = kUnroll;
+static_assert(kTokensPerTask * kMaxRanks <= 32, "a task's (token, rank) entries, one lane each");
+static_assert(kReducedRowsPerTask <= 32, "a task's rows fit a mask");
 static_assert(trace::kFusedEnd < kTraceSlots, "the phase tracer's marks fit a slot");
 
 template <bool kKMajorB>
@@ -119,7 +124,9 @@ __device__ __forceinline__ int64_t next_task(int* queue, int lane) {
 // chunk `ch`. yr[c] = the bfloat16 rounding of sum over the slots k of row c (in slot order,
 // float32) of weights[c, k] * ye[row_of[c, k]], once those rows' tiles of the chunk are stored
 // here; a row without a slot here is not written. Then one flag for the task's rows and chunk
-// (1 + the mask of the rows without a slot; system-scope release). False when a wait gave up.
+// (1 + the mask of the rows without a slot; system-scope release). The waits of every slot of
+// the task's rows come first, 32 at a time, so that a row's loads follow no wait of their own.
+// False when a wait gave up.
 __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end, int ch,
                             int64_t c0, int lane) {
   const int K = a.K;
@@ -129,29 +136,28 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
   auto* yr = static_cast<uint8_t*>(a.yr);
   const Waiter me = waiter(a.ps);
   const int64_t c1 = min(c0 + kReducedRowsPerTask, static_cast<int64_t>(a.Cr));
-  int empty = 0;  // the task's rows without a slot here (bit c - c0)
+  // The task's (row, slot) entries lie at c0 * K on in row_of: lane e % 32 holds entry e.
+  const int64_t ne = (c1 - c0) * K;
+  unsigned int held = 0;  // the task's rows with a slot here (bit c - c0)
+  for (int64_t base = 0; base < ne; base += 32) {
+    const int64_t e = base + lane;
+    int j = -1;
+    if (e < ne) {
+      j = ht::ld_nc_s32(a.row_of + c0 * K + e);
+      if (j >= end) j = -1;  // past the segments (a tampered handle): a zero row
+    }
+    bool good = true;
+    if (j >= 0 && !JAX_EP_PLANTED(kCombineSkipsTiles))
+      good = wait_count_geq(me, a.timeout_ns, kPhaseTiles, -1, need,
+                            [p = a.counters + static_cast<int64_t>(j / kBlockM) * lay.chunks + ch] {
+                              return ld_acquire_gpu(p);
+                            });
+    held |= __reduce_or_sync(ht::kFull, j >= 0 ? 1u << (e / K) : 0u);
+    if (!__all_sync(ht::kFull, good)) return false;
+  }
+  __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
   for (int64_t c = c0; c < c1; ++c) {
-    bool any = false;
-    // Wait until every slot's row is stored in this chunk (lane k % 32 holds slot k).
-    for (int base = 0; base < K; base += 32) {
-      int j = -1;
-      if (base + lane < K) {
-        j = ht::ld_nc_s32(a.row_of + c * K + base + lane);
-        if (j >= end) j = -1;  // past the segments (a tampered handle): a zero row
-      }
-      bool good = true;
-      if (j >= 0 && !JAX_EP_PLANTED(kCombineSkipsTiles))
-        good = wait_count_geq(me, a.timeout_ns, kPhaseTiles, -1, need,
-                              [p = a.counters + static_cast<int64_t>(j / kBlockM) * lay.chunks +
-                                   ch] { return ld_acquire_gpu(p); });
-      any = __any_sync(ht::kFull, j >= 0) || any;
-      if (!__all_sync(ht::kFull, good)) return false;
-    }
-    __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
-    if (!any) {
-      empty |= 1 << (c - c0);
-      continue;
-    }
+    if (!(held >> (c - c0) & 1u)) continue;
     uint8_t* dst = yr + c * N * 2;
     for (int64_t v0 = lo; v0 < hi; v0 += 32 * kUnroll) {
       const int64_t i0 = v0 + lane;
@@ -203,7 +209,9 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
   }
   __syncwarp();  // every lane's stores before lane 0's release
   if (lane == 0) {
-    st_release_sys_s32(a.counters + lay.flags + ch * lay.n1 + c0 / kReducedRowsPerTask, 1 + empty);
+    const unsigned int rows = (1u << (c1 - c0)) - 1u;
+    st_release_sys_s32(a.counters + lay.flags + ch * lay.n1 + c0 / kReducedRowsPerTask,
+                       1 + static_cast<int>(~held & rows));
     if (ch < trace::kFusedTracedChunks) trace_max(a.ps, trace::kFusedChunkReduced + ch);
   }
   return true;
@@ -211,8 +219,10 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
 
 // A second-step task, one warp: own tokens [t0, t0 + kTokensPerTask), the columns of chunk
 // `ch`: for each rank s holding the token, wait for its row's flag of the chunk on s, pull the
-// chunk of that one row, and sum over ranks in rank order, in float32. *done: tokens combined.
-// False when a wait gave up.
+// chunk of that one row, and sum over ranks in rank order, in float32. The task's (token, rank)
+// entries are one lane each (e = token * R + rank, as in send_rows): every wait first, then
+// their rows kPullRows at a time, whatever their tokens, summed token by token.
+// *done: tokens combined. False when a wait gave up.
 __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const Layout& lay,
                              int ch, int64_t t0, int lane, int* done) {
   const int R = a.ps.num_ranks;
@@ -220,66 +230,76 @@ __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const
   const int64_t flags = lay.flags + ch * lay.n1;
   const Waiter me = waiter(a.ps);
   const int64_t t1 = min(t0 + kTokensPerTask, static_cast<int64_t>(a.T));
-  for (int64_t t = t0; t < t1; ++t) {
-    // Lane s < R: the token's received row on rank s (-1: none), once that rank summed it.
-    int r = lane < R ? ht::ld_nc_s32(a.send_rows + t * R + lane) : -1;
-    if (r >= a.Cr) r = -1;
-    bool good = true;
-    if (r >= 0 && !JAX_EP_PLANTED(kCombineSkipsSummed)) {
-      const int* f = pv.counters[lane] + flags + r / kReducedRowsPerTask;
-      int v = 0;
-      good = wait_count_geq(me, a.timeout_ns, kPhaseReduced, lane, 1,
-                            [f, &v] { return v = ld_acquire_sys_s32(f); });
-      if (good && ((v - 1) >> (r % kReducedRowsPerTask) & 1)) r = -1;  // no slot there
-    }
-    const bool ok = __all_sync(ht::kFull, good);
-    __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
-    if (!ok) return false;
-    uint8_t* dst = static_cast<uint8_t*>(a.out) + t * N * 2;
-    for (int64_t v0 = lo; v0 < hi; v0 += 32 * kUnroll) {
-      const int64_t i0 = v0 + lane;
-      float total[kUnroll][8];
-      int4 v[kGroup][kUnroll];
-      int rs[kGroup];
+  const int ne = static_cast<int>(t1 - t0) * R;
+  // Lane e < ne: token t0 + e / R's received row on rank e % R (-1: none), once that rank
+  // summed it.
+  int r = lane < ne ? ht::ld_nc_s32(a.send_rows + t0 * R + lane) : -1;
+  if (r >= a.Cr) r = -1;
+  bool good = true;
+  if (r >= 0 && !JAX_EP_PLANTED(kCombineSkipsSummed)) {
+    const int* f = pv.counters[lane % R] + flags + r / kReducedRowsPerTask;
+    int v = 0;
+    good = wait_count_geq(me, a.timeout_ns, kPhaseReduced, lane % R, 1,
+                          [f, &v] { return v = ld_acquire_sys_s32(f); });
+    if (good && ((v - 1) >> (r % kReducedRowsPerTask) & 1)) r = -1;  // no slot there
+  }
+  const bool ok = __all_sync(ht::kFull, good);
+  __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
+  if (!ok) return false;
+  for (int64_t v0 = lo; v0 < hi; v0 += 32 * kPullUnroll) {
+    const int64_t i0 = v0 + lane;
+    float total[kPullUnroll][8];
+    for (int e0 = 0; e0 < ne; e0 += kPullRows) {  // warp-uniform
+      int4 v[kPullRows][kPullUnroll];
+      int rs[kPullRows];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) total[u][i] = 0.f;
-      // Every rank's row in flight at once, summed in rank order.
-#pragma unroll
-      for (int s = 0; s < kGroup; ++s) {
-        rs[s] = __shfl_sync(ht::kFull, r, s);
-        if (s >= R || rs[s] < 0) {
-          rs[s] = -1;
+      for (int g = 0; g < kPullRows; ++g) {
+        const int e = e0 + g;
+        rs[g] = __shfl_sync(ht::kFull, r, e & 31);
+        if (e >= ne || rs[g] < 0) {
+          rs[g] = -1;
           continue;
         }
         const int4* row =
-            reinterpret_cast<const int4*>(pv.yr[s] + static_cast<int64_t>(rs[s]) * N * 2);
+            reinterpret_cast<const int4*>(pv.yr[e % R] + static_cast<int64_t>(rs[g]) * N * 2);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (i0 + u * 32 < hi) v[s][u] = ht::ld_cg_v4(row + i0 + u * 32);
+        for (int u = 0; u < kPullUnroll; ++u)
+          if (i0 + u * 32 < hi) v[g][u] = ht::ld_cg_v4(row + i0 + u * 32);
       }
 #pragma unroll
-      for (int s = 0; s < kGroup; ++s) {
-        if (rs[s] < 0) continue;
+      for (int g = 0; g < kPullRows; ++g) {
+        const int e = e0 + g;
+        if (e >= ne) break;
+        const int s = e % R;
+        if (s == 0) {  // the token's first rank: its sum starts
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (i0 + u * 32 >= hi) continue;
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[s][u]);
+          for (int u = 0; u < kPullUnroll; ++u)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(h[i]);
-            total[u][2 * i] = __fadd_rn(total[u][2 * i], f.x);
-            total[u][2 * i + 1] = __fadd_rn(total[u][2 * i + 1], f.y);
+            for (int i = 0; i < 8; ++i) total[u][i] = 0.f;
+        }
+        if (rs[g] >= 0) {
+#pragma unroll
+          for (int u = 0; u < kPullUnroll; ++u) {
+            if (i0 + u * 32 >= hi) continue;
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[g][u]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 f = __bfloat1622float2(h[i]);
+              total[u][2 * i] = __fadd_rn(total[u][2 * i], f.x);
+              total[u][2 * i + 1] = __fadd_rn(total[u][2 * i + 1], f.y);
+            }
           }
         }
-      }
+        if (s == R - 1) {  // the token's last rank: its sum is stored
+          auto* dst = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out) + (t0 + e / R) * N * 2);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i0 + u * 32 < hi) reinterpret_cast<int4*>(dst)[i0 + u * 32] = ht::pack_bf16x8(total[u]);
+          for (int u = 0; u < kPullUnroll; ++u)
+            if (i0 + u * 32 < hi) dst[i0 + u * 32] = ht::pack_bf16x8(total[u]);
+        }
+      }
     }
-    ++*done;
   }
+  *done += static_cast<int>(t1 - t0);
   if (lane == 0 && ch < trace::kFusedTracedChunks) trace_max(a.ps, trace::kFusedChunkCombined + ch);
   return true;
 }
