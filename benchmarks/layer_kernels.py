@@ -4,8 +4,9 @@ compute alone, from a jax.profiler trace (benchmarks/kernel_times.py reads it).
 For each R in --ranks and each variant (moe_ffn fused=False / fused=True, the expert compute
 alone), forward and forward + backward: a jit-compiled scan of --calls calls after warm-up,
 traced once; per kernel name the count and microseconds per call on the first GPU, longest
-first, and the sum. Shapes and routing as benchmarks/bench_layer.py (uniform routing).
-Writes layer_kernels.json.
+first, and the sum. Shapes as benchmarks/bench_layer.py; routing uniform (softmax top-k of random
+logits) or, with --routing balanced, every expert exactly T * K / L pairs (bench_layer's
+balanced routing: the expert compute's equal groups). Writes layer_kernels.json.
 
   python benchmarks/layer_kernels.py --ranks 1,2 --out DIR
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/layer_kernels.py \
@@ -30,8 +31,8 @@ import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_times  # noqa: E402
-from bench_layer import (add_shape_args, expert_compute, layer_inputs,  # noqa: E402
-                         topk_routing, with_backward)
+from bench_layer import (add_shape_args, balanced_routing, expert_compute,  # noqa: E402
+                         layer_inputs, topk_routing, with_backward)
 from harness import scan_fn  # noqa: E402
 
 
@@ -43,13 +44,15 @@ def main():
     ap.add_argument("--calls", type=int, default=3, help="calls in the traced scan")
     ap.add_argument("--top", type=int, default=30, help="kernels printed per variant")
     ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--routing", default="uniform", choices=("uniform", "balanced"))
     args = ap.parse_args()
     T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
     be = args.backend
     devs = jax.devices()
     os.makedirs(args.out, exist_ok=True)
     rng = np.random.default_rng(0)
-    print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}")
+    print(f"device: {devs[0].device_kind} x {len(devs)}, jax {jax.__version__}, "
+          f"{args.routing} routing")
     out = []
     for R in (int(r) for r in args.ranks.split(",")):
         if R > len(devs):
@@ -57,7 +60,10 @@ def main():
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
         wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
-        w, idx = topk_routing(rng.standard_normal((R * T, E)), K)
+        if args.routing == "balanced":
+            w, idx = balanced_routing(rng, R * T, E, K)
+        else:
+            w, idx = topk_routing(rng.standard_normal((R * T, E)), K)
         lay = (x, idx, w, wgu, wd)
         variants = {
             "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=False,
@@ -97,7 +103,7 @@ def main():
                                 kernels={k: v for k, v in ks}))
                 jax.clear_caches()
     with open(os.path.join(args.out, "layer_kernels.json"), "w") as f:
-        json.dump(dict(device=devs[0].device_kind, rows=out), f, indent=1)
+        json.dump(dict(device=devs[0].device_kind, routing=args.routing, rows=out), f, indent=1)
 
 
 if __name__ == "__main__":
