@@ -2,7 +2,7 @@
 # Build, check and benchmark jax_ep on a GPU machine in one call. Logs go to $OUT.
 #   scripts/gpu_check.sh [build] [kernel] [test] [gemm] [moe] [mp] [ucx] [example] [bench]
 #                        [bench-quick] [bench-gemm] [bench-moe] [bench-moe-ranks] [bench-modes]
-#                        [bench-layer] [bench-fused-backward] [layer-memory] [probe]
+#                        [bench-layer] [bench-fused-backward] [layer-memory] [probe] [ab]
 #   (default: build kernel test gemm moe mp example bench). gemm: the grouped-GEMM GPU suite;
 #   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
 #   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
@@ -37,6 +37,13 @@
 #   compiled on JAX's mock GPU client on this machine's first GPU, nothing run
 #   (benchmarks/bench_layer.py --mock-topology; a minute in all).
 #   probe: NVLink all-to-all bandwidth per method (benchmarks/nvlink_probe.cu; PROBE_ARGS).
+#   ab: a kernel A/B in one call, after build: a base is built beside the installed tree
+#   (pip --target /tmp/jax_ep_ab_base) from a copy of this tree with the files of AB_BASE put
+#   in their places (a folder at the repository's paths, for instance .out/ab_base as
+#   scripts/ab_base.sh REV fills it; AB_BASE/.ab-delete lists files the base lacks); then
+#   AB_CMD (a bash command run in /tmp, $R the repository) AB_ROUNDS times (2) under each build
+#   in turn, every line of it into $OUT/ab.log behind "new i |" or "base i |" (AB_PIP_ARGS:
+#   more pip arguments for the base's build).
 # Extra args: PYTEST_K="ll_ or layout" (a -k expression, test and mp stages);
 # PYTEST_ARGS="--maxfail=3";
 # BENCH_ARGS="--ranks 4".
@@ -355,5 +362,41 @@ if has probe; then
   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/nvlink_probe benchmarks/nvlink_probe.cu \
     && timeout 300 /tmp/nvlink_probe --json "$OUT/nvlink_probe.json" ${PROBE_ARGS:-} 2>&1 \
     | tee "$OUT/nvlink_probe.log" | tail -40 || rc=1
+fi
+if has ab; then
+  step "kernel A/B: this tree against its files in ${AB_BASE:-(AB_BASE unset)}"
+  if [ -z "${AB_BASE:-}" ] || [ ! -d "$AB_BASE" ] || [ -z "${AB_CMD:-}" ]; then
+    echo "ab: AB_BASE must name a folder and AB_CMD a command"; rc=1
+  else
+    base=$(cd "$AB_BASE" && pwd) src=/tmp/jax_ep_ab_src prefix=/tmp/jax_ep_ab_base
+    rm -rf "$src" "$prefix" && mkdir -p "$src"
+    tar --exclude=./.git --exclude=./.out --exclude=./.whl --exclude=./.cutlass -cf - . \
+      | tar -xf - -C "$src"
+    cp -a "$base/." "$src/"
+    if [ -f "$base/.ab-delete" ]; then (cd "$src" && xargs -r rm -f < "$base/.ab-delete"); fi
+    if (cd "$src" && CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install --no-build-isolation \
+        --no-deps -v --target "$prefix" -C build-dir=/tmp/jax_ep_ab_build \
+        -C cmake.define.JAX_EP_MUTATION=0 ${AB_PIP_ARGS:-} . > "$OUT/ab_build.log" 2>&1); then
+      : > "$OUT/ab.log"
+      # the base's runs must import the base (an editable install of the tree would win)
+      got=$(cd /tmp && PYTHONPATH="$prefix${PYTHONPATH:+:$PYTHONPATH}" $PY -c \
+        "import jax_ep; print(jax_ep.__file__)" 2>&1)
+      case "$got" in
+        "$prefix"/*) echo "ab: the base imports $got" ;;
+        *) echo "ab: the base's runs would import $got, not the base in $prefix"; rc=1
+           AB_ROUNDS=0 ;;
+      esac
+      for i in $(seq "${AB_ROUNDS:-2}"); do
+        for v in new base; do
+          pp=""; [ "$v" = base ] && pp="$prefix${PYTHONPATH:+:$PYTHONPATH}"
+          (cd /tmp && R="$OLDPWD" PYTHONPATH="${pp:-${PYTHONPATH:-}}" bash -c "$AB_CMD" 2>&1 \
+             | sed "s/^/$v $i | /" >> "$OUT/ab.log") || rc=1
+        done
+      done
+      tail -40 "$OUT/ab.log"
+    else
+      tail -40 "$OUT/ab_build.log"; echo "ab: the base's build failed"; rc=1
+    fi
+  fi
 fi
 exit $rc
