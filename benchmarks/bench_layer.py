@@ -309,6 +309,18 @@ def zipf_logits(rng, n, E, s):
     return rng.gumbel(size=(n, E)) - s * np.log1p(rank)[None, :]
 
 
+def draw_routing(rng, routing, S, E, K, zipf_s=1.0):
+    """(weights [S, K] bfloat16, ids [S, K]) of S tokens over E experts, by the routing's name:
+    "uniform" (softmax top-k of random logits), "zipf" (Zipf-skewed logits, exponent zipf_s) or
+    "balanced" (balanced_routing)."""
+    if routing == "balanced":
+        return balanced_routing(rng, S, E, K)
+    if routing not in ("uniform", "zipf"):
+        raise SystemExit(f"--routing: {routing!r}: expected uniform, zipf or balanced")
+    return topk_routing(rng.standard_normal((S, E)) if routing == "uniform"
+                        else zipf_logits(rng, S, E, zipf_s), K)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -368,12 +380,8 @@ def main():
         else:
             wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
         for routing in args.routing.split(","):
-            if routing == "balanced" and not args.compile_only:
-                w, idx = balanced_routing(rng, R * T, E, K)
-            elif not args.compile_only:   # (compiled only: the routing is not drawn)
-                logits = (rng.standard_normal((R * T, E)) if routing == "uniform"
-                          else zipf_logits(rng, R * T, E, args.zipf))
-                w, idx = topk_routing(logits, K)
+            if not args.compile_only:  # (compiled only: the routing is not drawn)
+                w, idx = draw_routing(rng, routing, R * T, E, K, args.zipf)
             tag = f"R={R} T={T} H={H} I={I} L={L} K={K} {routing}"
             group = dict(num_experts=E, num_topk=K, num_ranks=R, backend=be)
             load = ("(not drawn)" if args.compile_only else " ".join(

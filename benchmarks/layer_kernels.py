@@ -31,8 +31,8 @@ import jax_ep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_times  # noqa: E402
-from bench_layer import (add_shape_args, balanced_routing, expert_compute,  # noqa: E402
-                         layer_inputs, topk_routing, with_backward)
+from bench_layer import (add_shape_args, draw_routing, expert_compute,  # noqa: E402
+                         layer_inputs, with_backward)
 from harness import scan_fn  # noqa: E402
 
 
@@ -60,10 +60,7 @@ def main():
         mesh = Mesh(np.array(devs[:R]), ("ep",))
         E = R * L
         wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
-        if args.routing == "balanced":
-            w, idx = balanced_routing(rng, R * T, E, K)
-        else:
-            w, idx = topk_routing(rng.standard_normal((R * T, E)), K)
+        w, idx = draw_routing(rng, args.routing, R * T, E, K)
         lay = (x, idx, w, wgu, wd)
         variants = {
             "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=False,

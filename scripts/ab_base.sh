@@ -9,7 +9,7 @@
 #       scripts/gpu_check.sh build ab
 set -euo pipefail
 [ $# -eq 2 ] || { echo "usage: scripts/ab_base.sh REV DIR" >&2; exit 2; }
-rev=$1 dir=$2
+rev=$1 dir=$(mkdir -p "$2" && cd "$2" && pwd)  # (the caller's path, before the cd below)
 git rev-parse --verify -q "$rev^{commit}" > /dev/null || { echo "ab_base: no revision $rev" >&2; exit 2; }
 cd "$(git rev-parse --show-toplevel)"
 paths=(csrc jax_ep CMakeLists.txt pyproject.toml)
