@@ -338,3 +338,21 @@ def test_bench_layer_paired_ratios_are_medians_of_the_rounds_ratios():
     assert r["gshard / default fwd"] == pytest.approx(2.0)          # no rounds: the figures'
     del rows["moe_ffn"]["fwd_ms_rounds"]                             # one side without rounds
     assert bench_layer.ratios(rows)["default / expert compute fwd"] == pytest.approx(2.0)
+
+
+def test_bench_layer_draw_routing_by_name():
+    """draw_routing: "balanced" gives every expert the same pairs, "uniform" and "zipf" the
+    softmax top-k of their logits (zipf's far more skewed), another name is refused."""
+    import bench_layer
+    S, E, K = 2048, 16, 4
+    counts = {}
+    for name in ("balanced", "uniform", "zipf"):
+        w, idx = bench_layer.draw_routing(np.random.default_rng(1), name, S, E, K, zipf_s=2.0)
+        idx = np.asarray(idx)
+        assert idx.shape == (S, K) and np.asarray(w).shape == (S, K), name
+        assert all(len(set(row)) == K for row in idx.tolist()), name
+        counts[name] = np.bincount(idx.reshape(-1), minlength=E)
+    assert (counts["balanced"] == S * K // E).all()
+    assert counts["uniform"].max() < 1.3 * S * K / E < counts["zipf"].max()
+    with pytest.raises(SystemExit, match="--routing: 'skewed'"):
+        bench_layer.draw_routing(np.random.default_rng(1), "skewed", S, E, K)
