@@ -18,6 +18,9 @@
 //      wait for its row's flag of the chunk on s, pull the chunk of that one row, and sum over
 //      ranks in rank order, in float32. A token crosses the links once per rank that holds it,
 //      not once per slot.
+//   With one rank the first step sums each own token's slots straight into out (zeros for a
+//   token without a slot): no yr and no second step, whose sum over a single rank would round
+//   a bfloat16 value to itself, so the result is the same bit for bit.
 //   A slot naming a row past the rank's last segment (only a tampered handle names one) adds
 //   nothing, as the zero row it is in the unfused layer. The tasks come from one queue (an
 //   atomic counter): chunk 0's first-step tasks, then its second-step ones, then chunk 1's, and
@@ -78,14 +81,17 @@ struct Layout {
   int need_last;   // column tiles of the last chunk (every other chunk has kChunkBlocks)
   int64_t words;   // the CounterWord words
   int64_t flags;   // the first step's flags, reduce_tasks(Cr) per chunk
-  int64_t n1, n2;  // first- and second-step tasks of one chunk
+  int64_t n1, n2;  // first- and second-step tasks of one chunk (R = 1: token tasks, none)
   __device__ explicit Layout(const GemmCombineArgs& a)
       : chunks(static_cast<int>(combine_chunks(a.N))),
         need_last(static_cast<int>(column_blocks(a.N)) - (chunks - 1) * kChunkBlocks),
         words(combine_tile_words(a.C, a.N)),
         flags(words + kCounterTail),
-        n1(reduce_tasks(a.Cr)),
-        n2(token_tasks(a.T)) {}
+        n1(direct(a) ? token_tasks(a.T) : reduce_tasks(a.Cr)),
+        n2(direct(a) ? 0 : token_tasks(a.T)) {}
+  // One rank: the first step sums each token's slots straight into out (no yr, no second step;
+  // the second step's sum over one rank would round a bfloat16 value to itself).
+  __device__ static bool direct(const GemmCombineArgs& a) { return a.ps.num_ranks == 1; }
   // The int4 range [lo, hi) of a row's columns in chunk c.
   __device__ int64_t lo(int c) const { return static_cast<int64_t>(c) * kChunkVectors; }
   __device__ int64_t hi(const GemmCombineArgs& a, int c) const {
@@ -126,24 +132,35 @@ __device__ __forceinline__ int64_t next_task(int* queue, int lane) {
 // here; a row without a slot here is not written. Then one flag for the task's rows and chunk
 // (1 + the mask of the rows without a slot; system-scope release). The waits of every slot of
 // the task's rows come first, 32 at a time, so that a row's loads follow no wait of their own.
-// False when a wait gave up.
+// With one rank (Layout::direct) the task's rows are those of own tokens [c0, c0 +
+// kTokensPerTask) (send_rows) and each sum goes to out[t], zeros for a token without a slot; no
+// flag, the tokens counted in *done instead. False when a wait gave up.
 __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end, int ch,
-                            int64_t c0, int lane) {
+                            int64_t c0, int lane, int* done) {
+  static_assert(kTokensPerTask == kReducedRowsPerTask, "one task shape for either kind of row");
+  const bool direct = Layout::direct(a);
   const int K = a.K;
   const int64_t N = a.N, lo = lay.lo(ch), hi = lay.hi(a, ch);
   const int need = ch == lay.chunks - 1 ? lay.need_last : kChunkBlocks;
   const auto* ye = static_cast<const uint8_t*>(a.ye);
-  auto* yr = static_cast<uint8_t*>(a.yr);
+  auto* dst_base = static_cast<uint8_t*>(direct ? a.out : a.yr);
   const Waiter me = waiter(a.ps);
-  const int64_t c1 = min(c0 + kReducedRowsPerTask, static_cast<int64_t>(a.Cr));
-  // The task's (row, slot) entries lie at c0 * K on in row_of: lane e % 32 holds entry e.
+  const int64_t c1 = min(c0 + kReducedRowsPerTask, static_cast<int64_t>(direct ? a.T : a.Cr));
+  // The task's received rows: its own (c0 + i), or (direct) its tokens' (-1: none)
+  auto row = [&a, direct, c0](int64_t i) -> int64_t {
+    if (!direct) return c0 + i;
+    const int r = ht::ld_nc_s32(a.send_rows + c0 + i);
+    return r < a.Cr ? r : -1;
+  };
+  // The task's (row, slot) entries, lane e % 32 holding entry e (row e / K, slot e % K).
   const int64_t ne = (c1 - c0) * K;
   unsigned int held = 0;  // the task's rows with a slot here (bit c - c0)
   for (int64_t base = 0; base < ne; base += 32) {
     const int64_t e = base + lane;
     int j = -1;
     if (e < ne) {
-      j = ht::ld_nc_s32(a.row_of + c0 * K + e);
+      const int64_t c = row(e / K);
+      if (c >= 0) j = ht::ld_nc_s32(a.row_of + c * K + e % K);
       if (j >= end) j = -1;  // past the segments (a tampered handle): a zero row
     }
     bool good = true;
@@ -156,17 +173,19 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
     if (!__all_sync(ht::kFull, good)) return false;
   }
   __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
-  for (int64_t c = c0; c < c1; ++c) {
-    if (!(held >> (c - c0) & 1u)) continue;
-    uint8_t* dst = yr + c * N * 2;
+  for (int64_t i = 0; i < c1 - c0; ++i) {
+    const bool has = held >> i & 1u;
+    if (!has && !direct) continue;
+    uint8_t* dst = dst_base + (c0 + i) * N * 2;
+    const int64_t c = has ? row(i) : -1;
     for (int64_t v0 = lo; v0 < hi; v0 += 32 * kUnroll) {
       const int64_t i0 = v0 + lane;
       float part[kUnroll][8];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) part[u][i] = 0.f;
-      for (int base = 0; base < K; base += 32) {
+        for (int q = 0; q < 8; ++q) part[u][q] = 0.f;
+      for (int base = 0; has && base < K; base += 32) {
         int mj = -1;
         float mw = 0.f;
         if (base + lane < K) {
@@ -187,11 +206,11 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
             w[g] = __shfl_sync(ht::kFull, mw, q);
             if (q0 + g >= n) j[g] = -1;
             if (j[g] < 0) continue;
-            const int4* row =
+            const int4* src =
                 reinterpret_cast<const int4*>(ye + static_cast<int64_t>(j[g]) * N * 2);
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-              if (i0 + u * 32 < hi) v[g][u] = ht::ld_cg_v4(row + i0 + u * 32);
+              if (i0 + u * 32 < hi) v[g][u] = ht::ld_cg_v4(src + i0 + u * 32);
           }
 #pragma unroll
           for (int g = 0; g < kGroup; ++g) {
@@ -206,6 +225,14 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
       for (int u = 0; u < kUnroll; ++u)
         if (i0 + u * 32 < hi) reinterpret_cast<int4*>(dst)[i0 + u * 32] = ht::pack_bf16x8(part[u]);
     }
+  }
+  if (direct) {
+    *done += static_cast<int>(c1 - c0);
+    if (lane == 0 && ch < trace::kFusedTracedChunks) {
+      trace_max(a.ps, trace::kFusedChunkReduced + ch);
+      trace_max(a.ps, trace::kFusedChunkCombined + ch);
+    }
+    return true;
   }
   __syncwarp();  // every lane's stores before lane 0's release
   if (lane == 0) {
@@ -318,7 +345,7 @@ __device__ bool combine(const GemmCombineArgs& a, const PeerView& pv, int lane) 
   for (int64_t i; ok && (i = next_task(queue, lane)) < tasks;) {
     const int ch = static_cast<int>(i / per);
     const int64_t r = i - ch * per;
-    ok = r < lay.n1 ? reduce_task(a, lay, pv.end, ch, r * kReducedRowsPerTask, lane)
+    ok = r < lay.n1 ? reduce_task(a, lay, pv.end, ch, r * kReducedRowsPerTask, lane, &done)
                     : combine_task(a, pv, lay, ch, (r - lay.n1) * kTokensPerTask, lane, &done);
   }
   __syncwarp();  // every lane's stores before lane 0's release
