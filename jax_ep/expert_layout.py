@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep import _ffi
-from jax_ep._common import axis_info, first_occurrence
+from jax_ep._common import axis_info, first_occurrence, order_by_key
 
 
 class ExpertDispatchHandle(NamedTuple):
@@ -70,7 +70,7 @@ def plan(recv_topk_idx, *, num_local_experts, capacity, alignment):
     padded = (counts + (A - 1)) // A * A
     offsets = (jnp.cumsum(padded) - padded).astype(jnp.int32)               # aligned starts
     starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)                 # starts unaligned
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)                  # by expert, slot
+    order = order_by_key(key, L)          # by expert, slot (past the last: no pair, any order)
     e = jnp.minimum(key[order], L - 1)
     pos_sorted = jnp.where(key[order] < L,
                            offsets[e] + jnp.arange(P, dtype=jnp.int32) - starts[e], capacity)

@@ -85,6 +85,22 @@ def check_case(mesh, xs, idxs, ws, alignment=1, capacity=None, seed=1, num_exper
     return res
 
 
+@pytest.mark.parametrize("bound", [1, 31, 255, 256, 65535, 65536])
+def test_the_layout_order_sorts_by_expert_on_a_narrow_key(bound):
+    """order_by_key (the layout's sort, on the narrowest unsigned type that holds the bound):
+    the keys below the bound in stable order, every key from the bound up after them, at each
+    width's edge."""
+    from jax_ep._common import order_by_key
+    rng = np.random.default_rng(bound)
+    key = rng.integers(0, bound + 3, 4096).astype(np.int32)
+    key[:8] = [bound - 1, 0, bound, bound + 2, bound - 1, 0, bound + 1, bound]
+    got = np.asarray(order_by_key(jnp.asarray(key), bound))
+    below = np.flatnonzero(key < bound)
+    want = below[np.argsort(key[below], kind="stable")]
+    np.testing.assert_array_equal(got[:below.size], want)
+    assert sorted(got[below.size:]) == sorted(np.flatnonzero(key >= bound).tolist())
+
+
 @pytest.mark.parametrize("alignment", [1, 4])
 @pytest.mark.parametrize("kind", ["random", "skewed", "masked", "invalid", "dups"])
 @pytest.mark.parametrize("mesh_name", ["ep2", "ep4", "dp_ep_perm"])
