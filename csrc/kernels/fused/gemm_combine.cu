@@ -20,7 +20,8 @@
 //      not once per slot.
 //   With one rank the first step sums each own token's slots straight into out (zeros for a
 //   token without a slot): no yr and no second step, whose sum over a single rank would round
-//   a bfloat16 value to itself, so the result is the same bit for bit.
+//   a bfloat16 value to itself, so the result is the same bit for bit (but for the sign of a
+//   zero: a sum that rounds to -0 stays -0, where the second step's 0 + -0 gave +0).
 //   A slot naming a row past the rank's last segment (only a tampered handle names one) adds
 //   nothing, as the zero row it is in the unfused layer. The tasks come from one queue (an
 //   atomic counter): chunk 0's first-step tasks, then its second-step ones, then chunk 1's, and
