@@ -28,7 +28,8 @@ struct GemmCombineArgs {
   int64_t I, N;
   void* ye;            // [C, N] a @ w per segment; zero past the last segment
   void* yr;            // [Cr, N] published: per received row, the weighted sum of its slots'
-                       // rows here, rounded to bfloat16 (rows without a slot: not written)
+                       // rows here, rounded to bfloat16 (rows without a slot: not written;
+                       // with one rank none: the sums go straight into out)
   void* out;           // [T, N] per token: the sum over ranks of the rank's weighted sum of rows
   int32_t* counters;   // [combine_counter_words(C, Cr)] zeroed before the launch (published)
   bool w_k_major;      // w is [L, N, I] (I contiguous)
