@@ -307,16 +307,8 @@ __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const
         }
         if (rs[g] >= 0) {
 #pragma unroll
-          for (int u = 0; u < kPullUnroll; ++u) {
-            if (i0 + u * 32 >= hi) continue;
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[g][u]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float2 f = __bfloat1622float2(h[i]);
-              total[u][2 * i] = __fadd_rn(total[u][2 * i], f.x);
-              total[u][2 * i + 1] = __fadd_rn(total[u][2 * i + 1], f.y);
-            }
-          }
+          for (int u = 0; u < kPullUnroll; ++u)
+            if (i0 + u * 32 < hi) ht::add_bf16x8(total[u], v[g][u]);
         }
         if (s == R - 1) {  // the token's last rank: its sum is stored
           auto* dst = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out) + (t0 + e / R) * N * 2);

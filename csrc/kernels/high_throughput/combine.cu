@@ -46,15 +46,7 @@ struct Vec<float> {
 template <>
 struct Vec<__nv_bfloat16> {
   static constexpr int kElems = 8;
-  __device__ static void add(float* acc, int4 v) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      acc[2 * i] += f.x;
-      acc[2 * i + 1] += f.y;
-    }
-  }
+  __device__ static void add(float* acc, int4 v) { add_bf16x8(acc, v); }
   __device__ static int4 pack(const float* a) { return pack_bf16x8(a); }
   __device__ static float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static __nv_bfloat16 from_f32(float v) { return __float2bfloat16_rn(v); }

@@ -26,6 +26,18 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* a) {
   return r;
 }
 
+// acc[0..8) += the 8 bfloat16 of v, in float32 (the high-throughput combine's sum over ranks, and
+// the fused GEMM + combine's).
+__device__ __forceinline__ void add_bf16x8(float* acc, int4 v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
+    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
+  }
+}
+
 // Read-only loads of peer XLA operands (never written while an op runs).
 __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
   int4 v;
