@@ -101,14 +101,17 @@ using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 // decoding, where the weights' bytes bound the time). Clusters pair tiles along N, never M: a
 // group's row count is arbitrary, and a cluster along M would idle half of it on every group with
 // an odd number of row tiles (measured: a quarter-used buffer took 0.59 of the full time).
+// Tiles whose rows are the groups' rows are 128 rows tall, not 256: a group's last row tile is
+// mostly padding when routing sets the sizes, and a 128-row one wastes half as much; on equal
+// groups both run at the same speed (docs/kernels.md#gemm-uneven-groups).
 template <class T>
-using Fwd = Cfg16<T, RowMajor, RowMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
+using Fwd = Cfg16<T, RowMajor, RowMajor, cute::Shape<_128, _256, _64>, cute::Shape<_1, _1, _1>,
                   Coop, CoopEpi>;
 template <class T>
 using FwdSmall = Cfg16<T, RowMajor, RowMajor, cute::Shape<_64, _256, _64>, cute::Shape<_1, _1, _1>,
                        Pingpong, PingpongEpi>;
 template <class T>  // rhs stored [G, N, K]: the lhs gradient dout @ w^T
-using FwdNK = Cfg16<T, RowMajor, ColMajor, cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>,
+using FwdNK = Cfg16<T, RowMajor, ColMajor, cute::Shape<_128, _256, _64>, cute::Shape<_1, _1, _1>,
                     Coop, CoopEpi>;
 // lhs^T @ rhs2 per group: the weight gradient (ElementC T: added to the output's contents)
 template <class T, class ElementC = void>
