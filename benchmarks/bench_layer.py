@@ -7,9 +7,11 @@ uniform (softmax top-k of random logits), Zipf-skewed (expert e drawn with weigh
 exactly R * T * K / E pairs, as the expert compute's equal groups: no expert's segment ends in a
 partial GEMM tile when that is a multiple of 128). For each R and each routing, in one run,
 after warm-up, each figure the median slope between a jit-compiled scan of n_short calls and one
-of n_long calls (benchmarks/harness.py); with --rounds N, every layer's timers run once per
-round in turn (harness.paired), each figure is the median of the rounds' and each ratio the
-median of the rounds' ratios, so that a clock drifting during the run weighs on both sides:
+of n_long calls (benchmarks/harness.py; --scan, 1 and 9 calls: a slope over 8 calls, since one
+over 2 let a forward round move by 40 % where 8 keep it within 7 %); with --rounds N, every
+layer's timers run once per round in turn (harness.paired), each figure is the median of the
+rounds' and each ratio the median of the rounds' ratios, so that a clock drifting during the run
+weighs on both sides:
 - `moe_ffn` with its default arguments, and with fused=False and fused=True;
 - the expert compute alone: both grouped GEMMs, the activation and the weighted sum over K, on
   T * K rows per rank in L equal groups, no communication (the layer's floor);
@@ -330,7 +332,7 @@ def main():
     ap.add_argument("--routing", default="uniform,zipf")
     ap.add_argument("--zipf", type=float, default=1.0, help="the Zipf exponent s")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--scan", default="1,3", help="n_short,n_long calls of the timed scans")
+    ap.add_argument("--scan", default="1,9", help="n_short,n_long calls of the timed scans")
     ap.add_argument("--check-tokens", type=int, default=128,
                     help="tokens per rank checked against the dense MoE")
     ap.add_argument("--skip", default="", help="comma-separated layer names not to run")
