@@ -8,7 +8,8 @@ exactly R * T * K / E pairs, as the expert compute's equal groups: no expert's s
 partial GEMM tile when that is a multiple of 128). For each R and each routing, in one run,
 after warm-up, each figure the median slope between a jit-compiled scan of n_short calls and one
 of n_long calls (benchmarks/harness.py; --scan, 1 and 9 calls: a slope over 8 calls, since one
-over 2 let a forward round move by 40 % where 8 keep it within 7 %); with --rounds N, every
+over 2 let a forward round move by 40 % where 8 keep it within 7 %; a layer that takes over
+SLOW_CALL_S a call, n_short + 2 calls); with --rounds N, every
 layer's timers run once per round in turn (harness.paired), each figure is the median of the
 rounds' and each ratio the median of the rounds' ratios, so that a clock drifting during the run
 weighs on both sides:
@@ -49,6 +50,7 @@ import json
 import math
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -64,6 +66,11 @@ from jax_ep import moe as _moe
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
 from harness import barh_plot, paired, rank_map, ratio_median, scan_fn, time_slope  # noqa: E402
+
+# Seconds a call past which a layer's slope is taken over 2 calls: the host's jitter (about a
+# millisecond an execution) is then under 1 % of it, and 8 calls of the ragged layer would take
+# seconds each repetition.
+SLOW_CALL_S = 0.05
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,15 +454,22 @@ def main():
                                     scan_fn(mesh, f, 1).lower(*fargs).compile())
                             continue
                         fs = scan_fn(mesh, f, n_short).lower(*fargs).compile()
-                        fl = scan_fn(mesh, f, n_long).lower(*fargs).compile()
                         if op == "fwd+bwd" and n_short == 1:
                             row["step_bytes"], row["step_temp_bytes"] = step_bytes(fs)
-                        if timers_later:  # (one run here: a failure is this row's)
-                            jax.block_until_ready(fs(*fargs))
+                        # (one run here: a failure is this row's; and its time: a layer slower
+                        # than SLOW_CALL_S a call needs no slope over many calls)
+                        jax.block_until_ready(fs(*fargs))
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(fs(*fargs))
+                        n_l = (n_short + 2 if (time.perf_counter() - t0) / n_short > SLOW_CALL_S
+                               else n_long)
+                        row[op + "_scan"] = [n_short, n_l]
+                        fl = scan_fn(mesh, f, n_l).lower(*fargs).compile()
+                        if timers_later:
                             timers[name, op] = functools.partial(
-                                time_slope, fs, fl, n_short, n_long, fargs, args.reps)
+                                time_slope, fs, fl, n_short, n_l, fargs, args.reps)
                             continue
-                        med, lo, hi, _ = time_slope(fs, fl, n_short, n_long, fargs, args.reps)
+                        med, lo, hi, _ = time_slope(fs, fl, n_short, n_l, fargs, args.reps)
                         row[op + "_ms"] = med * 1e3
                         row[op + "_ms_range"] = [lo * 1e3, hi * 1e3]
                         del fs, fl
