@@ -20,7 +20,7 @@ from jax_ep._common import AMAX_MIN, FP8_MAX, dequantize_fp8, to_e4m3_rne
 
 FP8_BLOCK = 128  # FP8 scale block: 1 x 128 for activations, 128 x 128 for weights
 _GEMM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# Rows per group at or below which the kernels use 64-row tiles (else 128 or 256 rows).
+# Rows per group at or below which the kernels use 64-row tiles (else 128 rows).
 _SMALL_M_ROWS = 128
 
 
