@@ -103,7 +103,7 @@ using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 // an odd number of row tiles (measured: a quarter-used buffer took 0.59 of the full time).
 // Tiles whose rows are the groups' rows are 128 rows tall, not 256: a group's last row tile is
 // mostly padding when routing sets the sizes, and a 128-row one wastes half as much; on equal
-// groups both run at the same speed (docs/kernels.md#gemm-uneven-groups).
+// groups the two are within 1-2 % (docs/kernels.md#gemm-uneven-groups).
 template <class T>
 using Fwd = Cfg16<T, RowMajor, RowMajor, cute::Shape<_128, _256, _64>, cute::Shape<_1, _1, _1>,
                   Coop, CoopEpi>;
