@@ -9,10 +9,9 @@ partial GEMM tile when that is a multiple of 128). For each R and each routing, 
 after warm-up, each figure the median slope between a jit-compiled scan of n_short calls and one
 of n_long calls (benchmarks/harness.py; --scan, 1 and 9 calls: a slope over 8 calls, since one
 over 2 let a forward round move by 40 % where 8 keep it within 7 %; a layer that takes over
-SLOW_CALL_S a call, n_short + 2 calls); with --rounds N, every
-layer's timers run once per round in turn (harness.paired), each figure is the median of the
-rounds' and each ratio the median of the rounds' ratios, so that a clock drifting during the run
-weighs on both sides:
+SLOW_CALL_S a call, n_short + 2 calls); with --rounds N, every layer's timers run once per round
+in turn (harness.paired), each figure is the median of the rounds' and each ratio the median of
+the rounds' ratios, so that a clock drifting during the run weighs on both sides:
 - `moe_ffn` with its default arguments, and with fused=False and fused=True;
 - the expert compute alone: both grouped GEMMs, the activation and the weighted sum over K, on
   T * K rows per rank in L equal groups, no communication (the layer's floor);
