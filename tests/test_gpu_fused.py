@@ -158,11 +158,11 @@ def _check_gemm_combine(got, R):
                                   np.asarray(out_from_ye).view(np.uint16))
     np.testing.assert_array_equal(np.asarray(public).view(np.uint16),
                                   np.asarray(out).view(np.uint16))
-    assert _rel(ye, y) < 1e-2, _rel(ye, y)
     assert _rel(out, out_unfused) < 1e-2, _rel(out, out_unfused)
     C = ye.shape[0] // R
-    for r in range(R):          # past the last segment ye is zero
-        assert not np.any(np.asarray(ye[r * C + int(count[r]):(r + 1) * C], np.float32)), r
+    for r in range(R):          # ye's rows past the last segment are scratch, not compared
+        rows = slice(r * C, r * C + int(count[r]))
+        assert _rel(ye[rows], y[rows]) < 1e-2, (r, _rel(ye[rows], y[rows]))
 
 
 @pytest.mark.parametrize("kind", ["random", "masked", "skewed", "empty", "invalid"])
@@ -268,8 +268,9 @@ def test_fused_backward_kernels_match_the_unfused_rules(R, kind):
 
 
 def test_fused_matmul_combine_rows_past_the_segments_read_as_zero():
-    """A handle naming rows past the last segment (no tile computes them) reads them as the
-    zero rows they are, as the unfused combine would, instead of waiting for tiles."""
+    """A handle naming rows past the last segment (no tile computes or writes them: they
+    hold the poison) reads them as the zero rows they are in the unfused layer, instead of
+    loading them or waiting for tiles."""
     import types
     rows = _rows(None)
     T, K, L, I, N = 64, 4, 2, 128, 256
@@ -291,9 +292,8 @@ def test_fused_matmul_combine_rows_past_the_segments_read_as_zero():
         return jax.device_get(gpu_ranks(body, 1)(a, wd, sizes, jnp.asarray(row_of), weights,
                                                  send_rows))
     poison_gpu_memory()
-    ye, out = run(np.where(past, 2 * rows + 1 + row_of % (2 * rows - 1), row_of))
+    _, out = run(np.where(past, 2 * rows + 1 + row_of % (2 * rows - 1), row_of))
     _, want = run(np.where(past, -1, row_of))
-    assert not np.any(np.asarray(ye[2 * rows:], np.float32))
     np.testing.assert_array_equal(np.abs(np.asarray(out, np.float32)),
                                   np.abs(np.asarray(want, np.float32)))
 

@@ -30,9 +30,8 @@
 //   blocks then wait until every token is combined in every chunk and every tile block has
 //   started (read the call's epoch), and end the call (end barrier), so no peer reads this
 //   rank's buffers after it.
-// - Last, every warp of the grid zeroes its share of ye past the last segment (no peer reads
-//   those rows): the worst-case capacity can leave most of ye there, far too many bytes for a
-//   few blocks.
+// - Rows of ye past the last segment are not written: no tile computes them, the combine reads
+//   them as zeros without loading them, and nothing else reads ye (the layer's scratch).
 // The phase tracer of the call site's slot gets, per column chunk, the latest times a tile was
 // stored and a task of either step ended (trace::kFused..., benchmarks/trace_phases.py --fused).
 // Tile blocks never wait for the combine; the waits end because every block of every rank runs
@@ -73,7 +72,7 @@ struct Params {
 struct PeerView {
   const uint8_t* yr[kMaxRanks];
   const int* counters[kMaxRanks];
-  int end;  // rows in this rank's segments: a row at or past it holds zeros
+  int end;  // rows in this rank's segments: a row at or past it is not computed (reads as zero)
 };
 
 // Where the words of the counters are (sizes.h, combine_counter_words: the same on every rank).
@@ -347,19 +346,6 @@ __device__ bool combine(const GemmCombineArgs& a, const PeerView& pv, int lane) 
 }
 
 // ------------------------------------------------------------------------------------------
-// Every warp of the grid, last: its share of ye's rows past the last segment, zeroed (rows
-// dealt round the warps, so that a short tail costs a row or two per warp).
-// ------------------------------------------------------------------------------------------
-__device__ void zero_past_segments(const GemmCombineArgs& a, int end) {
-  const int lane = threadIdx.x & 31, warps = kThreads / 32;
-  const int64_t Nb = a.N * 2, nw = static_cast<int64_t>(gridDim.x) * warps;
-  auto* ye = static_cast<uint8_t*>(a.ye);
-  for (int64_t j = end + static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); j < a.C;
-       j += nw)
-    ht::zero_row(ye + j * Nb, Nb, true, lane);
-}
-
-// ------------------------------------------------------------------------------------------
 // Combine-only blocks: combine, then end the call.
 // ------------------------------------------------------------------------------------------
 __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, unsigned long long e) {
@@ -379,7 +365,6 @@ __device__ void combine_role(const GemmCombineArgs& a, const PeerView& pv, unsig
   end_barrier(
       a.ps, e, a.timeout_ns, kPhaseEnd, [] {}, -1, static_cast<unsigned int>(a.combine_blocks));
   trace_mark(a.ps, trace::kFusedEnd);
-  zero_past_segments(a, pv.end);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -426,7 +411,6 @@ __device__ void tile_role(const P& p, SharedStorage& ss, const PeerView& pv) {
     if (threadIdx.x == cutlass::NumThreadsPerWarpGroup) trace_max(a.ps, trace::kFusedTilesDone);
     combine(a, pv, lane);
   }
-  zero_past_segments(a, pv.end);
 }
 
 template <class P>

@@ -26,7 +26,7 @@ struct GemmCombineArgs {
   const int32_t* send_rows;  // [T, R] the received row of each own token on each rank, or -1
   int T, C, Cr, K, L;
   int64_t I, N;
-  void* ye;            // [C, N] a @ w per segment; zero past the last segment
+  void* ye;            // [C, N] a @ w per segment; rows past the last segment unwritten
   void* yr;            // [Cr, N] published: per received row, the weighted sum of its slots'
                        // rows here, rounded to bfloat16 (rows without a slot: not written;
                        // with one rank none: the sums go straight into out)
