@@ -5,7 +5,8 @@ Per rank: T tokens, hidden H, intermediate I, L experts (E = R * L), top-K, bf16
 uniform (softmax top-k of random logits), Zipf-skewed (expert e drawn with weight
 1 / (1 + rank of e)^s, the ranks of the experts shuffled) or balanced (every expert receives
 exactly R * T * K / E pairs, as the expert compute's equal groups: no expert's segment ends in a
-partial GEMM tile when that is a multiple of 128). For each R and each routing, in one run,
+partial GEMM tile when that is a multiple of 128); each (R, routing) block draws its routing
+from the same seed, whatever blocks ran before it. For each R and each routing, in one run,
 after warm-up, each figure the median slope between a jit-compiled scan of n_short calls and one
 of n_long calls (benchmarks/harness.py; --scan, 1 and 9 calls: a slope over 8 calls, since one
 over 2 let a forward round move by 40 % where 8 keep it within 7 %; a layer that takes over
@@ -28,7 +29,8 @@ call compiled on its own.
 Every layer's output is checked against a dense MoE on a sample of tokens (float32, every
 expert evaluated); the GShard layer drops the pairs past its capacity, so its error is
 reported, not asserted.
-Prints a table and the same-run ratios, writes bench_layer.json and bench_layer.png.
+Prints a table and the same-run ratios, writes bench_layer.json and bench_layer.png after
+every block (a run cut short keeps the blocks it finished).
 
 --compile-only plans the memory and runs nothing (no timing, no check), from abstract inputs.
 --mock-topology 1x<R>x1 (JAX's mock GPU client: R mock GPUs on the first one) gives the plan of
@@ -374,8 +376,19 @@ def main():
           + (f", mock topology {mock} (compiled only)" if mock else
              ", compiled only" if args.compile_only else ""))
     results, summary = [], []
-    rng = np.random.default_rng(0)
     timers_later = args.rounds > 1 and not args.compile_only  # timed after all layers, paired
+
+    def save():
+        with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
+            json.dump(dict(device=devs[0].device_kind, jax=jax.__version__, backend=be,
+                           mock_topology=mock or None, rounds=args.rounds, summary=summary,
+                           results=results), f, indent=1)
+        ok = [r for r in results if "fwd_ms" in r]
+        if ok:
+            barh_plot(os.path.join(args.out, "bench_layer.png"),
+                      [f"{r['shape'].split(' ')[0]} {r['routing']}: {r['name']}" for r in ok],
+                      [r["fwd_ms"] for r in ok], f"forward ms per layer, {devs[0].device_kind}",
+                      log=True, figsize=(11, max(3, 0.3 * len(ok))))
 
     for R in (int(r) for r in args.ranks.split(",")):
         if R > len(devs):
@@ -389,7 +402,10 @@ def main():
             wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
         for routing in args.routing.split(","):
             if not args.compile_only:  # (compiled only: the routing is not drawn)
-                w, idx = draw_routing(rng, routing, R * T, E, K, args.zipf)
+                # each block draws from the same seed: its routing does not depend on the
+                # blocks run before it
+                w, idx = draw_routing(np.random.default_rng(0), routing, R * T, E, K,
+                                      args.zipf)
             tag = f"R={R} T={T} H={H} I={I} L={L} K={K} {routing}"
             group = dict(num_experts=E, num_topk=K, num_ranks=R, backend=be)
             load = ("(not drawn)" if args.compile_only else " ".join(
@@ -511,17 +527,9 @@ def main():
             for name in ("moe_ffn", "moe_ffn(fused=False)", "moe_ffn(fused=True)"):
                 err = rows.get(name, {}).get("rel_err_vs_dense")
                 assert err is None or err < 2e-2, (name, err)
+            save()  # every finished block, so that a run cut short keeps them
 
-    with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
-        json.dump(dict(device=devs[0].device_kind, jax=jax.__version__, backend=be,
-                       mock_topology=mock or None, rounds=args.rounds, summary=summary,
-                       results=results), f, indent=1)
-    ok = [r for r in results if "fwd_ms" in r]
-    if ok:
-        barh_plot(os.path.join(args.out, "bench_layer.png"),
-                  [f"{r['shape'].split(' ')[0]} {r['routing']}: {r['name']}" for r in ok],
-                  [r["fwd_ms"] for r in ok], f"forward ms per layer, {devs[0].device_kind}",
-                  log=True, figsize=(11, max(3, 0.3 * len(ok))))
+    save()
     print("\nwrote", os.path.join(args.out, "bench_layer.json"))
 
 

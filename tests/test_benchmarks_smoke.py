@@ -145,3 +145,21 @@ def test_bench_layer_compile_only_plans_memory_and_runs_nothing(tmp_path):
     for r in rows:
         assert r["step_bytes"] > 0 and r["train_step_bytes"] > 0, r
         assert "fwd_ms" not in r and "rel_err_vs_dense" not in r, r
+
+
+def test_bench_layer_draws_each_block_from_the_same_seed(tmp_path):
+    """bench_layer.py: a block's routing does not depend on the blocks run before it, so the
+    command of one block reproduces that block of a longer run (the Zipf draw, whose hot
+    experts decide each rank's load, is drawn twice here with a uniform one between)."""
+    stdout, log, _ = run_script(
+        "bench_layer.py", ["--backend", "reference", "--ranks", "4", "--routing",
+                           "zipf,uniform,zipf", "--tokens", "64", "--hidden", "128", "--inter",
+                           "128", "--experts", "4", "--topk", "2", "--reps", "1", "--only",
+                           "communication alone", "--check-tokens", "4"], tmp_path)
+    loads = {}
+    for line in stdout.splitlines():
+        if line.startswith("== R=4") and "pairs per rank" in line:
+            routing = line.split(":")[0].split()[-1]
+            loads.setdefault(routing, []).append(line.split("pairs per rank / T*K:")[1])
+    assert len(loads.get("zipf", [])) == 2 and len(loads.get("uniform", [])) == 1, log
+    assert loads["zipf"][0] == loads["zipf"][1], log
