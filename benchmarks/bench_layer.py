@@ -19,7 +19,8 @@ the rounds' ratios, so that a clock drifting during the run weighs on both sides
 - the communication alone: `dispatch` and `combine` of the received rows;
 - at R > 1, two plain-JAX layers: a GShard-style layer (a capacity factor per expert,
   `lax.all_to_all`, batched einsums) and `lax.ragged_all_to_all` + `lax.ragged_dot` (MaxText's
-  GPU path); one that fails (out of memory, say) is reported as failed with its error.
+  GPU path); one that fails (out of memory, say) is reported as failed with its error, and an
+  op that ran out of memory under one routing is not built again under the next.
 Memory: temp + arguments + outputs - aliased, per device, from `compiled.memory_analysis()` of
 the forward + backward (one call), twice: "step", whose gradients are each reduced to a scalar
 (as the timed scans do, so XLA may free one before the next exists), and "train", a training
@@ -377,6 +378,10 @@ def main():
              ", compiled only" if args.compile_only else ""))
     results, summary = [], []
     timers_later = args.rounds > 1 and not args.compile_only  # timed after all layers, paired
+    # {(layer, R, op): why}: an op that ran out of memory under one routing is not compiled
+    # again under the next (the buffers of every layer here follow the shapes, not the routing;
+    # the ragged layer's backward compiles for minutes before it fails)
+    out_of_memory = {}
 
     def save():
         with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
@@ -453,6 +458,7 @@ def main():
                     print(f"  {name:<34} the default (above)")
                     continue
                 row = dict(name=name, shape=tag, ranks=R, routing=routing)
+                current = "fwd"
                 try:
                     if not args.compile_only:
                         out = rank_map(mesh, fn)(*fargs)
@@ -463,6 +469,10 @@ def main():
                         del out
                     for op, f in (("fwd", fn),
                                   ("fwd+bwd", with_backward(fn, diff.get(name, (0, 2, 3, 4))))):
+                        current = op
+                        if (name, R, op) in out_of_memory:
+                            row["failed"] = out_of_memory[name, R, op]
+                            break
                         if args.compile_only:
                             if op == "fwd+bwd":
                                 row["step_bytes"], row["step_temp_bytes"] = step_bytes(
@@ -490,6 +500,9 @@ def main():
                         del fs, fl
                 except Exception as e:  # a baseline out of memory, say: reported, not fatal
                     row["failed"] = first_line(e)
+                    if "RESOURCE_EXHAUSTED" in str(e) and not args.compile_only:
+                        out_of_memory[name, R, current] = (
+                            f"not run: out of memory under {routing} routing ({row['failed']})")
                     if name.startswith("moe_ffn") or name.endswith("alone"):
                         traceback.print_exc()
                 if "failed" not in row:

@@ -163,3 +163,40 @@ def test_bench_layer_draws_each_block_from_the_same_seed(tmp_path):
             loads.setdefault(routing, []).append(line.split("pairs per rank / T*K:")[1])
     assert len(loads.get("zipf", [])) == 2 and len(loads.get("uniform", [])) == 1, log
     assert loads["zipf"][0] == loads["zipf"][1], log
+
+
+def test_bench_layer_does_not_rerun_a_backward_that_ran_out_of_memory(tmp_path):
+    """bench_layer.py: a layer whose forward + backward ran out of memory under one routing is
+    reported as such under the next without being built again (its buffers follow the shapes,
+    not the routing; the ragged layer's backward compiles for minutes before it fails on
+    GPUs). Here the GShard layer's backward raises XLA's out-of-memory status when it is traced
+    (XLA:CPU cannot run the ragged layer at all)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"""
+import sys
+sys.path.insert(0, {BENCH!r})
+import bench_layer
+traced = []
+real = bench_layer.with_backward
+def with_backward(fn, argnums):
+    if getattr(fn, "func", None) is not bench_layer.gshard_layer:
+        return real(fn, argnums)
+    def out_of_memory(*args):
+        traced.append(1)
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate (test)")
+    return out_of_memory
+bench_layer.with_backward = with_backward
+bench_layer.main()
+print("backward traced", len(traced), "times")
+""")
+    stdout, log, out = run_script(  # (an absolute path: the driver, not a script of BENCH)
+        str(driver), ["--backend", "reference", "--ranks", "2", "--routing", "uniform,zipf",
+                      "--tokens", "16", "--hidden", "128", "--inter", "128", "--experts", "2",
+                      "--topk", "2", "--reps", "1", "--only", "GShard capacity 1.25 + einsum",
+                      "--check-tokens", "4"], tmp_path)
+    assert "backward traced 1 times" in stdout, log
+    rows = json.loads((out / "bench_layer.json").read_text())["results"]
+    assert [r["routing"] for r in rows] == ["uniform", "zipf"], log
+    assert "RESOURCE_EXHAUSTED" in rows[0]["failed"] and "fwd_ms" in rows[0], rows[0]
+    assert rows[1]["failed"].startswith("not run: out of memory under uniform routing"), rows[1]
+    assert "fwd_ms" in rows[1], rows[1]
