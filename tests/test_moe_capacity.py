@@ -251,3 +251,36 @@ def test_extra_passes_cost_no_sort_unless_they_run(kind):
     got = jax.shard_map(lambda i: el.pass_slots(i, done, num_experts=E, axis_name="ep"),
                         mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep"))(clean)
     np.testing.assert_array_equal(got, clean)
+
+
+def _converts_outside_loops(jaxpr, shape, in_loop=False):
+    """The equations of a jaxpr that no while loop holds and that convert an array of `shape`
+    to float32, sub-jaxprs included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += (eqn.primitive.name == "convert_element_type" and not in_loop
+              and eqn.outvars[0].aval.shape == shape
+              and eqn.outvars[0].aval.dtype == jnp.float32)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _converts_outside_loops(sub, shape, in_loop or eqn.primitive.name == "while")
+    return n
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
+def test_extra_passes_add_no_float32_copy_unless_they_run(grad):
+    """A capacity that may need extra passes converts no [T, H] output to float32 outside their
+    loop: the float32 sum of the passes lives in the loop, so a first pass that held every pair
+    returns its own output (in bfloat16, as the one-pass layer does)."""
+    R = 2
+    x, idx, w, wgu, wd, E = _setup(R, "random")
+    x, wgu, wd = (a.astype(jnp.bfloat16) for a in (x, wgu, wd))
+
+    def converts(capacity):
+        def loss(x, w, wgu, wd):
+            body = lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend="reference",  # noqa: E731
+                                             capacity=capacity)
+            f = jax.shard_map(body, mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep"))
+            return jnp.sum(f(x, idx, w, wgu, wd).astype(jnp.float32))
+        f = jax.grad(loss, argnums=(0, 1, 2, 3)) if grad else loss
+        return _converts_outside_loops(jax.make_jaxpr(f)(x, w, wgu, wd).jaxpr, (T, H))
+    assert converts(R * T) == converts(R * T * K)   # a loop of extra passes against none
