@@ -215,14 +215,27 @@ def test_moe_ffn_gradients_through_extra_passes_with_data_parallel(fused):
     _check_gradients(layer, x, idx, w, wgu, wd, seed=4)
 
 
-def _sorts_outside_loops(jaxpr, in_loop=False):
-    """The sort equations of a jaxpr that no while loop holds, sub-jaxprs included."""
+def _outside_loops(jaxpr, wanted, in_loop=False):
+    """The equations of a jaxpr for which wanted(eqn) holds and that no while loop holds,
+    sub-jaxprs included."""
     n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "sort" and not in_loop
+        n += wanted(eqn) and not in_loop
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _sorts_outside_loops(sub, in_loop or eqn.primitive.name == "while")
+            n += _outside_loops(sub, wanted, in_loop or eqn.primitive.name == "while")
     return n
+
+
+def _layer_jaxprs(R, E, capacity, idx, *args):
+    """The jaxprs of sum(moe_ffn) on the reference backend over R ranks, and of its gradients
+    in x, the routing weights and both expert matrices (args)."""
+    def loss(x, w, wgu, wd):
+        body = lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend="reference",  # noqa: E731
+                                         capacity=capacity)
+        f = jax.shard_map(body, mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep"))
+        return jnp.sum(f(x, idx, w, wgu, wd).astype(jnp.float32))
+    return (jax.make_jaxpr(loss)(*args).jaxpr,
+            jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args).jaxpr)
 
 
 @pytest.mark.parametrize("kind", ["random", "one_rank"])
@@ -234,14 +247,8 @@ def test_extra_passes_cost_no_sort_unless_they_run(kind):
     x, idx, w, wgu, wd, E = _setup(R, kind)
 
     def sorts(capacity):
-        def loss(x, w, wgu, wd):
-            body = lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend="reference",  # noqa: E731
-                                             capacity=capacity)
-            f = jax.shard_map(body, mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep"))
-            return jnp.sum(f(x, idx, w, wgu, wd))
-        return (_sorts_outside_loops(jax.make_jaxpr(loss)(x, w, wgu, wd).jaxpr),
-                _sorts_outside_loops(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(
-                    x, w, wgu, wd).jaxpr))
+        return tuple(_outside_loops(j, lambda e: e.primitive.name == "sort")
+                     for j in _layer_jaxprs(R, E, capacity, idx, x, w, wgu, wd))
     one_pass = sorts(R * T * K)           # the worst case: a single pass, no loop
     assert one_pass[0] > 0
     assert sorts(R * T) == one_pass       # R * T rows a pass: a loop of extra passes
@@ -253,19 +260,6 @@ def test_extra_passes_cost_no_sort_unless_they_run(kind):
     np.testing.assert_array_equal(got, clean)
 
 
-def _converts_outside_loops(jaxpr, shape, in_loop=False):
-    """The equations of a jaxpr that no while loop holds and that convert an array of `shape`
-    to float32, sub-jaxprs included."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += (eqn.primitive.name == "convert_element_type" and not in_loop
-              and eqn.outvars[0].aval.shape == shape
-              and eqn.outvars[0].aval.dtype == jnp.float32)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _converts_outside_loops(sub, shape, in_loop or eqn.primitive.name == "while")
-    return n
-
-
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
 def test_extra_passes_add_no_float32_copy_unless_they_run(grad):
     """A capacity that may need extra passes converts no [T, H] output to float32 outside their
@@ -275,12 +269,12 @@ def test_extra_passes_add_no_float32_copy_unless_they_run(grad):
     x, idx, w, wgu, wd, E = _setup(R, "random")
     x, wgu, wd = (a.astype(jnp.bfloat16) for a in (x, wgu, wd))
 
+    def to_float32(e):      # a [T, H] array converted to float32
+        v = e.outvars[0].aval
+        return (e.primitive.name == "convert_element_type" and v.shape == (T, H)
+                and v.dtype == jnp.float32)
+
     def converts(capacity):
-        def loss(x, w, wgu, wd):
-            body = lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend="reference",  # noqa: E731
-                                             capacity=capacity)
-            f = jax.shard_map(body, mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep"))
-            return jnp.sum(f(x, idx, w, wgu, wd).astype(jnp.float32))
-        f = jax.grad(loss, argnums=(0, 1, 2, 3)) if grad else loss
-        return _converts_outside_loops(jax.make_jaxpr(f)(x, w, wgu, wd).jaxpr, (T, H))
+        return _outside_loops(_layer_jaxprs(R, E, capacity, idx, x, w, wgu, wd)[int(grad)],
+                              to_float32)
     assert converts(R * T) == converts(R * T * K)   # a loop of extra passes against none
