@@ -278,19 +278,11 @@ def _more_passes(passes, idx, cnt, kept, body, init):
 
 
 def _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first):
-    """The first pass's output `first` plus the passes after it, summed in float32, in x's
-    dtype. The float32 sum lives in a loop of at most one iteration that runs only when a pass
-    is left, so a first pass that kept every pair returns `first` itself: no [T, H] float32
-    copy and back (two passes over HBM) in the common case, for one more predicate read when
-    a rank overflows."""
-    def rest(c):
-        _, out = c
-        total = _more_passes(passes, idx, cnt, kept,
-                             lambda ids, acc: acc + more(x, ids, w, w_gate_up,
-                                                         w_down).astype(jnp.float32),
-                             out.astype(jnp.float32))
-        return cnt, total.astype(x.dtype)      # every pair kept: the loop ends
-    return lax.while_loop(lambda c: jnp.any(cnt > c[0]), rest, (kept, first))[1]
+    """The first pass's output `first` plus the passes after it, in float32, in x's dtype."""
+    return _more_passes(passes, idx, cnt, kept,
+                        lambda ids, acc: acc + more(x, ids, w, w_gate_up,
+                                                    w_down).astype(jnp.float32),
+                        first.astype(jnp.float32)).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -258,23 +258,3 @@ def test_extra_passes_cost_no_sort_unless_they_run(kind):
     got = jax.shard_map(lambda i: el.pass_slots(i, done, num_experts=E, axis_name="ep"),
                         mesh=_mesh(R), in_specs=P("ep"), out_specs=P("ep"))(clean)
     np.testing.assert_array_equal(got, clean)
-
-
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
-def test_extra_passes_add_no_float32_copy_unless_they_run(grad):
-    """A capacity that may need extra passes converts no [T, H] output to float32 outside their
-    loop: the float32 sum of the passes lives in the loop, so a first pass that held every pair
-    returns its own output (in bfloat16, as the one-pass layer does)."""
-    R = 2
-    x, idx, w, wgu, wd, E = _setup(R, "random")
-    x, wgu, wd = (a.astype(jnp.bfloat16) for a in (x, wgu, wd))
-
-    def to_float32(e):      # a [T, H] array converted to float32
-        v = e.outvars[0].aval
-        return (e.primitive.name == "convert_element_type" and v.shape == (T, H)
-                and v.dtype == jnp.float32)
-
-    def converts(capacity):
-        return _outside_loops(_layer_jaxprs(R, E, capacity, idx, x, w, wgu, wd)[int(grad)],
-                              to_float32)
-    assert converts(R * T) == converts(R * T * K)   # a loop of extra passes against none
