@@ -4,7 +4,8 @@ commit's: `git show HEAD:jax_ep/fused.py > /tmp/fused_base.py`) swapped in for t
 fused halves (their forward and custom-VJP rules; the kernels are the installed ones), or
 against the installed one traced with a setting (`--baseline env:JAX_EP_FUSED_BACKWARD=0`: the
 backward on the unfused ops). Forward and forward + backward, timed in paired rounds (each
-variant in turn, so that clock drift weighs alike), the memory XLA plans for the step, and how
+variant in turn, so that clock drift weighs alike), the memory XLA plans for the step and for
+the forward alone, and how
 far the output and the gradients of the baseline are from the installed one's.
 
   python benchmarks/fused_ab.py --baseline /tmp/fused_base.py --ranks 2,1 --out DIR
@@ -104,7 +105,7 @@ def main():
 
         def layer(*a):
             return jax_ep.moe_ffn(*a, num_experts=E)
-        timers, outs, mem = {}, {}, {}
+        timers, outs, mem, mem_fwd = {}, {}, {}, {}
         for name, mod in variants.items():
             with halves(mod):
                 # the output, and the gradients in x, the weights and both weight matrices
@@ -116,20 +117,23 @@ def main():
                 # (one call in the harness's scan: bench_layer.py's step figure)
                 mem[name] = step_bytes(scan_fn(mesh, with_backward(layer, (0, 2, 3, 4)), 1)
                                        .lower(*lay).compile())[0]
+                mem_fwd[name] = step_bytes(scan_fn(mesh, layer, 1).lower(*lay).compile())[0]
         times = {key: [t * 1e3 for t in ts] for key, ts in paired(timers, args.rounds).items()}
         print(f"\n== R={R} T={T} H={H} I={I} L={L} K={K} uniform, default arguments: ms per call, "
-              f"median of {args.rounds} paired rounds; step memory XLA plans")
+              f"median of {args.rounds} paired rounds; memory XLA plans for the step and the "
+              "forward")
         for name in variants:
             diffs = [float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
                      for a, b in zip(outs[name], outs["installed"])]
-            row = dict(ranks=R, name=name, step_bytes=mem[name], rel_diff_vs_installed=diffs[0],
-                       grad_rel_diffs_vs_installed=diffs[1:])
+            row = dict(ranks=R, name=name, step_bytes=mem[name], fwd_bytes=mem_fwd[name],
+                       rel_diff_vs_installed=diffs[0], grad_rel_diffs_vs_installed=diffs[1:])
             for op in ("fwd", "fwd+bwd"):
                 row[op + "_ms"] = float(np.median(times[name, op]))
                 row[op + "_rounds"] = times[name, op]
             rows.append(row)
             print(f"  {name:<10} fwd {row['fwd_ms']:7.3f}  fwd+bwd {row['fwd+bwd_ms']:7.3f}  "
-                  f"step {mem[name] / 1e9:.2f} GB  diff {row['rel_diff_vs_installed']:.1e}, "
+                  f"step {mem[name] / 1e9:.2f} GB  fwd {mem_fwd[name] / 1e9:.3f} GB  "
+                  f"diff {row['rel_diff_vs_installed']:.1e}, "
                   f"gradients {max(diffs[1:]):.1e}")
     with open(os.path.join(args.out, f"fused_ab{args.tag}.json"), "w") as f:
         json.dump(dict(device=devs[0].device_kind, virtual=args.virtual,

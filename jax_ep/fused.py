@@ -87,22 +87,23 @@ def _gather_plan(src, row_of, rank, K, axis_name):
                        runtime.extension().fused_max_dups)
 
 
-def _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg):
+def _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg, write_h=True):
     """(xe, h, act) of one launch: xe[j] = the token of rows_src[j] (zero where -1; where -2,
     that of the row whose rows_dups name j), h = grouped_matmul(xe, w, sizes) (w [L, H, N]; with
     fcfg.w_k_major w [L, N, H] and h = xe @ w[l]^T); with fcfg.activation act = swiglu(h) in x's
-    dtype from the GEMM's epilogue and h's columns paired (`unpair_columns`), else act None."""
+    dtype from the GEMM's epilogue and h's columns paired (`unpair_columns`), else act None.
+    write_h=False (with the activation only) leaves h unwritten: None."""
     C, H = rows_src.shape[0], x.shape[1]
     N = w.shape[1] if fcfg.w_k_major else w.shape[2]
     words = runtime.extension().fused_counter_words(C)
     xe, h, act, _ = _ffi.call(
         "jax_ep_ht_gather_gemm", [x, rows_src, rows_dups, sizes, w],
-        [((C, H), x.dtype), ((C, N), x.dtype), ((C if fcfg.activation else 0, N // 2), x.dtype),
-         ((words,), jnp.int32)],
+        [((C, H), x.dtype), ((C if write_h else 0, N), x.dtype),
+         ((C if fcfg.activation else 0, N // 2), x.dtype), ((words,), jnp.int32)],
         axis_name=fcfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
         copy_blocks=fcfg.copy_blocks, activation=int(fcfg.activation),
-        w_k_major=int(fcfg.w_k_major))
-    return xe, h, act if fcfg.activation else None
+        w_k_major=int(fcfg.w_k_major), write_h=int(write_h))
+    return xe, h if write_h else None, act if fcfg.activation else None
 
 
 def unpair_columns(h):
@@ -175,9 +176,10 @@ _gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd, symbolic_zeros=Tru
 def _gather_matmul_swiglu(x, w, rows_src, rows_dups, sizes, counts, src, row_first, handle, acc,
                           fcfg):
     """(xe, swiglu(h) in x's dtype) of `_gather_gemm_call` with the activation in the GEMM's
-    epilogue (fcfg.activation), in one launch; arguments as `_gather_matmul`'s."""
+    epilogue (fcfg.activation), in one launch; arguments as `_gather_matmul`'s. Without a
+    gradient h, which only the backward reads, is not written (nor planned)."""
     del counts, src, row_first, handle, acc
-    xe, _, act = _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg)
+    xe, _, act = _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg, write_h=False)
     return xe, act
 
 

@@ -423,7 +423,8 @@ def _kernel_stand_ins(monkeypatch):
         w = jnp.swapaxes(w, 1, 2) if k_major else w
         return jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
 
-    def gather_gemm(x, w, rows_src, rows_dups, sizes, fcfg):
+    def gather_gemm(x, w, rows_src, rows_dups, sizes, fcfg, write_h=True):
+        assert write_h, "the backward's kernel runs with h written"
         xs = jax.lax.all_gather(x, fcfg.cfg.axis_name, tiled=True)          # [R * T, H]
         xe = el_take(xs, jnp.where(rows_src >= 0, rows_src, -1))
         C, D = rows_dups.shape

@@ -133,6 +133,33 @@ def test_fused_activation_epilogue_matches_swiglu_of_h(R, kind):
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("kind", ["random", "masked", "skewed"])
+@pytest.mark.parametrize("R", [1, 2])
+def test_fused_first_half_without_a_gradient_leaves_h_unwritten(R, kind):
+    """Without a gradient the first half's kernel skips h's stores (only the backward reads h):
+    its activations and rows equal, bit for bit, those of the same call under jax.vjp, which
+    writes h; the activations are zero past the last segment."""
+    T, H, N, K, L = (37 if R > 1 else 300), 512, 768, 4, 4
+    x, idx, w, wgu, E = _setup(R, T, H, N, K, L, kind, 300 * R + len(kind))
+
+    def run(x, idx, w, wgu):
+        def f(x):
+            return fused.dispatch_matmul_swiglu(x, idx, w, wgu, num_experts=E, backend="cuda")
+        res, act = f(x)
+        (res_v, act_v), _ = jax.vjp(f, x)
+        return res.recv_x, act, res_v.recv_x, act_v, res.recv_count
+    poison_gpu_memory()
+    xe, act, xe_v, act_v, count = jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu))
+    a, a_v = np.asarray(act), np.asarray(act_v)
+    assert np.isfinite(a.astype(np.float32)).all() and np.any(a.astype(np.float32))
+    np.testing.assert_array_equal(a.view(np.uint16), a_v.view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(xe).view(np.uint16),
+                                  np.asarray(xe_v).view(np.uint16))
+    C = a.shape[0] // R
+    for r in range(R):
+        assert not np.any(a[r * C + int(count[r]):(r + 1) * C].astype(np.float32)), r
+
+
 def _gemm_combine_outputs(E, K, weighted, combine_blocks=0):
     """Per shard: the fused GEMM + combine's (ye, out), combine of its ye, the unfused
     grouped_matmul and combine, the public op, and recv_count."""

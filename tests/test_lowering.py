@@ -413,6 +413,35 @@ def test_fused_activation_rides_in_the_first_gemm_epilogue(cuda_lowering, monkey
     assert (f"tensor<{C}x{inter}xf32>" in text) != epilogue
 
 
+@pytest.mark.parametrize("ranks, grad", [(1, False), (1, True), (2, False), (2, True)])
+def test_fused_forward_alone_leaves_h_unwritten(cuda_lowering, monkeypatch, mesh2, ranks, grad):
+    """The layer's forward alone does not write the first GEMM's h (write_h=0, h [0, 2I]): only
+    its backward reads h, and the activation epilogue writes what the second half reads. With a
+    gradient the kernel writes h for the backward (write_h=1, [C, 2I])."""
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    mesh = mesh2 if ranks == 2 else Mesh(np.array(jax.devices()[:1]), ("ep",))
+    wgu = jnp.ones((LL, LH, 4 * LI), jnp.bfloat16)    # 2I = 256: the epilogue's activation
+
+    def layer(x, idx, w, wd):
+        def f(x):
+            y = jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=ranks * LL, backend="cuda")
+            return jnp.sum(y.astype(jnp.float32))
+        return jax.grad(f)(x) if grad else f(x)
+    args = (jnp.ones((ranks, LT, LH), jnp.bfloat16), jnp.zeros((ranks, LT, LK), jnp.int32),
+            jnp.ones((ranks, LT, LK), jnp.float32),
+            jnp.ones((ranks, LL, 2 * LI, LH), jnp.bfloat16))
+    text = smap(mesh, layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [a for t, a in custom_calls(text) if t == "jax_ep_ht_gather_gemm"]
+    (gg,) = [c for c in calls if int_attr(c, "w_k_major") == 0]   # (the backward's is 1)
+    assert int_attr(gg, "activation") == 1
+    assert int_attr(gg, "write_h") == int(grad)
+    results = re.findall(r"tensor<[^>]*>", gg[gg.rindex(") -> "):])
+    C = int(re.match(r"tensor<(\d+)x", results[0]).group(1))
+    assert results[1] == f"tensor<{C if grad else 0}x{4 * LI}xbf16>", results
+    assert results[2] == f"tensor<{C}x{2 * LI}xbf16>", results
+
+
 def test_extra_passes_take_the_fewest_rows(cuda_lowering, monkeypatch, mesh2):
     """A first pass of `capacity` rows that a routing can overflow: the loop's passes take a
     quarter of a rank's expected pairs plus the alignment, fewer rows than R * T tokens (each

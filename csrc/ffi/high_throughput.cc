@@ -52,6 +52,7 @@ struct HtGatherGemmAttrs : HtAttrs {
   int64_t copy_blocks;  // blocks that gather the rows (0: auto), beside the GEMM tiles
   int64_t activation;   // 1: also silu(gate) * up in the tiles' epilogue (act), h's columns paired
   int64_t w_k_major;    // 1: w is [L, N, H] (the product by its transpose: the backward's)
+  int64_t write_h;      // 0 (with activation): h not written, [0, N] (only the backward reads h)
 };
 struct HtGemmCombineAttrs : HtAttrs {
   int64_t combine_blocks;  // blocks that combine the rows (0: auto), beside the GEMM tiles
@@ -456,10 +457,14 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
         std::string(op) + ": rows_dups must be [C=" + std::to_string(C) +
         ", D] with D <= " + std::to_string(jax_ep::fused::kMaxDups) + ", got " + dims_str(dd));
   JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
+  for (const auto& [name, v] :
+       {std::pair<const char*, int64_t>{"activation", at.activation}, {"write_h", at.write_h}})
+    if (v != 0 && v != 1)
+      return jax_ep::op_error(op, std::string(name) + " must be 0 or 1, got " + std::to_string(v));
+  if (!at.write_h && !at.activation)
+    return jax_ep::op_error(op, "write_h=0 needs activation=1 (without it h is the result)");
   JAX_EP_CHECK_SHAPE(*xe, op, "xe", C, H);
-  JAX_EP_CHECK_SHAPE(*h, op, "h", C, N);
-  if (at.activation != 0 && at.activation != 1)
-    return jax_ep::op_error(op, "activation must be 0 or 1, got " + std::to_string(at.activation));
+  JAX_EP_CHECK_SHAPE(*h, op, "h", at.write_h ? C : 0, N);
   if (at.activation && at.w_k_major)
     return jax_ep::op_error(op, "activation=1 reads w as [L, H, N] (w_k_major=0)");
   if (at.activation && N % jax_ep::fused::kBlockN != 0)
@@ -495,7 +500,7 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.H = H;
   a.N = N;
   a.xe = xe->untyped_data();
-  a.h = h->untyped_data();
+  a.h = at.write_h ? h->untyped_data() : nullptr;
   a.act = at.activation ? act->untyped_data() : nullptr;
   a.w_k_major = at.w_k_major != 0;
   a.counters = counters->typed_data();
@@ -597,7 +602,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtDispatchAttrs, JAX_EP_HT_MEMBERS,
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtGatherGemmAttrs, JAX_EP_HT_MEMBERS,
                                       ffi::StructMember<int64_t>("copy_blocks"),
                                       ffi::StructMember<int64_t>("activation"),
-                                      ffi::StructMember<int64_t>("w_k_major"));
+                                      ffi::StructMember<int64_t>("w_k_major"),
+                                      ffi::StructMember<int64_t>("write_h"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(HtGemmCombineAttrs, JAX_EP_HT_MEMBERS,
                                       ffi::StructMember<int64_t>("combine_blocks"),
                                       ffi::StructMember<int64_t>("w_k_major"));

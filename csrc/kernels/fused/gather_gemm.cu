@@ -22,6 +22,8 @@
 //   a tile's row block reaches that block's rows before loading it.
 // Segments start at multiples of kBlockM, so a row block never straddles two experts, and A
 // (the rows) is one [C, H] tensor for every expert: its batch stride is a static 0.
+// With the activation, h (which only the backward reads) may go unwritten: the tiles then skip
+// their TMA-store epilogue.
 // Copy warps never wait for tiles, and a block takes tiles only once its copies are done, so the
 // tiles' waits always end.
 #define JAX_EP_WAITS_INLINE  // transport/peer.cuh: no function calls beside the wgmma
@@ -142,7 +144,7 @@ __device__ void zero_past_segments(const GatherGemmArgs& a) {
     const int64_t j0 = recv + static_cast<int64_t>(c) * kChunkRows;
     for (int64_t j = j0; j < min(j0 + kChunkRows, C); ++j) {
       ht::zero_row(xe + j * Hb, Hb, vec, lane);
-      ht::zero_row(h + j * Nb, Nb, vec_h, lane);
+      if (h != nullptr) ht::zero_row(h + j * Nb, Nb, vec_h, lane);  // (nullptr: not written)
       if (act != nullptr) ht::zero_row(act + j * Nb / 2, Nb / 2, vec_act, lane);
     }
   }
@@ -225,12 +227,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   bool consumer;
   if constexpr (kAct) {
+    auto on_acc = [&a](const auto& acc, const auto& mma, int b, int n, int mma_thread) {
+      store_activation(a, acc, mma, b, n, mma_thread);
+    };
     consumer = run_tiles<true>(
         p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows, drain,
-        [](bool) {}, &p.paired_b,
-        [&a](const auto& acc, const auto& mma, int b, int n, int mma_thread) {
-          store_activation(a, acc, mma, b, n, mma_thread);
-        });
+        [](bool) {}, &p.paired_b, on_acc, a.h != nullptr);
   } else {
     consumer = run_tiles(p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows,
                          drain, [](bool) {});
@@ -249,15 +251,18 @@ template <bool kKMajorB>
 Params<kKMajorB> params(const GatherGemmArgs& a) {
   Params<kKMajorB> p{};
   p.a = a;
-  p.tiles = tile_params<kKMajorB>(TileProblem{a.sizes, a.C, a.L, a.H, a.N}, a.xe, a.w, a.h);
+  // (h not written still names memory in its descriptor, which nothing writes)
+  p.tiles = tile_params<kKMajorB>(TileProblem{a.sizes, a.C, a.L, a.H, a.N}, a.xe, a.w,
+                                  a.h != nullptr ? a.h : a.act);
   poison::add(p.outputs, a.xe, a.C * a.H * 2);
-  poison::add(p.outputs, a.h, a.C * a.N * 2);
+  if (a.h != nullptr) poison::add(p.outputs, a.h, a.C * a.N * 2);
   return p;
 }
 }  // namespace
 
 std::string launch(const GatherGemmArgs& a, cudaStream_t stream) {
   const int grid = a.copy_blocks + a.gemm_blocks;
+  if (a.h == nullptr && a.act == nullptr) return "h not written needs act";
   if (a.w_k_major) {
     if (a.act != nullptr) return "act: w must be [L, H, N] (w_k_major off)";
     return launch_kernel(&gather_gemm_kernel<false, true>, "fused gather + GEMM (w transposed)",

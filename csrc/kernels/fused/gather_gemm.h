@@ -28,7 +28,8 @@ struct GatherGemmArgs {
   void* xe;           // [C, H] the expert-major rows
   void* h;            // [C, N] xe @ w per segment; zero past the last segment. With act: its
                       // columns paired (tiles.cuh, paired_b_layout: per 256 columns, 128 of the
-                      // gate projection's, then the same 128 of the up projection's)
+                      // gate projection's, then the same 128 of the up projection's); nullptr
+                      // (with act only): not written
   void* act;          // nullptr, or [C, N / 2] silu(gate) * up of h (N a multiple of kBlockN),
                       // computed in the tiles' epilogue; zero past the last segment
   int32_t* counters;  // [counter_words(C)] zeroed before the launch: rows arrived per block, then

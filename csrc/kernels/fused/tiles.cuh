@@ -25,6 +25,7 @@
 #include "kernels/fused/tile_order.h"
 #include "kernels/high_throughput/common.cuh"
 #include "kernels/launch.cuh"
+#include "testing/mutations.h"
 
 namespace jax_ep {
 namespace fused {
@@ -312,7 +313,8 @@ __device__ __forceinline__ void load_paired(const TileParams& p, const PairedTma
 // - on_acc(acc, tiled_mma, b, n, mma_thread): the consumer threads, each tile's accumulators
 //   (float32, read-only) before its epilogue.
 // paired: B in paired columns (paired_tma_b, kPaired) instead of the mainloop's descriptor (B =
-// w [L, K, N] only). ML: the mainloop of p (B's layout). True in the consumer threads (232
+// w [L, K, N] only). store_d: false leaves D unwritten (no TMA-store epilogue: on_acc stores
+// what the kernel needs). ML: the mainloop of p (B's layout). True in the consumer threads (232
 // registers each, free once this returns), false in the producer warpgroup's (40 registers).
 template <bool kPaired = false, class ML, class BeforeLoad, class WarpOne, class AfterMma,
           class OnAcc = void (*)()>
@@ -320,7 +322,7 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
                                           const TileProblem& t, int* queue,
                                           BeforeLoad&& before_load, WarpOne&& warp_one,
                                           AfterMma&& after_mma, const PairedTmaB* paired = nullptr,
-                                          OnAcc&& on_acc = nullptr) {
+                                          OnAcc&& on_acc = nullptr, bool store_d = true) {
 #if defined(__CUDA_ARCH__)  // CUTLASS's epilogue visitors are device-only: not in the host pass
   static_assert(!kPaired || std::is_same_v<ML, Mainloop>, "paired columns read w [L, K, N]");
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -433,7 +435,11 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
     mainloop.mma_tail(pipeline, read_state, k_tiles);
     read_state.advance(k_tiles);
     after_mma(stored);
+    if constexpr (JAX_EP_PLANTED(kUnwrittenHSkipsActivation)) {
+      if (!store_d) continue;
+    }
     if constexpr (!std::is_pointer_v<std::decay_t<OnAcc>>) on_acc(acc, tiled_mma, b, n, mma_thread);
+    if (!store_d) continue;
     auto [load_next, store_next] =
         epilogue.store(epi_load, epi_load_state, epi_store, epi_store_state, mnkl, Tile{},
                        make_coord(b, n, _, expert_of(ss.block_start, t.L, b)), acc, tiled_mma,
