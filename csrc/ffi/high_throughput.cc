@@ -88,11 +88,16 @@ ffi::Error fused_unbuilt(const char* op) {
                           "not found when it was built)");
 }
 #else
+// A 0 / 1 attribute of a fused kernel, named in the error.
+ffi::Error flag_attr(const char* op, const char* name, int64_t v) {
+  if (v == 0 || v == 1) return ffi::Error::Success();
+  return jax_ep::op_error(op, std::string(name) + " must be 0 or 1, got " + std::to_string(v));
+}
+
 // The weights w [L, K, N] bfloat16 of a fused kernel, K (named `k_name`) given: *L and *N.
 ffi::Error fused_weights(const char* op, ffi::Span<const int64_t> dw, const char* k_name, int64_t K,
                          int64_t k_major, int64_t* L, int64_t* N) {
-  if (k_major != 0 && k_major != 1)
-    return jax_ep::op_error(op, "w_k_major must be 0 or 1, got " + std::to_string(k_major));
+  JAX_EP_RETURN_IF_ERROR(flag_attr(op, "w_k_major", k_major));
   const std::string k = std::string(k_name) + "=" + std::to_string(K);
   if (dw.size() != 3 || dw[k_major ? 2 : 1] != K)
     return ffi::Error::InvalidArgument(
@@ -457,10 +462,8 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
         std::string(op) + ": rows_dups must be [C=" + std::to_string(C) +
         ", D] with D <= " + std::to_string(jax_ep::fused::kMaxDups) + ", got " + dims_str(dd));
   JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
-  for (const auto& [name, v] :
-       {std::pair<const char*, int64_t>{"activation", at.activation}, {"write_h", at.write_h}})
-    if (v != 0 && v != 1)
-      return jax_ep::op_error(op, std::string(name) + " must be 0 or 1, got " + std::to_string(v));
+  JAX_EP_RETURN_IF_ERROR(flag_attr(op, "activation", at.activation));
+  JAX_EP_RETURN_IF_ERROR(flag_attr(op, "write_h", at.write_h));
   if (!at.write_h && !at.activation)
     return jax_ep::op_error(op, "write_h=0 needs activation=1 (without it h is the result)");
   JAX_EP_CHECK_SHAPE(*xe, op, "xe", C, H);
