@@ -119,6 +119,10 @@ NB_MODULE(_C, m) {
         "int32 words of the fused GEMM + combine's counters result for C expert-major rows, Cr "
         "received rows and N output columns (csrc/kernels/fused/sizes.h).");
   m.attr("fused_chunk_blocks") = jax_ep::fused::kChunkBlocks;
+  m.def("fused_auto_combine_blocks", &jax_ep::fused::auto_combine_blocks, nb::arg("share"),
+        nb::arg("ranks"), nb::arg("k"),
+        "The fused GEMM + combine's automatic combine-only blocks out of `share` (one per SM) "
+        "over `ranks` ranks, for a GEMM of inner dimension k (docs/kernels.md).");
   m.attr("fused_block_columns") = jax_ep::fused::kBlockN;
   m.attr("fused_raster_row_blocks") = jax_ep::fused::kRasterRowBlocks;
   m.def("gemm_built", &jax_ep::gemm::built,

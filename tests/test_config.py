@@ -99,6 +99,22 @@ def test_the_extension_owns_its_sizes_and_trace_marks():
     assert sum("chunk" in v for v in fm.values()) == 3 * nc
 
 
+def test_the_fused_combine_keeps_pace_with_its_gemm_at_one_rank():
+    """The fused GEMM + combine's automatic combine-only blocks: an eighth of the SMs over
+    several ranks; with one rank as many as keep pace with the GEMM, which spends k products
+    on each value the combine reads back (k the GEMM's inner dimension): 8 of 132 SMs at the
+    layer forward's k = I = 2048, half as many at twice that, an eighth at most, one at least."""
+    from jax_ep import runtime
+    ext = runtime.extension()
+    if ext is None:
+        pytest.skip("the CUDA extension is not built")
+    blocks = ext.fused_auto_combine_blocks
+    assert blocks(132, 2, 2048) == blocks(132, 4, 4096) == 16
+    assert [blocks(132, 1, k) for k in (128, 1024, 2048, 4096, 7168, 1 << 20)] == [
+        16, 16, 8, 4, 2, 1]
+    assert blocks(33, 4, 2048) == 4 and blocks(4, 1, 2048) == 1 and blocks(4, 2, 8) == 1
+
+
 def test_flags_take_0_or_1_and_name_the_setting(monkeypatch):
     monkeypatch.setenv("JAX_EP_LL_PREREDUCE", "off")
     with pytest.raises(ValueError, match=r"JAX_EP_LL_PREREDUCE='off': expected 0 or 1"):

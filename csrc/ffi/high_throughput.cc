@@ -128,15 +128,17 @@ ffi::Error fused_gemm_checks(const char* op, const char* k_name, int64_t C, int6
 
 // The grid of a fused kernel: one block per SM (its rank's share of them in the one-GPU
 // multi-rank mode, which read_sm_count already gives), `requested` of them (the attribute
-// `attr`; 0: automatic(share, ranks)) in the role beside the GEMM tiles, *gemm the rest.
+// `attr`; 0: automatic(share, ranks, k), k the GEMM's inner dimension) in the role beside the
+// GEMM tiles, *gemm the rest.
 ffi::Error fused_split(const char* op, int32_t device, int64_t requested, const char* attr,
-                       int (*automatic)(int, int), int ranks, int* other, int* gemm) {
+                       int (*automatic)(int, int, long long), int ranks, int64_t k, int* other,
+                       int* gemm) {
   int share = 0;
   JAX_EP_RETURN_IF_ERROR(read_sm_count(op, device, &share));
   if constexpr (JAX_EP_PLANTED(kFusedShareTwice)) {
     if (const jax_ep::VirtualRank* vr = jax_ep::virtual_rank()) share /= vr->num_ranks;
   }
-  const int64_t n = requested > 0 ? requested : automatic(share, ranks);
+  const int64_t n = requested > 0 ? requested : automatic(share, ranks, k);
   if (n < 1 || n >= share)
     return jax_ep::op_error(op, std::string(attr) + " (" + std::to_string(n) +
                                     ") must leave at least one of the " + std::to_string(share) +
@@ -482,7 +484,7 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   int copy = 0, gemm = 0;
   JAX_EP_RETURN_IF_ERROR(fused_split(op, device, at.copy_blocks, "copy_blocks",
                                      jax_ep::fused::auto_copy_blocks,
-                                     static_cast<int>(at.group_size), &copy, &gemm));
+                                     static_cast<int>(at.group_size), H, &copy, &gemm));
 
   size_t staged = 0;
   JAX_EP_RETURN_IF_ERROR(stage_operands(op, stream, *st->lease, at.groups, &gi,
@@ -562,7 +564,7 @@ ffi::Error HtGemmCombineImpl(
   int combine = 0, gemm = 0;
   JAX_EP_RETURN_IF_ERROR(fused_split(op, device, at.combine_blocks, "combine_blocks",
                                      jax_ep::fused::auto_combine_blocks,
-                                     static_cast<int>(at.group_size), &combine, &gemm));
+                                     static_cast<int>(at.group_size), I, &combine, &gemm));
 
   cudaMemsetAsync(counters->untyped_data(), 0, counters->size_bytes(), stream);
   jax_ep::fused::GemmCombineArgs g{};

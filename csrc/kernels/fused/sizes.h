@@ -29,8 +29,9 @@ constexpr int kMaxDups = 32;
 // The automatic number of copy blocks out of `share` blocks (one per SM): an eighth of them
 // (16 of an H200's 132). They take tiles too once the rows are copied, so more copy blocks cost
 // the GEMM only while rows are still arriving (docs/kernels.md#fused-gather-gemm).
-inline int auto_copy_blocks(int share, int ranks) {
-  (void)ranks;  // the same at every R (the signature is auto_combine_blocks')
+inline int auto_copy_blocks(int share, int ranks, long long k) {
+  (void)ranks;  // the same at every R and k (the signature is auto_combine_blocks')
+  (void)k;
   const int c = share / 8;
   return c < 1 ? 1 : c;
 }
@@ -89,14 +90,20 @@ constexpr long long combine_counter_words(long long C, long long Cr, long long N
   return combine_tile_words(C, N) + kCounterTail + combine_chunks(N) * reduce_tasks(Cr);
 }
 
-// The automatic number of blocks that only combine, out of `share`, over `ranks` ranks. At R = 1
-// one (it also ends the call): the tile blocks join the combine once their tiles are done, so
-// the GEMM keeps all the other SMs. Over several ranks an eighth of them (16 of an H200's 132):
-// they pull each chunk's sums from the peers while the GEMM computes the next chunk
-// (docs/kernels.md#fused-combine-chunks).
-inline int auto_combine_blocks(int share, int ranks) {
-  const int c = ranks > 1 ? share / 8 : 1;
-  return c < 1 ? 1 : c;
+// The automatic number of blocks that only combine, out of `share`, over `ranks` ranks, for a
+// GEMM of inner dimension k (the rows' columns). Over several ranks an eighth of them (16 of an
+// H200's 132): they pull each chunk's sums from the peers while the GEMM computes the next chunk
+// (docs/kernels.md#fused-combine-chunks). At R = 1 the combine reads the GEMM's output back once
+// (rows x N) while the GEMM spends rows x N x k on it, so the blocks that keep pace with the GEMM
+// go as 1 / k: one per k / kCombinePaceK SMs (8 of 132 at k = 2048, the layer forward's I), at
+// least one, at most an eighth; the tile blocks join the combine once their tiles are done
+// (docs/kernels.md#fused-combine-blocks-r1).
+constexpr long long kCombinePaceK = 128;
+inline int auto_combine_blocks(int share, int ranks, long long k) {
+  const long long most = share / 8;
+  long long c = ranks > 1 ? most : share * kCombinePaceK / (k > 0 ? k : 1);
+  if (c > most) c = most;
+  return c < 1 ? 1 : static_cast<int>(c);
 }
 
 }  // namespace fused
