@@ -29,9 +29,8 @@ constexpr int kMaxDups = 32;
 // The automatic number of copy blocks out of `share` blocks (one per SM): an eighth of them
 // (16 of an H200's 132). They take tiles too once the rows are copied, so more copy blocks cost
 // the GEMM only while rows are still arriving (docs/kernels.md#fused-gather-gemm).
-inline int auto_copy_blocks(int share, int ranks, long long k) {
-  (void)ranks;  // the same at every R and k (the signature is auto_combine_blocks')
-  (void)k;
+// The same at every R and k (the signature is auto_combine_blocks').
+inline int auto_copy_blocks(int share, int /*ranks*/, long long /*k*/) {
   const int c = share / 8;
   return c < 1 ? 1 : c;
 }
