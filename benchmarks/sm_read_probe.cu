@@ -6,8 +6,11 @@
 // rows; every value read is summed in float32 so no load is dead. The other SMs either idle or
 // (--busy 1) stream a copy of another buffer through HBM, or (--busy 2, 3) load 32 KiB blocks
 // of an L2-resident window into shared memory with TMA, as a GEMM's operands (128 or 192 KiB in
-// flight per SM; their rate is reported), for as long as the readers run. Reported: the median
-// reader block's GB/s (bytes it read / its own time, globaltimer), and all readers'.
+// flight per SM; their rate is reported), or (--busy 4) keep the tensor cores busy (mma.sync),
+// or (5) both, busy 3's loads in 6 warps and the MMAs in 6, or (6) as a GEMM's tiles also
+// store: busy 2's loads in 4 warps, TMA stores over 1 GiB in 2, the MMAs in 6; for as long as
+// the readers run. Reported: the median reader block's GB/s (bytes it read / its own time,
+// globaltimer), all readers', and the median reader's SM clock (clock64 over the same span).
 // Methods:
 //   ld          per lane 2 loads of 16 bytes per row, 8 rows in flight (the combine's shape)
 //   ld_wide     per lane 4 loads per row, a token's 8 rows in flight (twice ld's)
@@ -29,7 +32,7 @@
 //   tma_S       lane 0 loads a token's 8 rows into shared memory with cp.async.bulk (16 KiB a
 //               stage, mbarrier completion), S stages per warp; the warp sums from shared memory
 // Build: nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/sm_read_probe benchmarks/sm_read_probe.cu
-// Run:   /tmp/sm_read_probe [--blocks 1,4,8,16] [--warps 12] [--tasks 10] [--busy 0,1,2,3]
+// Run:   /tmp/sm_read_probe [--blocks 1,4,8,16] [--warps 12] [--tasks 10] [--busy 0,1,2,3,4,5,6]
 //            [--modes ld,ld_acq,tma_1,tma_2] [--reps 5] [--json out.json]
 // (the task modes: at most 32 blocks of 32 warps, 40 tasks each)
 // Every wait is bounded: a probe that hangs traps. What it showed:
@@ -70,10 +73,12 @@ struct Args {
   int tasks;  // per warp
   int mode;   // 0 ld, 1 ld_acq, 2 tma
   int stages;
-  int busy;   // 0 idle, 1 HBM copy, 2 (3) TMA loads from L2, 128 (192) KiB in flight per SM
+  int busy;   // 0 idle, 1 HBM copy, 2 (3) TMA loads from L2, 128 (192) KiB in flight per SM;
+              // 4 MMAs, 5 MMAs + busy 3's loads, 6 MMAs + loads + TMA stores
   int* done;  // readers finished
   unsigned long long* bg_bytes;  // busy 2, 3: bytes the busy blocks loaded
   unsigned long long* t;         // per reader block: start, end
+  long long* clk;                // per reader block: SM clocks from its start to its end
   float* sink;
   // task modes: the combine's own shape over ye [C, N] bfloat16 (columns [0, 1024) of each row)
   const int* send_rows;  // [tokens]: a token's received row (here: the token itself)
@@ -322,14 +327,68 @@ __device__ __forceinline__ void sum_task_tma(const Args& a, long long c0, int la
   uses += 8;
 }
 
+// busy 4-6: warps that keep the tensor cores busy (mma.sync, 8 independent accumulators), until
+// every reader is done.
+__device__ __forceinline__ void mma_loop(const Args& a, int lane) {
+  const unsigned x = 0x3c003c00u ^ (lane * 0x00010001u);  // small bfloat16 pairs, per lane
+  float d[8][4] = {};
+  for (int i = 0; i < (1 << 22); ++i) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};"
+          : "+f"(d[k][0]), "+f"(d[k][1]), "+f"(d[k][2]), "+f"(d[k][3])
+          : "r"(x), "r"(x ^ 0x8000u), "r"(x), "r"(x ^ 0x80000000u), "r"(x), "r"(x ^ 0x80008000u));
+    if ((i & 255) == 255 && *(volatile int*)a.done >= a.readers) break;
+  }
+  float t = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) t += d[k][0] + d[k][1] + d[k][2] + d[k][3];
+  a.sink[blockIdx.x * blockDim.x + threadIdx.x] = t;
+}
+// busy 6: bulk (TMA) stores of 32 KiB from shared memory over 1 GiB, two in flight per warp.
+__device__ __forceinline__ void store_loop(const Args& a, int warp, int lane,
+                                           const unsigned char* buf) {
+  constexpr int kBytes = 32768;
+  const long long window = a.bg_vectors * 16 / kBytes;
+  for (int i = 0; i < (1 << 20); ++i) {
+    if (lane == 0) {
+      char* dst =
+          reinterpret_cast<char*>(a.bg_dst) +
+          (((long long)blockIdx.x * 2 + warp + (long long)i * 2 * gridDim.x) % window) * kBytes;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                   "r"(smem_addr(buf)), "r"(kBytes)
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+    }
+    __syncwarp();
+    if ((i & 15) == 15 && *(volatile int*)a.done >= a.readers) break;
+  }
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 __global__ void probe(Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (blockIdx.x >= a.readers && a.busy == 4) {
+    mma_loop(a, lane);
+    return;
+  }
+  if (blockIdx.x >= a.readers && a.busy >= 5 && warp >= 6) {
+    mma_loop(a, lane);
+    return;
+  }
+  if (blockIdx.x >= a.readers && a.busy == 6 && warp >= 4) {
+    store_loop(a, warp - 4, lane, smem + 1024 + 4 * 32768);
+    return;
+  }
   if (blockIdx.x >= a.readers && a.busy >= 2) {
     // busy 2 (3): TMA loads of 32 KiB from a 32 MiB window (L2-resident) into shared memory, one
     // load in flight per warp of 4 (6) warps, as a GEMM's operand loads (128 or 192 KiB in
-    // flight per SM), until every reader is done
-    if (warp >= (a.busy == 2 ? 4 : 6)) return;
+    // flight per SM), until every reader is done (busy 5: busy 3's loads; busy 6: 4 warps')
+    if (warp >= (a.busy == 2 || a.busy == 6 ? 4 : 6)) return;
     constexpr int kBytes = 32768;
     uint64_t* bar = reinterpret_cast<uint64_t*>(smem) + warp;
     unsigned char* buf = smem + 1024 + warp * kBytes;
@@ -371,7 +430,7 @@ __global__ void probe(Args a) {
     return;
   }
   __syncthreads();
-  const unsigned long long t0 = now();
+  const unsigned long long t0 = now(), k0 = clock64();
   float acc = 0.f;
   if (a.mode == 8) {
     const long long tokens_per_warp = (long long)a.tasks * kTokensPerTask;
@@ -485,6 +544,7 @@ __global__ void probe(Args a) {
   if (threadIdx.x == 0) {
     a.t[2 * blockIdx.x] = t0;
     a.t[2 * blockIdx.x + 1] = now();
+    a.clk[blockIdx.x] = clock64() - k0;
     atomicAdd(a.done, 1);
   }
 }
@@ -544,6 +604,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&a.done, 4));
   CK(cudaMalloc(&a.bg_bytes, 8));
   CK(cudaMalloc(&a.t, 2 * sms * sizeof(unsigned long long)));
+  CK(cudaMalloc(&a.clk, sms * sizeof(long long)));
   CK(cudaMalloc(&a.sink, (size_t)sms * 1024 * sizeof(float)));
   {  // the task modes' ye [C, N], tokens and their routing
     const long long N = 7168, C = 32768,
@@ -582,8 +643,8 @@ int main(int argc, char** argv) {
                           prop.sharedMemPerBlockOptin));
   printf("%s, %d SMs; rows of %d bytes, tasks of %d, %d tasks per warp, %d warps per block\n",
          prop.name, sms, kRowBytes, kTokensPerTask * kRowsPerToken * kRowBytes, tasks, warps);
-  printf("%-8s %6s %5s %14s %14s %12s %14s\n", "method", "blocks", "busy", "GB/s per block",
-         "GB/s all", "us", "busy GB/s");
+  printf("%-8s %6s %5s %14s %14s %12s %14s %8s\n", "method", "blocks", "busy", "GB/s per block",
+         "GB/s all", "us", "busy GB/s", "SM GHz");
   FILE* jf = json.empty() ? nullptr : fopen(json.c_str(), "w");
   if (jf) fprintf(jf, "{\"gpu\": \"%s\", \"rows\": [\n", prop.name);
   bool first = true;
@@ -640,7 +701,7 @@ int main(int argc, char** argv) {
         }
         a.busy = busy;
         const int grid = busy ? sms : nb;
-        std::vector<double> per, all, us, bg;
+        std::vector<double> per, all, us, bg, gh;
         for (int r = 0; r < reps + 1; ++r) {
           CK(cudaMemset(a.done, 0, 4));
           CK(cudaMemset(a.bg_bytes, 0, 8));
@@ -649,18 +710,23 @@ int main(int argc, char** argv) {
           CK(cudaDeviceSynchronize());
           std::vector<unsigned long long> t(2 * nb);
           CK(cudaMemcpy(t.data(), a.t, t.size() * 8, cudaMemcpyDeviceToHost));
+          std::vector<long long> clk(nb);
+          CK(cudaMemcpy(clk.data(), a.clk, nb * 8, cudaMemcpyDeviceToHost));
           unsigned long long bgb = 0;
           CK(cudaMemcpy(&bgb, a.bg_bytes, 8, cudaMemcpyDeviceToHost));
           if (r == 0) continue;  // warm-up
           const double bytes = (double)warps * tasks * kTokensPerTask * kRowsPerToken * kRowBytes;
-          std::vector<double> bw;
+          std::vector<double> bw, ghz;
           unsigned long long lo = ~0ull, hi = 0;
           for (int b = 0; b < nb; ++b) {
             bw.push_back(bytes / (double)(t[2 * b + 1] - t[2 * b]));
+            ghz.push_back(clk[b] / (double)(t[2 * b + 1] - t[2 * b]));
             lo = std::min(lo, t[2 * b]);
             hi = std::max(hi, t[2 * b + 1]);
           }
           std::sort(bw.begin(), bw.end());
+          std::sort(ghz.begin(), ghz.end());
+          gh.push_back(ghz[ghz.size() / 2]);
           per.push_back(bw[bw.size() / 2]);
           all.push_back(bytes * nb / (double)(hi - lo));
           us.push_back((hi - lo) / 1e3);
@@ -670,15 +736,19 @@ int main(int argc, char** argv) {
         std::sort(all.begin(), all.end());
         std::sort(us.begin(), us.end());
         std::sort(bg.begin(), bg.end());
+        std::sort(gh.begin(), gh.end());
+        const double c = gh[gh.size() / 2];
         const double g = bg[bg.size() / 2];
         const double p = per[per.size() / 2], q = all[all.size() / 2], u = us[us.size() / 2];
-        printf("%-8s %6d %5d %14.1f %14.1f %12.1f %14.0f\n", m.c_str(), nb, busy, p, q, u, g);
+        printf("%-8s %6d %5d %14.1f %14.1f %12.1f %14.0f %8.2f\n", m.c_str(), nb, busy, p, q, u, g,
+               c);
         if (jf)
           fprintf(
               jf,
               "%s {\"method\": \"%s\", \"blocks\": %d, \"busy\": %d, \"warps\": %d, "
-              "\"gbps_per_block\": %.2f, \"gbps_all\": %.2f, \"us\": %.2f, \"busy_gbps\": %.0f}",
-              first ? "" : ",\n", m.c_str(), nb, busy, warps, p, q, u, g);
+              "\"gbps_per_block\": %.2f, \"gbps_all\": %.2f, \"us\": %.2f, \"busy_gbps\": %.0f, "
+              "\"reader_sm_ghz\": %.3f}",
+              first ? "" : ",\n", m.c_str(), nb, busy, warps, p, q, u, g, c);
         first = false;
       }
   if (jf) {
