@@ -8,10 +8,10 @@
 // of an L2-resident window into shared memory with TMA, as a GEMM's operands (128 or 192 KiB in
 // flight per SM; their rate is reported), or (--busy 4) keep the tensor cores busy (mma.sync),
 // or (5) both, busy 3's loads in 6 warps and the MMAs in 6, or (6) as a GEMM's tiles also
-// store: busy 2's loads in 4 warps, TMA stores over 1 GiB in 2, the MMAs in 6; for as long as
-// the readers run. Reported: the median reader block's GB/s (bytes it read / its own time,
-// globaltimer), all readers', and the median reader's SM clock (clock64 over the same span).
-// Methods:
+// store: busy 2's loads in 4 warps, TMA stores over 1 GiB in 2, the MMAs in 6, or (7) the same
+// with the stores over the rows the task modes read; for as long as the readers run. Reported: the
+// median reader block's GB/s (bytes it read / its own time, globaltimer), all readers', and the
+// median reader's SM clock (clock64 over the same span). Methods:
 //   ld          per lane 2 loads of 16 bytes per row, 8 rows in flight (the combine's shape)
 //   ld_wide     per lane 4 loads per row, a token's 8 rows in flight (twice ld's)
 //   ld_rows4    per lane 4 loads per row, 4 rows in flight (ld's bytes, whole rows)
@@ -32,7 +32,7 @@
 //   tma_S       lane 0 loads a token's 8 rows into shared memory with cp.async.bulk (16 KiB a
 //               stage, mbarrier completion), S stages per warp; the warp sums from shared memory
 // Build: nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/sm_read_probe benchmarks/sm_read_probe.cu
-// Run:   /tmp/sm_read_probe [--blocks 1,4,8,16] [--warps 12] [--tasks 10] [--busy 0,1,2,3,4,5,6]
+// Run:   /tmp/sm_read_probe [--blocks 1,4,8,16] [--warps 12] [--tasks 10] [--busy 0,1,2,3,4,5,6,7]
 //            [--modes ld,ld_acq,tma_1,tma_2] [--reps 5] [--json out.json]
 // (the task modes: at most 32 blocks of 32 warps, 40 tasks each)
 // Every wait is bounded: a probe that hangs traps. What it showed:
@@ -61,6 +61,7 @@ constexpr int kRowBytes = 2048;  // a row's chunk of columns
 constexpr int kRowsPerToken = 8;
 constexpr int kTokensPerTask = 4;
 constexpr int kStageBytes = kRowBytes * kRowsPerToken;
+constexpr long long kYeRows = 32768, kYeCols = 7168;  // the task modes' ye, bfloat16
 
 struct Args {
   const int4* src;
@@ -74,7 +75,8 @@ struct Args {
   int mode;   // 0 ld, 1 ld_acq, 2 tma
   int stages;
   int busy;   // 0 idle, 1 HBM copy, 2 (3) TMA loads from L2, 128 (192) KiB in flight per SM;
-              // 4 MMAs, 5 MMAs + busy 3's loads, 6 MMAs + loads + TMA stores
+              // 4 MMAs, 5 MMAs + busy 3's loads, 6 MMAs + loads + TMA stores, 7 the
+              // stores over the task modes' ye
   int* done;  // readers finished
   unsigned long long* bg_bytes;  // busy 2, 3: bytes the busy blocks loaded
   unsigned long long* t;         // per reader block: start, end
@@ -347,15 +349,19 @@ __device__ __forceinline__ void mma_loop(const Args& a, int lane) {
   for (int k = 0; k < 8; ++k) t += d[k][0] + d[k][1] + d[k][2] + d[k][3];
   a.sink[blockIdx.x * blockDim.x + threadIdx.x] = t;
 }
-// busy 6: bulk (TMA) stores of 32 KiB from shared memory over 1 GiB, two in flight per warp.
+// busy 6: bulk (TMA) stores of 32 KiB from shared memory over 1 GiB, two in flight per warp
+// (busy 7: over the task modes' ye, the rows the readers read, as a GEMM's tiles store the rows
+// its combine then reads).
 __device__ __forceinline__ void store_loop(const Args& a, int warp, int lane,
                                            const unsigned char* buf) {
   constexpr int kBytes = 32768;
-  const long long window = a.bg_vectors * 16 / kBytes;
+  char* base = a.busy == 7 ? const_cast<char*>(reinterpret_cast<const char*>(a.ye))
+                           : reinterpret_cast<char*>(a.bg_dst);
+  const long long window = (a.busy == 7 ? kYeRows * kYeCols * 2 : a.bg_vectors * 16) / kBytes;
   for (int i = 0; i < (1 << 20); ++i) {
     if (lane == 0) {
       char* dst =
-          reinterpret_cast<char*>(a.bg_dst) +
+          base +
           (((long long)blockIdx.x * 2 + warp + (long long)i * 2 * gridDim.x) % window) * kBytes;
       asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
                    "r"(smem_addr(buf)), "r"(kBytes)
@@ -380,7 +386,7 @@ __global__ void probe(Args a) {
     mma_loop(a, lane);
     return;
   }
-  if (blockIdx.x >= a.readers && a.busy == 6 && warp >= 4) {
+  if (blockIdx.x >= a.readers && a.busy >= 6 && warp >= 4) {
     store_loop(a, warp - 4, lane, smem + 1024 + 4 * 32768);
     return;
   }
@@ -388,7 +394,7 @@ __global__ void probe(Args a) {
     // busy 2 (3): TMA loads of 32 KiB from a 32 MiB window (L2-resident) into shared memory, one
     // load in flight per warp of 4 (6) warps, as a GEMM's operand loads (128 or 192 KiB in
     // flight per SM), until every reader is done (busy 5: busy 3's loads; busy 6: 4 warps')
-    if (warp >= (a.busy == 2 || a.busy == 6 ? 4 : 6)) return;
+    if (warp >= (a.busy == 2 || a.busy >= 6 ? 4 : 6)) return;
     constexpr int kBytes = 32768;
     uint64_t* bar = reinterpret_cast<uint64_t*>(smem) + warp;
     unsigned char* buf = smem + 1024 + warp * kBytes;
@@ -607,7 +613,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&a.clk, sms * sizeof(long long)));
   CK(cudaMalloc(&a.sink, (size_t)sms * 1024 * sizeof(float)));
   {  // the task modes' ye [C, N], tokens and their routing
-    const long long N = 7168, C = 32768,
+    const long long N = kYeCols, C = kYeRows,
                     tokens = 32ll * 32 * kTokensPerTask * 40;  // 32 blocks of 32 warps, 40 tasks
     unsigned char *ye, *out;
     int *send, *rof;
@@ -686,7 +692,7 @@ int main(int argc, char** argv) {
           fprintf(stderr, "unknown method %s\n", m.c_str());
           return 2;
         }
-        a.N = m == "task_n1024" ? 1024 : 7168;
+        a.N = m == "task_n1024" ? 1024 : kYeCols;
         // At least half an SM's shared memory, so that no two blocks share an SM
         const size_t shm =
             std::max<size_t>(a.mode == 2   ? 1024 + (size_t)warps * a.stages * kStageBytes
