@@ -9,9 +9,9 @@
 // flight per SM; their rate is reported), or (--busy 4) keep the tensor cores busy (mma.sync),
 // or (5) both, busy 3's loads in 6 warps and the MMAs in 6, or (6) as a GEMM's tiles also
 // store: busy 2's loads in 4 warps, TMA stores over 1 GiB in 2, the MMAs in 6, or (7) the same
-// with the stores over the rows the task modes read; for as long as the readers run. Reported: the
-// median reader block's GB/s (bytes it read / its own time, globaltimer), all readers', and the
-// median reader's SM clock (clock64 over the same span). Methods:
+// with the stores over the rows the task modes read; for as long as the readers run.
+// Reported: the median reader block's GB/s (bytes it read / its own time, globaltimer), all
+// readers', and the median reader's SM clock (clock64 over the same span). Methods:
 //   ld          per lane 2 loads of 16 bytes per row, 8 rows in flight (the combine's shape)
 //   ld_wide     per lane 4 loads per row, a token's 8 rows in flight (twice ld's)
 //   ld_rows4    per lane 4 loads per row, 4 rows in flight (ld's bytes, whole rows)
