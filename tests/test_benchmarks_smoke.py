@@ -81,6 +81,7 @@ EXCLUDED = {
     "trace_phases.py": "reads the CUDA kernels' in-kernel phase marks "
                        "(jax_ep.runtime.phase_traces): the reference backend has none",
     "nvlink_probe.cu": "a CUDA program (NVLink bandwidth between GPUs)",
+    "sm_read_probe.cu": "a CUDA program (a few SMs' read rates beside a busy GPU)",
     "cutlass_example57.sh": "builds CUTLASS example 57 with nvcc (bench_gemm.py's baseline)",
     "deepgemm.sh": "prepares DeepGEMM, which needs torch and a GPU (bench_gemm.py's baseline)",
     "deepgemm_baseline.py": "module of bench_gemm.py: DeepGEMM needs torch and a GPU (bench_gemm "
