@@ -31,7 +31,8 @@
 //               shared memory by TMA, two 8 KiB stages per warp
 //   tma_S       lane 0 loads a token's 8 rows into shared memory with cp.async.bulk (16 KiB a
 //               stage, mbarrier completion), S stages per warp; the warp sums from shared memory
-// Build: nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/sm_read_probe benchmarks/sm_read_probe.cu
+// Build: nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc -DJAX_EP_MUTATION=0 -o /tmp/sm_read_probe \
+//            benchmarks/sm_read_probe.cu
 // Run:   /tmp/sm_read_probe [--blocks 1,4,8,16] [--warps 12] [--tasks 10] [--busy 0,1,2,3,4,5,6,7]
 //            [--modes ld,ld_acq,tma_1,tma_2] [--reps 5] [--json out.json]
 // (the task modes: at most 32 blocks of 32 warps, 40 tasks each)
@@ -47,6 +48,16 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+// The kernels' own loads, stores and timer (ld.global.cg / .nc, the bfloat16 packing, the
+// acquire the combine's waits issue, %globaltimer).
+#include "kernels/high_throughput/common.cuh"
+using jax_ep::global_timer_ns;
+using jax_ep::ld_acquire_gpu;
+using jax_ep::ht::ld_cg_v4;
+using jax_ep::ht::ld_nc_f32;
+using jax_ep::ht::ld_nc_s32;
+using jax_ep::ht::pack_bf16x8;
 
 #define CK(call)                                                                            \
   do {                                                                                      \
@@ -72,7 +83,7 @@ struct Args {
   long long bg_vectors;
   int readers;
   int tasks;  // per warp
-  int mode;   // 0 ld, 1 ld_acq, 2 tma
+  int kind;   // Kind
   int stages;
   int busy;   // 0 idle, 1 HBM copy, 2 (3) TMA loads from L2, 128 (192) KiB in flight per SM;
               // 4 MMAs, 5 MMAs + busy 3's loads, 6 MMAs + loads + TMA stores, 7 the
@@ -89,26 +100,33 @@ struct Args {
   const unsigned char* ye;
   unsigned char* out;  // [tokens, N]
   long long N;
-  int light;  // task_light: add8 instead of the weighting
+  int light;  // kTask: 1 add8 instead of the weighting, 2 no stores (task_light, task_nostore)
+  bool pre;   // kTask: the task's entries loaded once (task_pre)
 };
 
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long v;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(v));
-  return v;
-}
-__device__ __forceinline__ int4 ld_cg(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
+// How a reader warp reads (the methods of the header; tma_S: kTma with S stages).
+enum Kind { kLd, kLdAcq, kTma, kLdWide, kLdRows4, kTask, kTaskReg2, kTaskTma };
+struct Method {
+  const char* name;
+  Kind kind;
+  int light = 0;
+  bool pre = false;
+  long long N = kYeCols;  // task modes: ye's row length
+};
+const Method kMethods[] = {
+    {"ld", kLd},
+    {"ld_acq", kLdAcq},
+    {"ld_wide", kLdWide},
+    {"ld_rows4", kLdRows4},
+    {"task", kTask},
+    {"task_light", kTask, 1},
+    {"task_pre", kTask, 0, true},
+    {"task_nostore", kTask, 2},
+    {"task_n1024", kTask, 0, false, 1024},
+    {"task_reg2", kTaskReg2},
+    {"task_tma", kTaskTma},
+};
+
 __device__ __forceinline__ unsigned long long row_of(long long rows, int b, int w, int t, int r) {
   unsigned long long x = ((unsigned long long)b * 1000003ull + w) * 7919ull + t * 131ull + r;
   x ^= x >> 33;
@@ -137,16 +155,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-__device__ __forceinline__ int ld_nc_s32(const int* p) {
-  int v;
-  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ float ld_nc_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
+// The weighted sum of csrc/kernels/fused/gemm_combine.cu's add_weighted (file-local there).
 __device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -155,13 +164,6 @@ __device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
     acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
     acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
   }
-}
-__device__ __forceinline__ int4 pack_bf16x8(const float* a) {
-  int4 r;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
-  return r;
 }
 // The fused GEMM + combine's first-step sum of one task (direct, K = 8), as in
 // csrc/kernels/fused/gemm_combine.cu reduce_task: per token its row, per pass of 2 x 32 vectors
@@ -208,7 +210,7 @@ __device__ __forceinline__ float sum_task(const Args& a, long long c0, int lane,
         const int4* src = reinterpret_cast<const int4*>(a.ye + (long long)j[g] * N * 2);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (i0 + u * 32 < hi) v[g][u] = ld_cg(src + i0 + u * 32);
+          if (i0 + u * 32 < hi) v[g][u] = ld_cg_v4(src + i0 + u * 32);
       }
 #pragma unroll
       for (int g = 0; g < kGroup; ++g) {
@@ -245,7 +247,7 @@ __device__ __forceinline__ void reg2_load(const Args& a, int pj, int s, int lane
   for (int g = 0; g < 8; ++g) {
     const int j = __shfl_sync(~0u, pj, (i * K + g) & 31);
     if (j >= 0)
-      v[g] = ld_cg(reinterpret_cast<const int4*>(a.ye + (long long)j * a.N * 2) + p * 32 + lane);
+      v[g] = ld_cg_v4(reinterpret_cast<const int4*>(a.ye + (long long)j * a.N * 2) + p * 32 + lane);
   }
 }
 __device__ __forceinline__ void reg2_sum(const Args& a, int pj, float pw, long long c0, int s,
@@ -430,19 +432,20 @@ __global__ void probe(Args a) {
     for (int pass = 0; pass < 64; ++pass) {
       for (long long i = (long long)(blockIdx.x - a.readers) * blockDim.x + threadIdx.x; i < n;
            i += stride)
-        a.bg_dst[i] = ld_cg(a.bg_src + i);
+        a.bg_dst[i] = ld_cg_v4(a.bg_src + i);
       if (*(volatile int*)a.done >= a.readers) return;
     }
     return;
   }
   __syncthreads();
-  const unsigned long long t0 = now(), k0 = clock64();
+  const unsigned long long t0 = global_timer_ns(), k0 = clock64();
   float acc = 0.f;
-  if (a.mode == 8) {
-    const long long tokens_per_warp = (long long)a.tasks * kTokensPerTask;
-    const long long base = ((long long)blockIdx.x * (blockDim.x / 32) + warp) * tokens_per_warp;
+  // the task modes: this warp's tokens
+  const long long base =
+      ((long long)blockIdx.x * (blockDim.x / 32) + warp) * a.tasks * kTokensPerTask;
+  if (a.kind == kTaskReg2) {
     for (int t = 0; t < a.tasks; ++t) sum_task_reg2(a, base + (long long)t * kTokensPerTask, lane);
-  } else if (a.mode == 9) {
+  } else if (a.kind == kTaskTma) {
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * 2;
     unsigned char* stage = smem + 1024 + (size_t)warp * 16384;
     if (lane == 0)
@@ -452,19 +455,15 @@ __global__ void probe(Args a) {
                      : "memory");
     __syncwarp();
     unsigned int uses = 0;
-    const long long tokens_per_warp = (long long)a.tasks * kTokensPerTask;
-    const long long base = ((long long)blockIdx.x * (blockDim.x / 32) + warp) * tokens_per_warp;
     for (int t = 0; t < a.tasks; ++t)
       sum_task_tma(a, base + (long long)t * kTokensPerTask, lane, stage, bars, uses);
-  } else if (a.mode >= 5) {  // task, task_light, task_pre
-    const long long tokens_per_warp = (long long)a.tasks * kTokensPerTask;
-    const long long base = ((long long)blockIdx.x * (blockDim.x / 32) + warp) * tokens_per_warp;
+  } else if (a.kind == kTask) {
     for (int t = 0; t < a.tasks; ++t)
-      acc += sum_task(a, base + (long long)t * kTokensPerTask, lane, a.mode == 7);
-  } else if (a.mode == 3 || a.mode == 4) {
+      acc += sum_task(a, base + (long long)t * kTokensPerTask, lane, a.pre);
+  } else if (a.kind == kLdWide || a.kind == kLdRows4) {
     // ld_wide: a token's 8 whole rows in flight, 4 loads per lane and row; ld_rows4: 4 whole
     // rows at a time (ld's bytes in flight, whole rows)
-    const int per = a.mode == 3 ? 8 : 4;
+    const int per = a.kind == kLdWide ? 8 : 4;
     for (int t = 0; t < a.tasks; ++t)
       for (int k = 0; k < kTokensPerTask; ++k)
         for (int g0 = 0; g0 < kRowsPerToken; g0 += per) {
@@ -476,7 +475,7 @@ __global__ void probe(Args a) {
                 a.src +
                 row_of(a.rows, blockIdx.x, warp, t * kTokensPerTask + k, g0 + g) * (kRowBytes / 16);
 #pragma unroll
-            for (int u = 0; u < 4; ++u) v[g][u] = ld_cg(row + 32 * u + lane);
+            for (int u = 0; u < 4; ++u) v[g][u] = ld_cg_v4(row + 32 * u + lane);
           }
 #pragma unroll
           for (int g = 0; g < kRowsPerToken; ++g) {
@@ -485,9 +484,9 @@ __global__ void probe(Args a) {
             for (int u = 0; u < 4; ++u) add8(acc, v[g][u]);
           }
         }
-  } else if (a.mode < 2) {
+  } else if (a.kind == kLd || a.kind == kLdAcq) {
     for (int t = 0; t < a.tasks; ++t) {
-      if (a.mode == 1) acc += (float)ld_acquire_gpu(a.flag + lane);
+      if (a.kind == kLdAcq) acc += (float)ld_acquire_gpu(a.flag + lane);
       for (int k = 0; k < kTokensPerTask; ++k)
         for (int half = 0; half < 2; ++half) {
           int4 v[kRowsPerToken][2];
@@ -497,8 +496,8 @@ __global__ void probe(Args a) {
                 a.src +
                 row_of(a.rows, blockIdx.x, warp, t * kTokensPerTask + k, g) * (kRowBytes / 16) +
                 half * 64;
-            v[g][0] = ld_cg(row + lane);
-            v[g][1] = ld_cg(row + 32 + lane);
+            v[g][0] = ld_cg_v4(row + lane);
+            v[g][1] = ld_cg_v4(row + 32 + lane);
           }
 #pragma unroll
           for (int g = 0; g < kRowsPerToken; ++g) {
@@ -549,7 +548,7 @@ __global__ void probe(Args a) {
   __syncthreads();
   if (threadIdx.x == 0) {
     a.t[2 * blockIdx.x] = t0;
-    a.t[2 * blockIdx.x + 1] = now();
+    a.t[2 * blockIdx.x + 1] = global_timer_ns();
     a.clk[blockIdx.x] = clock64() - k0;
     atomicAdd(a.done, 1);
   }
@@ -664,40 +663,22 @@ int main(int argc, char** argv) {
         }
         a.readers = nb;
         a.stages = 1;
-        if (m == "ld")
-          a.mode = 0;
-        else if (m == "ld_acq")
-          a.mode = 1;
-        else if (m == "ld_wide")
-          a.mode = 3;
-        else if (m == "ld_rows4")
-          a.mode = 4;
-        else if (m == "task")
-          a.mode = 5, a.light = 0;
-        else if (m == "task_light")
-          a.mode = 6, a.light = 1;
-        else if (m == "task_pre")
-          a.mode = 7, a.light = 0;
-        else if (m == "task_nostore")
-          a.mode = 5, a.light = 2;
-        else if (m == "task_n1024")
-          a.mode = 5, a.light = 0;
-        else if (m == "task_reg2")
-          a.mode = 8, a.light = 0;
-        else if (m == "task_tma")
-          a.mode = 9, a.light = 0;
-        else if (m.rfind("tma_", 0) == 0)
-          a.mode = 2, a.stages = atoi(m.c_str() + 4);
-        else {
+        const Method* me = nullptr;
+        for (const Method& k : kMethods)
+          if (m == k.name) me = &k;
+        if (me != nullptr) {
+          a.kind = me->kind, a.light = me->light, a.pre = me->pre, a.N = me->N;
+        } else if (m.rfind("tma_", 0) == 0) {
+          a.kind = kTma, a.stages = atoi(m.c_str() + 4), a.N = kYeCols;
+        } else {
           fprintf(stderr, "unknown method %s\n", m.c_str());
           return 2;
         }
-        a.N = m == "task_n1024" ? 1024 : kYeCols;
         // At least half an SM's shared memory, so that no two blocks share an SM
         const size_t shm =
-            std::max<size_t>(a.mode == 2   ? 1024 + (size_t)warps * a.stages * kStageBytes
-                             : a.mode == 9 ? 1024 + (size_t)warps * 16384
-                                           : 0,
+            std::max<size_t>(a.kind == kTma       ? 1024 + (size_t)warps * a.stages * kStageBytes
+                             : a.kind == kTaskTma ? 1024 + (size_t)warps * 16384
+                                                  : 0,
                              std::max<size_t>(prop.sharedMemPerMultiprocessor / 2 + 1024,
                                               busy >= 2 ? 1024 + 6 * 32768 : 0));
         if (shm > prop.sharedMemPerBlockOptin) {
