@@ -56,7 +56,7 @@ enum Bug : int {
   // fused gather + grouped GEMM: a tile does not wait for its rows (kernels/fused/gather_gemm.cu)
   kTileSkipsRows = 11,
   // fused grouped GEMM + combine: a received row's slots are summed without waiting for their
-  // tiles (reduce_received, kernels/fused/gemm_combine.cu)
+  // tiles (reduce_task, kernels/fused/gemm_combine.cu)
   kCombineSkipsTiles = 12,
   // fused gather + grouped GEMM: a token's first row counts its copies on the rank but does not
   // write them (copy_rows, kernels/fused/gather_gemm.cu)
@@ -71,7 +71,7 @@ enum Bug : int {
   // (poison::fill, transport/poison.cuh)
   kSkipPoison = 16,
   // fused grouped GEMM + combine: a token's summed row is pulled from a rank without waiting
-  // for that rank to have written it (combine_tokens, kernels/fused/gemm_combine.cu)
+  // for that rank to have written it (combine_task, kernels/fused/gemm_combine.cu)
   kCombineSkipsSummed = 17,
   // fused gather + grouped GEMM's activation epilogue: the up projection's columns taken for
   // the gate's and the other way round (store_activation, kernels/fused/gather_gemm.cu)
