@@ -235,6 +235,22 @@ def test_fused_matmul_combine_blocks_and_no_weights(combine_blocks, weighted):
     _check_gemm_combine(jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu, wd)), R)
 
 
+@pytest.mark.parametrize("R,K", [(1, 8), (2, 8), (1, 12), (2, 12)])
+def test_fused_matmul_combine_top_k_fills_and_passes_a_slot_group(R, K):
+    """Top-8: a row's slots fill one group of the combine's loads in flight; top-12: two
+    groups, the second partly empty. Over a column chunk and a narrower one, bit-exact as
+    above (R = 1 through the direct path)."""
+    ext = jax_ep.runtime.extension()
+    H = ext.fused_chunk_blocks * ext.fused_block_columns + ext.fused_block_columns
+    T, I, L = (45 if R > 1 else 160), 128, 12
+    x, idx, w, wgu, E = _setup(R, T, H, I, K, L, "masked", 40 + R + K)
+    rng = np.random.default_rng(41 + R + K)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    poison_gpu_memory()
+    run = _gemm_combine_outputs(E, K, True)
+    _check_gemm_combine(jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu, wd)), R)
+
+
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 def test_moe_ffn_fused_matches_unfused_and_reference(R):
     T, H, I, K, L = 48, 512, 256, 4, 4

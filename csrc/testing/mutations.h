@@ -11,7 +11,7 @@
 // gpu_check.sh's MUTATIONS and PLANTED lists name: keep them.
 //
 // Bugs 1 to 8 sit in code that every one-process run executes, 9 and 10 in per-process code
-// only, 11 to 13 and 17 to 19 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
+// only, 11 to 13 and 17 to 20 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
 // multi-rank mode, 16 in every communication kernel's failure path. Plain C++ (constants
 // only): host code and kernels include it.
 #pragma once
@@ -79,7 +79,10 @@ enum Bug : int {
   // fused gather + grouped GEMM with h unwritten: the tiles skip the activation epilogue too
   // (run_tiles, kernels/fused/tiles.cuh)
   kUnwrittenHSkipsActivation = 19,
-  kLast = kUnwrittenHSkipsActivation,
+  // fused grouped GEMM + combine: a received row sums only its first group of slots' rows (top-k
+  // past kGroup loses the rest; reduce_task, kernels/fused/gemm_combine.cu)
+  kCombineOneSlotGroup = 20,
+  kLast = kCombineOneSlotGroup,
 };
 
 // The bug this build carries (0: none).

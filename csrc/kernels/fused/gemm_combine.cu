@@ -193,7 +193,8 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
           mw = ht::ld_nc_f32(a.weights + c * K + base + lane);
           if (mj >= end) mj = -1;
         }
-        const int n = min(32, K - base);
+        const int n =
+            JAX_EP_PLANTED(kCombineOneSlotGroup) ? min(kGroup, K - base) : min(32, K - base);
         // kGroup slots' rows in flight at once, summed in slot order.
         for (int q0 = 0; q0 < n; q0 += kGroup) {  // warp-uniform
           int j[kGroup];
