@@ -69,6 +69,24 @@ def order_by_key(key, bound):
     return jnp.argsort(jnp.minimum(key, bound).astype(dtype), stable=True).astype(jnp.int32)
 
 
+def inclusive_count(v, block=128):
+    """jnp.cumsum of an int32 or bool vector [n] as masked sums over blocks of `block` (int32):
+    XLA makes row reductions of them. (Its cumsum of a few thousand elements is a tree of
+    reduce-windows, tens of microseconds on a GPU.) Work n * block, then the same over the
+    blocks' totals."""
+    n = v.shape[0]
+    v = v.astype(jnp.int32)
+    if n <= block:
+        lower = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]           # [i, j]: j <= i
+        return jnp.sum(jnp.where(lower, v[None, :], 0), axis=1, dtype=jnp.int32)
+    nb = -(-n // block)
+    blocks = jnp.pad(v, (0, nb * block - n)).reshape(nb, block)
+    lower = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
+    within = jnp.sum(jnp.where(lower[None], blocks[:, None, :], 0), axis=2, dtype=jnp.int32)
+    before = inclusive_count(within[:, -1], block) - within[:, -1]          # [nb] exclusive
+    return (within + before[:, None]).reshape(nb * block)[:n]
+
+
 def first_occurrence(idx):
     """[T, K] bool: slot k is valid and no earlier slot of the token names the same expert."""
     K = idx.shape[1]

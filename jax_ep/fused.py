@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jax_ep import _checks, _ffi, config, expert_layout as el, grouped_gemm, remat, runtime
 from jax_ep._common import axis_info, first_occurrence, swiglu
 from jax_ep.high_throughput import (_Config, _combine_diff, _dispatch_diff, _gather_diff,
-                                    _group_checks, _routing_checks, combine, dispatch)
+                                    _group_checks, _routing_checks, combine, dispatch,
+                                    routing_one_rank)
 
 # The fused backward: a cotangent JAX knows to be zero (an output nothing reads) comes as this.
 _SymbolicZero = jax.custom_derivatives.SymbolicZero
@@ -272,8 +273,12 @@ def _dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name, ca
     # w varying like x (replicated over data parallelism, its gradient is summed over the
     # replicas by this cast's transpose, outside the rule); acc checked against it
     x, w, weight_grad_acc = grouped_gemm._same_axes(x, w, weight_grad_acc)
-    # the routing alone: a dispatch of zero-width rows (differentiable in the weights)
-    _, ridx, rw, _, handle = _dispatch_diff(rows, wts, idx, cfg)
+    # the routing alone: a dispatch of zero-width rows (differentiable in the weights); with
+    # one rank the same arrays from a few XLA ops, without the kernel's launch and its scratch
+    if R == 1:
+        ridx, rw, handle = routing_one_rank(wts, idx, cfg)
+    else:
+        _, ridx, rw, _, handle = _dispatch_diff(rows, wts, idx, cfg)
     lay, we, ehandle = el.plan_receive(ridx, rw, handle, L, capacity, A, topk_weights is not None,
                                        runtime.poison_int())
     src = lay["src"]
@@ -369,6 +374,11 @@ def _matmul_combine_bwd(ccfg, res, g):
     u = u.astype(jnp.float32)
     d_a = (u * wj[:, None]).astype(a.dtype)
     d_row = jnp.sum(a.astype(jnp.float32) * u, axis=-1)                    # [C]
+    if rank.send_rows.shape[1] == 1:
+        # one rank: both from u at once, before the first half's rule reads d_a, else XLA sums
+        # d_row last and keeps a ([C, I]) through that rule's buffers. Over several ranks the
+        # same barrier made XLA plan more (docs/design.md#layer-routing-one-rank).
+        d_a, d_row = jax.lax.optimization_barrier((d_a, d_row))
     Cr = weights.shape[0]
     d_weights = el.take_rows(d_row, row_of.reshape(Cr * K)).reshape(Cr, K)
     return d_a, d_w, d_weights.astype(weights.dtype), None, None, None, None, None, None

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _checks, _ffi, reference as ref, remat, runtime
-from jax_ep._common import FP8_GROUP, as_bytes, axis_info
+from jax_ep._common import FP8_GROUP, as_bytes, axis_info, inclusive_count, sanitize
 from jax_ep.expert_layout import (ExpertDispatchHandle, ExpertDispatchResult, reduce_rows,
-                                  to_expert_major)
+                                  take_rows as el_take_rows, to_expert_major)
 
 
 class DispatchHandle(NamedTuple):
@@ -157,6 +157,51 @@ def _dispatch_bwd(cfg, res, g):
 
 
 _dispatch_diff.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _received_weights(w, recv_src, send_rows, mine):
+    """[C, K]: w [T, K] of each received token (recv_src) where mine, else 0 (one rank)."""
+    return jnp.where(mine, w[jnp.maximum(recv_src, 0)], 0.0)
+
+
+def _received_weights_fwd(w, recv_src, send_rows, mine):
+    return _received_weights(w, recv_src, send_rows, mine), (send_rows, mine)
+
+
+def _received_weights_bwd(res, g):
+    # each token is received at most once: the transpose of the gather is the gather by the
+    # tokens' rows (as the dispatch's rule, a combine), not a scatter-add
+    send_rows, mine = res
+    return (el_take_rows(jnp.where(mine, g, 0.0), send_rows[:, 0]), None, None, None)
+
+
+_received_weights.defvjp(_received_weights_fwd, _received_weights_bwd)
+
+
+def routing_one_rank(w, idx, cfg):
+    """(recv_topk_idx, recv_topk_weights, handle) of a dispatch of zero-width rows over a group
+    of one rank, in XLA ops instead of a launch: the same arrays as `_dispatch_diff`'s, every
+    token with an expert received in token order up to cfg.capacity (the reference's
+    `ht_layout` with R = 1). Differentiable in w (float32 [T, K])."""
+    T = idx.shape[0]
+    C = cfg.capacity
+    clean, num_invalid = sanitize(idx, cfg.num_experts)
+    sent = jnp.any(clean >= 0, axis=1)                                         # [T]
+    row = inclusive_count(sent) - 1
+    kept = sent & (row < C)
+    recv_src = jnp.full((C,), -1, jnp.int32).at[jnp.where(kept, row, C)].set(
+        jnp.arange(T, dtype=jnp.int32), mode="drop", unique_indices=True)
+    send_rows = jnp.where(kept, row, -1)[:, None]
+    ids = clean[jnp.maximum(recv_src, 0)]
+    mine = (recv_src >= 0)[:, None] & (ids >= 0)
+    ridx = jnp.where(mine, ids, -1)
+    rw = _received_weights(w, recv_src, send_rows, mine)
+    sent_count = row[-1] + 1 if T else jnp.int32(0)
+    recv_count = jnp.minimum(sent_count, C).astype(jnp.int32)
+    handle = DispatchHandle(recv_src, send_rows, recv_count, sent_count - recv_count,
+                            num_invalid)
+    return ridx, rw, handle
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))

@@ -523,3 +523,39 @@ def test_fused_backward_kernel_rules_equal_the_unfused_ops(meshes, mesh_name, ki
                           (*want2, *want1), (*got2, *got1)):
         assert np.abs(e).max() > 0, name   # a zero cotangent would check nothing
         np.testing.assert_allclose(r, e, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["random", "masked", "skewed", "invalid", "dups"])
+@pytest.mark.parametrize("T, short", [(1, False), (5, False), (33, False), (33, True)])
+def test_the_one_rank_routing_equals_the_dispatch(kind, T, short):
+    """The fused layer's routing over one rank, in XLA ops, against the routing dispatch (a
+    dispatch of zero-width rows) it replaces there: the same received ids, weights and handle,
+    with drops where the capacity is short, and the same weight gradient."""
+    from jax_ep import high_throughput as ht
+    K, E = 4, 8
+    rng = np.random.default_rng(T)
+    idx = routing(rng, 1, T, K, E, kind)[0]
+    w = rng.standard_normal((T, K)).astype(np.float32)
+    c = rng.standard_normal((T // 2 if short else T, K)).astype(np.float32)
+    cfg = ht._Config(E, c.shape[0], "ep", "reference")
+
+    def dispatch(w, idx):
+        _, ridx, rw, _, handle = ht._dispatch_diff(jnp.zeros((T, 0), jnp.float32), w, idx,
+                                                   cfg)
+        return ridx, rw, handle
+
+    def run(f):
+        def weighted(w, idx, c):   # a scalar of the received weights, for their gradient
+            return jnp.sum(f(w, idx)[1] * c)
+        out = jax.vmap(f, axis_name="ep")(w[None], idx[None])
+        grad = jax.vmap(jax.grad(weighted), axis_name="ep")(w[None], idx[None], c[None])
+        return [np.asarray(a) for a in jax.tree.leaves(out)] + [np.asarray(grad)]
+
+    got = run(lambda w, idx: ht.routing_one_rank(w, idx, cfg))
+    want = run(dispatch)
+    for a, b, field in zip(got, want, ("recv_topk_idx", "recv_topk_weights", "recv_src",
+                                       "send_rows", "recv_count", "num_dropped", "num_invalid",
+                                       "d w")):
+        np.testing.assert_array_equal(a, b, err_msg=field)
+    sent = int(np.sum(np.any((idx >= 0) & (idx < E), axis=1)))
+    assert int(want[5][0]) == max(0, sent - cfg.capacity), "the drops this routing makes"

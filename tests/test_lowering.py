@@ -432,6 +432,9 @@ def test_fused_forward_alone_leaves_h_unwritten(cuda_lowering, monkeypatch, mesh
             jnp.ones((ranks, LT, LK), jnp.float32),
             jnp.ones((ranks, LL, 2 * LI, LH), jnp.bfloat16))
     text = smap(mesh, layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    targets = {t for t, _ in custom_calls(text)}
+    # one rank routes in XLA ops: no dispatch launch
+    assert ("jax_ep_ht_dispatch" in targets) == (ranks > 1), targets
     calls = [a for t, a in custom_calls(text) if t == "jax_ep_ht_gather_gemm"]
     (gg,) = [c for c in calls if int_attr(c, "w_k_major") == 0]   # (the backward's is 1)
     assert int_attr(gg, "activation") == 1
