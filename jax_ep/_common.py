@@ -71,9 +71,11 @@ def order_by_key(key, bound):
 
 def inclusive_count(v, block=128):
     """jnp.cumsum of an int32 or bool vector [n] as masked sums over blocks of `block` (int32):
-    XLA makes row reductions of them. (Its cumsum of a few thousand elements is a tree of
-    reduce-windows, tens of microseconds on a GPU.) Work n * block, then the same over the
-    blocks' totals."""
+    XLA makes row reductions of them, where its cumsum of a few thousand elements took tens of
+    microseconds on a GPU. Work n * block, then the same over the blocks' totals: meant for
+    vectors of a rank's tokens, not for millions of elements."""
+    if block < 2:
+        raise ValueError(f"block={block}: expected at least 2 (the blocks' totals recurse)")
     n = v.shape[0]
     v = v.astype(jnp.int32)
     if n <= block:

@@ -184,20 +184,27 @@ def routing_one_rank(w, idx, cfg):
     of one rank, in XLA ops instead of a launch: the same arrays as `_dispatch_diff`'s, every
     token with an expert received in token order up to cfg.capacity (the reference's
     `ht_layout` with R = 1). Differentiable in w (float32 [T, K])."""
-    T = idx.shape[0]
+    T, K = idx.shape
     C = cfg.capacity
     clean, num_invalid = sanitize(idx, cfg.num_experts)
+    if T == 0:      # nothing sent: every row is padding
+        none = jnp.zeros((), jnp.int32)
+        handle = DispatchHandle(jnp.full((C,), -1, jnp.int32), jnp.zeros((0, 1), jnp.int32),
+                                none, none, num_invalid)
+        return jnp.full((C, K), -1, jnp.int32), jnp.zeros((C, K), jnp.float32), handle
     sent = jnp.any(clean >= 0, axis=1)                                         # [T]
     row = inclusive_count(sent) - 1
     kept = sent & (row < C)
-    recv_src = jnp.full((C,), -1, jnp.int32).at[jnp.where(kept, row, C)].set(
-        jnp.arange(T, dtype=jnp.int32), mode="drop", unique_indices=True)
+    tokens = jnp.arange(T, dtype=jnp.int32)
+    # (the tokens not kept go past the end, each to its own index, and are dropped)
+    recv_src = jnp.full((C,), -1, jnp.int32).at[jnp.where(kept, row, C + tokens)].set(
+        tokens, mode="drop", unique_indices=True)
     send_rows = jnp.where(kept, row, -1)[:, None]
     ids = clean[jnp.maximum(recv_src, 0)]
     mine = (recv_src >= 0)[:, None] & (ids >= 0)
     ridx = jnp.where(mine, ids, -1)
     rw = _received_weights(w, recv_src, send_rows, mine)
-    sent_count = row[-1] + 1 if T else jnp.int32(0)
+    sent_count = row[-1] + 1
     recv_count = jnp.minimum(sent_count, C).astype(jnp.int32)
     handle = DispatchHandle(recv_src, send_rows, recv_count, sent_count - recv_count,
                             num_invalid)

@@ -526,17 +526,19 @@ def test_fused_backward_kernel_rules_equal_the_unfused_ops(meshes, mesh_name, ki
 
 
 @pytest.mark.parametrize("kind", ["random", "masked", "skewed", "invalid", "dups"])
-@pytest.mark.parametrize("T, short", [(1, False), (5, False), (33, False), (33, True)])
+@pytest.mark.parametrize("T, short", [(0, False), (1, False), (5, False), (33, False),
+                                      (33, True), (300, True)])
 def test_the_one_rank_routing_equals_the_dispatch(kind, T, short):
     """The fused layer's routing over one rank, in XLA ops, against the routing dispatch (a
-    dispatch of zero-width rows) it replaces there: the same received ids, weights and handle,
-    with drops where the capacity is short, and the same weight gradient."""
+    dispatch of zero-width rows) of the reference backend, the CUDA kernel's specification:
+    the same received ids, weights and handle, with drops where the capacity is short, and the
+    same weight gradient. (Past 128 tokens the positions take inclusive_count's blocks.)"""
     from jax_ep import high_throughput as ht
     K, E = 4, 8
     rng = np.random.default_rng(T)
-    idx = routing(rng, 1, T, K, E, kind)[0]
+    idx = routing(rng, 1, T, K, E, kind)[0] if T else np.zeros((0, K), np.int32)
     w = rng.standard_normal((T, K)).astype(np.float32)
-    c = rng.standard_normal((T // 2 if short else T, K)).astype(np.float32)
+    c = rng.standard_normal((T // 2 if short else T + 3, K)).astype(np.float32)
     cfg = ht._Config(E, c.shape[0], "ep", "reference")
 
     def dispatch(w, idx):
@@ -552,10 +554,29 @@ def test_the_one_rank_routing_equals_the_dispatch(kind, T, short):
         return [np.asarray(a) for a in jax.tree.leaves(out)] + [np.asarray(grad)]
 
     got = run(lambda w, idx: ht.routing_one_rank(w, idx, cfg))
-    want = run(dispatch)
+    C = cfg.capacity
+    want = run(dispatch) if T else [   # (the reference takes no tokens with a capacity)
+        np.full((1, C, K), -1), np.zeros((1, C, K)), np.full((1, C), -1),
+        np.zeros((1, 0, 1)), [0], [0], [0], np.zeros((1, 0, K))]
     for a, b, field in zip(got, want, ("recv_topk_idx", "recv_topk_weights", "recv_src",
                                        "send_rows", "recv_count", "num_dropped", "num_invalid",
                                        "d w")):
         np.testing.assert_array_equal(a, b, err_msg=field)
     sent = int(np.sum(np.any((idx >= 0) & (idx < E), axis=1)))
     assert int(want[5][0]) == max(0, sent - cfg.capacity), "the drops this routing makes"
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 16385])
+def test_inclusive_count_is_cumsum(n):
+    """The masked block sums against np.cumsum, within a block, past one and past a block of
+    blocks (its recursion), on flags and on counts."""
+    from jax_ep._common import inclusive_count
+    rng = np.random.default_rng(n)
+    flags = rng.random(n) < 0.6
+    counts = rng.integers(-3, 9, n).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(inclusive_count(jnp.asarray(flags))),
+                                  np.cumsum(flags))
+    np.testing.assert_array_equal(np.asarray(inclusive_count(jnp.asarray(counts), 8)),
+                                  np.cumsum(counts))
+    with pytest.raises(ValueError, match="block=1"):
+        inclusive_count(jnp.asarray(flags), 1)
