@@ -555,7 +555,8 @@ def test_the_one_rank_routing_equals_the_dispatch(kind, T, short):
 
     got = run(lambda w, idx: ht.routing_one_rank(w, idx, cfg))
     C = cfg.capacity
-    want = run(dispatch) if T else [   # (the reference takes no tokens with a capacity)
+    # (with no tokens the reference cannot gather into a capacity: its padding spelled out)
+    want = run(dispatch) if T else [
         np.full((1, C, K), -1), np.zeros((1, C, K)), np.full((1, C), -1),
         np.zeros((1, 0, 1)), [0], [0], [0], np.zeros((1, 0, K))]
     for a, b, field in zip(got, want, ("recv_topk_idx", "recv_topk_weights", "recv_src",
