@@ -1,12 +1,12 @@
-"""An A/B of the fused halves' Python, in one process: `moe_ffn` with the installed
-`jax_ep.fused` against the same layer with another checkout's `jax_ep/fused.py` (e.g. the last
-commit's: `git show HEAD:jax_ep/fused.py > /tmp/fused_base.py`) swapped in for the layer's two
-fused halves (their forward and custom-VJP rules; the kernels are the installed ones), or
+"""An A/B of the fused halves' Python, in one process: `moe_ffn` with the installed `jax_ep.fused`
+against the same layer with another checkout's `jax_ep/fused.py` (e.g. the last commit's: `git show
+HEAD:jax_ep/fused.py > /tmp/fused_base.py`) swapped in for the layer's two fused halves (their
+forward and custom-VJP rules; the kernels are the installed ones), against another checkout's
+`jax_ep/moe.py` swapped in for `moe_ffn` (the layer's passes around the installed halves), or
 against the installed one traced with a setting (`--baseline env:JAX_EP_FUSED_BACKWARD=0`: the
-backward on the unfused ops). Forward and forward + backward, timed in paired rounds (each
-variant in turn, so that clock drift weighs alike), the memory XLA plans for the step and for
-the forward alone, and how
-far the output and the gradients of the baseline are from the installed one's.
+backward on the unfused ops). Forward and forward + backward, timed in paired rounds (each variant
+in turn, so that clock drift weighs alike), the memory XLA plans for the step and for the forward
+alone, and how far the output and the gradients of the baseline are from the installed one's.
 
   python benchmarks/fused_ab.py --baseline /tmp/fused_base.py --ranks 2,1 --out DIR
   python benchmarks/fused_ab.py --baseline env:JAX_EP_FUSED_BACKWARD=0 --ranks 4,2 --out DIR
@@ -38,7 +38,7 @@ from harness import (add_virtual_arg, op_timer, paired, rank_map, rank_mesh,  # 
 
 def load_baseline(spec):
     """`env:NAME=VALUE`: that setting (a dict), else the module of another checkout's fused.py
-    at that path (importing the installed jax_ep)."""
+    or moe.py at that path (importing the installed jax_ep)."""
     if spec.startswith("env:"):
         name, _, value = spec[4:].partition("=")
         if not name.startswith("JAX_EP_"):
@@ -52,19 +52,22 @@ def load_baseline(spec):
 
 @contextlib.contextmanager
 def halves(variant):
-    """moe_ffn traced with a variant: None, the installed fused halves; a module, its fused
-    halves; a dict, the installed ones with those settings."""
-    saved = moe.dispatch_matmul_swiglu, moe.matmul_combine
+    """moe_ffn traced with a variant: None, the installed one; a fused.py module, its fused
+    halves; a moe.py module, its moe_ffn (the installed kernels and ops beneath); a dict, the
+    installed layer with those settings."""
+    saved = moe.dispatch_matmul_swiglu, moe.matmul_combine, jax_ep.moe_ffn
     env = variant if isinstance(variant, dict) else {}
     saved_env = {k: os.environ.get(k) for k in env}
-    if variant is not None and not env:
+    if hasattr(variant, "moe_ffn"):
+        jax_ep.moe_ffn = variant.moe_ffn
+    elif variant is not None and not env:
         moe.dispatch_matmul_swiglu, moe.matmul_combine = (variant.dispatch_matmul_swiglu,
                                                           variant.matmul_combine)
     os.environ.update(env)
     try:
         yield
     finally:
-        moe.dispatch_matmul_swiglu, moe.matmul_combine = saved
+        moe.dispatch_matmul_swiglu, moe.matmul_combine, jax_ep.moe_ffn = saved
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)

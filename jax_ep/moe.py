@@ -278,11 +278,17 @@ def _more_passes(passes, idx, cnt, kept, body, init):
 
 
 def _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first):
-    """The first pass's output `first` plus the passes after it, in float32, in x's dtype."""
-    return _more_passes(passes, idx, cnt, kept,
-                        lambda ids, acc: acc + more(x, ids, w, w_gate_up,
-                                                    w_down).astype(jnp.float32),
-                        first.astype(jnp.float32)).astype(x.dtype)
+    """The first pass's output `first` plus the passes after it, in float32, in x's dtype.
+    The float32 sum lies inside a loop of at most one iteration, taken only when a pair is
+    left: when none is, `first` goes through in place, with no pass over it to float32 and
+    back (docs/design.md#layer-capacity)."""
+    def rest(c):
+        acc = _more_passes(passes, idx, cnt, kept,
+                           lambda ids, acc: acc + more(x, ids, w, w_gate_up,
+                                                       w_down).astype(jnp.float32),
+                           c[0].astype(jnp.float32))
+        return acc.astype(x.dtype), jnp.zeros_like(c[1])
+    return lax.while_loop(lambda c: c[1], rest, (first, jnp.any(cnt > kept)))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

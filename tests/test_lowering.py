@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
@@ -472,6 +473,45 @@ def test_extra_passes_take_the_fewest_rows(cuda_lowering, monkeypatch, mesh2):
     rows = [int(re.match(r"tensor<(\d+)x", operand_types(a)[1]).group(1))
             for t, a in custom_calls(text) if t == "jax_ep_ht_gather_gemm"]
     assert set(rows) == {cap, extra}, rows
+
+
+def _converts_outside_loops(jaxpr, shape):
+    """[(inside a while loop, source dtype)] of every float32 conversion of a `shape` array in
+    `jaxpr` and the jaxprs it calls (custom rules and shard_map bodies included)."""
+    found = []
+
+    def walk(j, in_loop):
+        for eqn in j.eqns:
+            if (eqn.primitive.name == "convert_element_type"
+                    and eqn.invars[0].aval.shape == shape
+                    and eqn.outvars[0].aval.dtype == jnp.float32):
+                found.append((in_loop, eqn.invars[0].aval.dtype))
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub, in_loop or eqn.primitive.name == "while")
+    walk(jaxpr, False)
+    return found
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_extra_passes_sum_in_float32_only_inside_their_loop(cuda_lowering, monkeypatch, mesh2,
+                                                            fused):
+    """Where a routing can overflow the first pass, the layer's output goes to float32 (the sum
+    of the passes) only inside a loop that runs when a pair is left: a routing that fits the
+    first pass passes no [T, H] array over to float32 and back."""
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    T, cap = 256, 900
+    wgu = jnp.ones((LL, LH, 2 * LI), jnp.bfloat16)
+
+    def layer(x, idx, w, wd):
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=2 * LL, capacity=cap,
+                              fused=fused, backend="cuda")
+    args = (jnp.ones((2, T, LH), jnp.bfloat16), jnp.zeros((2, T, LK), jnp.int32),
+            jnp.ones((2, T, LK), jnp.float32), jnp.ones((2, LL, LI, LH), jnp.bfloat16))
+    jaxpr = jax.make_jaxpr(smap(mesh2, layer))(*args).jaxpr
+    found = _converts_outside_loops(jaxpr, (T, LH))
+    assert (True, jnp.bfloat16) in found, found          # the sum, inside the loop
+    assert not [f for f in found if not f[0]], found
 
 
 @pytest.mark.parametrize("capacity", [None, 16 + 127], ids=["one_pass", "extra_passes"])
