@@ -9,12 +9,10 @@
 //   once: its first row (in its lowest expert's segment) also writes its other rows here (the
 //   copies in rows_dups) and adds each to its row block's counter; those rows (rows_src -2) are
 //   skipped where they lie. Once the queue is empty the block arrives at the end barrier (its
-//   first step: the last copy block to arrive tells the peers this rank is done reading),
-//   zeroes rows past the last segment (and their GEMM output rows) from a queue of their own,
-//   and joins the tiles.
-// - rows past the last segment: no tile reads or writes them, and the worst-case capacity can
-//   put most rows there. The copy blocks zero them while the tiles run; every block that finds
-//   the tile queue empty zeroes what is left.
+//   first step: the last copy block to arrive tells the peers this rank is done reading) and
+//   joins the tiles.
+// - rows past the last segment (of xe, h and act) are not written: no tile reads or writes
+//   them, and the layer reads none of them.
 // - tiles come from one tile queue shared by every block (kernels/fused/tiles.cuh), in row
 //   order by groups of kRasterRowBlocks row blocks of an expert, each group column by column
 //   (tile_order), computed with CUTLASS's SM90 collectives (TMA loads into a smem pipeline,
@@ -120,37 +118,6 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Rows past the last segment and their GEMM output rows, zeroed kChunkRows rows at a time by a
-// warp, from a queue of their own: no tile reads or writes them, so nothing waits for them.
-// ------------------------------------------------------------------------------------------
-__device__ void zero_past_segments(const GatherGemmArgs& a) {
-  const int lane = threadIdx.x & 31;
-  const int64_t Hb = a.H * static_cast<int64_t>(sizeof(Element));
-  const int64_t Nb = a.N * static_cast<int64_t>(sizeof(Element));
-  auto* xe = static_cast<uint8_t*>(a.xe);
-  auto* h = static_cast<uint8_t*>(a.h);
-  const bool vec = Hb % 16 == 0 && ht::aligned16(xe);
-  const bool vec_h = Nb % 16 == 0 && ht::aligned16(h);
-  auto* act = static_cast<uint8_t*>(a.act);
-  const bool vec_act = Nb / 2 % 16 == 0 && ht::aligned16(act);
-  const int64_t recv = rows_in_segments(a.sizes, a.L, a.C, lane), C = a.C;
-  const int64_t chunks = (C - recv + kChunkRows - 1) / kChunkRows;
-  int* queue = a.counters + row_blocks(a.C) + kTailQueue;
-  for (;;) {
-    int c = 0;
-    if (lane == 0 && chunks > 0) c = atomicAdd(queue, 1);
-    c = __shfl_sync(ht::kFull, c, 0);
-    if (c >= chunks) break;
-    const int64_t j0 = recv + static_cast<int64_t>(c) * kChunkRows;
-    for (int64_t j = j0; j < min(j0 + kChunkRows, C); ++j) {
-      ht::zero_row(xe + j * Hb, Hb, vec, lane);
-      if (h != nullptr) ht::zero_row(h + j * Nb, Nb, vec_h, lane);  // (nullptr: not written)
-      if (act != nullptr) ht::zero_row(act + j * Nb / 2, Nb / 2, vec_act, lane);
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------
 // The activation epilogue (with act): silu(gate) * up of tile (b, n) from its accumulators, into
 // act's rows [b * kBlockM, + kBlockM) below C and columns [n * kPairColumns, + kPairColumns). In
 // the paired columns a thread's accumulator i < 64 is column c < kPairColumns of the gate and
@@ -201,7 +168,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool copier = static_cast<int>(blockIdx.x) < a.copy_blocks;
   const unsigned long long e = copier ? call_epoch(a.ps) : 0;
   const bool ends_call = copier && copy_rows(a, e);
-  if (copier) zero_past_segments(a);  // while the other blocks compute tiles
   extern __shared__ uint8_t smem_raw[];
   SharedStorage& ss = shared_storage(smem_raw);
   const Waiter me = waiter(a.ps);
@@ -219,25 +185,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async_global();
   };
   const TileProblem t{a.sizes, a.C, a.L, a.H, a.N};
-  // the consumer warps (run_tiles is true there) then zero what the copy blocks left (the
-  // producer warps gave up their registers)
   auto drain = [lane](TileRing& ring) {
     while (ring.next(lane) >= 0) {
     }
   };
-  bool consumer;
   if constexpr (kAct) {
     auto on_acc = [&a](const auto& acc, const auto& mma, int b, int n, int mma_thread) {
       store_activation(a, acc, mma, b, n, mma_thread);
     };
-    consumer = run_tiles<true>(
+    run_tiles<true>(
         p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows, drain,
         [](bool) {}, &p.paired_b, on_acc, a.h != nullptr);
   } else {
-    consumer = run_tiles(p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows,
-                         drain, [](bool) {});
+    run_tiles(p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows, drain,
+              [](bool) {});
   }
-  if (consumer) zero_past_segments(a);
   if (ends_call) end_wait(a.ps, e, a.timeout_ns, kPhaseEnd);
   // The tiles' TMA stores complete before the block counts itself out: a fill must land after.
   bulk_stores_complete();

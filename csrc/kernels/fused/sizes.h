@@ -44,8 +44,7 @@ enum CounterWord : int {
   kTaskQueue = 1,     // the copy chunks' queue (gather + GEMM) or the combine's (GEMM + combine)
   kTokensDone = 2,    // GEMM + combine: tokens combined, once per chunk
   kTilesStarted = 3,  // GEMM + combine: tile blocks started
-  kTailQueue = 4,     // gather + GEMM: the chunks of rows past the last segment, to zero
-  kCounterTail = 5,
+  kCounterTail = 4,
 };
 // Row blocks of C expert-major rows: the first words of the counters (int in the kernels).
 template <class I>
