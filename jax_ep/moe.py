@@ -281,7 +281,7 @@ def _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first):
     """The first pass's output `first` plus the passes after it, in float32, in x's dtype.
     The float32 sum lies inside a loop of at most one iteration, taken only when a pair is
     left: when none is, `first` goes through in place, with no pass over it to float32 and
-    back (docs/design.md#layer-capacity)."""
+    back (docs/design.md#layer-passes-sum)."""
     def rest(c):
         acc = _more_passes(passes, idx, cnt, kept,
                            lambda ids, acc: acc + more(x, ids, w, w_gate_up,

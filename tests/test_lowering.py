@@ -475,7 +475,7 @@ def test_extra_passes_take_the_fewest_rows(cuda_lowering, monkeypatch, mesh2):
     assert set(rows) == {cap, extra}, rows
 
 
-def _converts_outside_loops(jaxpr, shape):
+def _float32_converts(jaxpr, shape):
     """[(inside a while loop, source dtype)] of every float32 conversion of a `shape` array in
     `jaxpr` and the jaxprs it calls (custom rules and shard_map bodies included)."""
     found = []
@@ -509,7 +509,7 @@ def test_extra_passes_sum_in_float32_only_inside_their_loop(cuda_lowering, monke
     args = (jnp.ones((2, T, LH), jnp.bfloat16), jnp.zeros((2, T, LK), jnp.int32),
             jnp.ones((2, T, LK), jnp.float32), jnp.ones((2, LL, LI, LH), jnp.bfloat16))
     jaxpr = jax.make_jaxpr(smap(mesh2, layer))(*args).jaxpr
-    found = _converts_outside_loops(jaxpr, (T, LH))
+    found = _float32_converts(jaxpr, (T, LH))
     assert (True, jnp.bfloat16) in found, found          # the sum, inside the loop
     assert not [f for f in found if not f[0]], found
 
