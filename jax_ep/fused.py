@@ -93,6 +93,7 @@ def _gather_gemm_call(x, w, rows_src, rows_dups, sizes, fcfg, write_h=True):
     that of the row whose rows_dups name j), h = grouped_matmul(xe, w, sizes) (w [L, H, N]; with
     fcfg.w_k_major w [L, N, H] and h = xe @ w[l]^T); with fcfg.activation act = swiglu(h) in x's
     dtype from the GEMM's epilogue and h's columns paired (`unpair_columns`), else act None.
+    Rows past the last segment (j >= sum(sizes)) of all three are not written: undefined.
     write_h=False (with the activation only) leaves h unwritten: None."""
     C, H = rows_src.shape[0], x.shape[1]
     N = w.shape[1] if fcfg.w_k_major else w.shape[2]
@@ -214,11 +215,12 @@ def dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name="ep"
 
     Returns (ExpertDispatchResult, h [capacity, N]). On the CUDA backend x and w are bfloat16
     and the segments start at multiples of the kernel's row block (`expert_alignment` of
-    `jax_ep._C.fused_block_rows`); the reference backend runs the two ops unfused (segments
-    unaligned). Differentiable in x, topk_weights and w. copy_blocks: blocks of the launch that
-    pull rows (0: automatic, docs/kernels.md#fused-gather-gemm). weight_grad_acc: None, or
-    [L, H, N] in w's dtype that w's cotangent is added to, in place on the CUDA backend
-    (`grouped_gemm.padded_segments_matmul`).
+    `jax_ep._C.fused_block_rows`), and the rows of recv_x and h past the last segment (from
+    recv_count on) are undefined, not zero as `dispatch`'s; the reference backend runs the two
+    ops unfused (segments unaligned). Differentiable in x, topk_weights and w. copy_blocks:
+    blocks of the launch that pull rows (0: automatic, docs/kernels.md#fused-gather-gemm).
+    weight_grad_acc: None, or [L, H, N] in w's dtype that w's cotangent is added to, in place on
+    the CUDA backend (`grouped_gemm.padded_segments_matmul`).
     """
     return _dispatch_matmul(x, topk_idx, topk_weights, w, num_experts=num_experts,
                             axis_name=axis_name, capacity=capacity, backend=backend,

@@ -203,7 +203,8 @@ def fused_check(mesh, kind):
 
     np.testing.assert_array_equal(np.asarray(xe)[rows].view(np.uint16),
                                   np.asarray(xu)[rows].view(np.uint16))
-    assert rel(np.asarray(h)[rows], np.asarray(hu)[rows]) < 1e-2
+    assert rel(np.asarray(h)[rows], np.asarray(hu)[rows]) < 1e-2, rel(np.asarray(h)[rows],
+                                                                      np.asarray(hu)[rows])
     assert rel(yf, yu) < 2e-2, rel(yf, yu)
     assert np.any(np.asarray(yu, np.float32)), "an all-zero layer output checks nothing"
 

@@ -251,9 +251,12 @@ def test_fused_matmul_combine_top_k_fills_and_passes_a_slot_group(R, K):
     _check_gemm_combine(jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu, wd)), R)
 
 
-@pytest.mark.parametrize("R", [1, 2, 4, 8])
-def test_moe_ffn_fused_matches_unfused_and_reference(R):
-    T, H, I, K, L = 48, 512, 256, 4, 4
+@pytest.mark.parametrize("R, I", [(1, 256), (2, 256), (4, 256), (8, 256), (1, 192), (4, 192)])
+def test_moe_ffn_fused_matches_unfused_and_reference(R, I):
+    """The layer's output and gradients, fused against unfused and the reference, on poisoned
+    memory; I = 192 (2I not a multiple of the epilogue's paired columns) applies the activation
+    in XLA over every row of h, those past the last segment (not written) included."""
+    T, H, K, L = 48, 512, 4, 4
     x, idx, w, wgu, E = _setup(R, T, H, 2 * I, K, L, "masked", R)
     rng = np.random.default_rng(R + 50)
     wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)

@@ -25,13 +25,13 @@ struct GatherGemmArgs {
   const void* w;             // [L, H, N], or [L, N, H] with w_k_major (h = xe @ w[l]^T)
   int T, C, L, D;
   int64_t H, N;
-  void* xe;           // [C, H] the expert-major rows
-  void* h;            // [C, N] xe @ w per segment; zero past the last segment. With act: its
+  void* xe;           // [C, H] the expert-major rows (past the last segment: not written)
+  void* h;            // [C, N] xe @ w per segment; not written past the last segment. With act: its
                       // columns paired (tiles.cuh, paired_b_layout: per 256 columns, 128 of the
                       // gate projection's, then the same 128 of the up projection's); nullptr
                       // (with act only): not written
   void* act;          // nullptr, or [C, N / 2] silu(gate) * up of h (N a multiple of kBlockN),
-                      // computed in the tiles' epilogue; zero past the last segment
+                      // computed in the tiles' epilogue; not written past the last segment
   int32_t* counters;  // [counter_words(C)] zeroed before the launch: rows arrived per block, then
                       // the queues (sizes.h)
   bool w_k_major;     // w is [L, N, H] (H contiguous; not with act)
