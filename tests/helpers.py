@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
@@ -218,3 +219,15 @@ def moe_layer_and_grads(backend, **kw):
             x, w, wgu, wd)
         return (out,) + g
     return body
+
+
+def eqns_by_loop(jaxpr, wanted, in_loop=False):
+    """[(inside a while loop, eqn)] for the equations of a jaxpr, and of the jaxprs it calls
+    (custom rules and shard_map bodies included), for which wanted(eqn) holds."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if wanted(eqn):
+            found.append((in_loop, eqn))
+        for sub in jaxprs_in_params(eqn.params):
+            found += eqns_by_loop(sub, wanted, in_loop or eqn.primitive.name == "while")
+    return found

@@ -11,13 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
 import jax_ep._ffi
 import jax_ep.runtime
-from helpers import smap
+from helpers import eqns_by_loop, smap
 
 E = 8
 PULL_TARGETS = ("jax_ep_ht_dispatch", "jax_ep_ht_combine", "jax_ep_ht_gather")
@@ -478,18 +477,11 @@ def test_extra_passes_take_the_fewest_rows(cuda_lowering, monkeypatch, mesh2):
 def _float32_converts(jaxpr, shape):
     """[(inside a while loop, source dtype)] of every float32 conversion of a `shape` array in
     `jaxpr` and the jaxprs it calls (custom rules and shard_map bodies included)."""
-    found = []
-
-    def walk(j, in_loop):
-        for eqn in j.eqns:
-            if (eqn.primitive.name == "convert_element_type"
-                    and eqn.invars[0].aval.shape == shape
-                    and eqn.outvars[0].aval.dtype == jnp.float32):
-                found.append((in_loop, eqn.invars[0].aval.dtype))
-            for sub in jaxprs_in_params(eqn.params):
-                walk(sub, in_loop or eqn.primitive.name == "while")
-    walk(jaxpr, False)
-    return found
+    def wanted(eqn):
+        return (eqn.primitive.name == "convert_element_type"
+                and eqn.invars[0].aval.shape == shape
+                and eqn.outvars[0].aval.dtype == jnp.float32)
+    return [(inside, eqn.invars[0].aval.dtype) for inside, eqn in eqns_by_loop(jaxpr, wanted)]
 
 
 @pytest.mark.parametrize("fused", [False, True])

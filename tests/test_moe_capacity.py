@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
 from jax_ep import expert_layout as el
+from helpers import eqns_by_loop
 from test_moe import H, I, T, _dense_moe
 
 K = 3
@@ -215,15 +215,10 @@ def test_moe_ffn_gradients_through_extra_passes_with_data_parallel(fused):
     _check_gradients(layer, x, idx, w, wgu, wd, seed=4)
 
 
-def _outside_loops(jaxpr, wanted, in_loop=False):
+def _outside_loops(jaxpr, wanted):
     """The equations of a jaxpr for which wanted(eqn) holds and that no while loop holds,
     sub-jaxprs included."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += wanted(eqn) and not in_loop
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _outside_loops(sub, wanted, in_loop or eqn.primitive.name == "while")
-    return n
+    return sum(not inside for inside, _ in eqns_by_loop(jaxpr, wanted))
 
 
 def _layer_jaxprs(R, E, capacity, idx, *args):
