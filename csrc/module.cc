@@ -47,6 +47,7 @@ NB_MODULE(_C, m) {
     nb::dict d;
     d["jax_ep_layout"] = encapsulate(JaxEpLayout);
     d["jax_ep_grouped_gemm"] = encapsulate(JaxEpGroupedGemm);
+    d["jax_ep_unwritten"] = encapsulate(JaxEpUnwritten);
     // Each communication handler and its one-GPU multi-rank twin, target name + "_vr"
     // (ffi/virtual_ranks.h): stateful, the call site's lease taken in the instantiate stage
     // (ffi/site_state.h).

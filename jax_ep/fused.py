@@ -312,38 +312,62 @@ class _GemmCombineConfig(NamedTuple):
     combine_blocks: int  # blocks that only combine (0: the kernel's automatic share)
 
 
-def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg, w_k_major=False):
+def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg, w_k_major=False,
+                       addend=None):
     """(ye, out): ye = grouped_matmul(a, w, sizes) (w_k_major: w [L, N, I], ye = a @ w[l]^T),
-    out = its combine, in one launch."""
+    out = its combine, in one launch. addend: None, or (add [T, N] in a's dtype, on bool []):
+    where on, out = `plus_addend(combine, addend)`, and add is read only then; out takes add's
+    buffer (XLA copies add first when something else still reads it)."""
     C, Cr = a.shape[0], row_of.shape[0]
     N = w.shape[1] if w_k_major else w.shape[2]
     T = rank.send_rows.shape[0]
     words = runtime.extension().fused_combine_counter_words(C, Cr, N)
+    add, on = (jnp.zeros((0,), a.dtype), jnp.zeros((), jnp.bool_)) if addend is None \
+        else addend
     # (yr: each received row's weighted sum of its rows here, which the peers pull)
     ye, _, out, _ = _ffi.call("jax_ep_ht_gemm_combine",
-                              [a, sizes, w, row_of, weights, rank.send_rows],
+                              [a, sizes, w, row_of, weights, rank.send_rows, add, on],
                               [((C, N), a.dtype), ((Cr, N), a.dtype), ((T, N), a.dtype),
                                ((words,), jnp.int32)],
+                              aliases=() if addend is None else ((6, 2),),
                               axis_name=ccfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
                               combine_blocks=ccfg.combine_blocks, w_k_major=int(w_k_major))
     return ye, out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _matmul_combine(a, w, weights, sizes, counts, row_of, src, rank, acc, ccfg):
+def unwritten(like, shape, dtype):
+    """An array of `shape` and `dtype` that no kernel writes (its contents undefined; varying
+    as `like`, whose buffer is not read): the first value of a loop's carry that nothing reads
+    unless the loop ran and wrote it, with no fill of its own. CUDA backend."""
+    return _ffi.call("jax_ep_unwritten", [like], [(shape, dtype)], pure=True)[0]
+
+
+def plus_addend(out, addend):
+    """out (the first pass's [T, N]) with addend = (add [T, N] in out's dtype, on bool [])
+    added: where on, out plus add in float32, rounded to out's dtype, else out (add not read):
+    what the fused GEMM + combine computes with an addend."""
+    add, on = addend
+    return jnp.where(on, (out.astype(jnp.float32) + add.astype(jnp.float32)).astype(out.dtype),
+                     out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _matmul_combine(a, w, weights, sizes, counts, row_of, src, rank, acc, addend, ccfg):
     """combine(grouped_matmul(a, w, sizes), handle) in one launch: [T, N] in a's dtype.
     counts: the rows of each segment that hold data (the backward's weight gradient). acc:
-    None, or what the backward adds w's cotangent to in place."""
+    None, or what the backward adds w's cotangent to in place. addend: None, or (add, on), added
+    to the output where on (`plus_addend`)."""
     del counts, src, acc
-    return _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg)[1]
+    return _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg, addend=addend)[1]
 
 
-def _matmul_combine_fwd(a, w, weights, sizes, counts, row_of, src, rank, acc, ccfg):
+def _matmul_combine_fwd(a, w, weights, sizes, counts, row_of, src, rank, acc, addend, ccfg):
     # Named like combine's outputs (see _gather_matmul_fwd). The GEMM's rows ye are not kept:
     # the backward needs no [C, N] residual (below).
-    _, out = remat.named(_gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg),
-                         remat.COMBINE)
-    return out, (a, w, weights, sizes, counts, row_of, src, rank, acc)
+    _, out = remat.named(_gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg,
+                                            addend=addend), remat.COMBINE)
+    on = None if addend is None else addend[1]
+    return out, (a, w, weights, sizes, counts, row_of, src, rank, acc, on)
 
 
 def _matmul_combine_bwd(ccfg, res, g):
@@ -354,7 +378,7 @@ def _matmul_combine_bwd(ccfg, res, g):
     # (docs/kernels.md#fused-backward-weights): one GEMM transpose on the unweighted rows gives
     # the first two, and the weights' gradient reads [C, I] rows, not the GEMM's [C, N] output
     # (which the forward would otherwise keep until the backward).
-    a, w, weights, sizes, counts, row_of, src, rank, acc = res
+    a, w, weights, sizes, counts, row_of, src, rank, acc, on = res
     K = ccfg.K
     wj = el.row_weights(weights, src, row_of)                              # [C] float32
     aw = (a.astype(jnp.float32) * wj[:, None]).astype(a.dtype)
@@ -383,7 +407,9 @@ def _matmul_combine_bwd(ccfg, res, g):
         d_a, d_row = jax.lax.optimization_barrier((d_a, d_row))
     Cr = weights.shape[0]
     d_weights = el.take_rows(d_row, row_of.reshape(Cr * K)).reshape(Cr, K)
-    return d_a, d_w, d_weights.astype(weights.dtype), None, None, None, None, None, None
+    # the addend's cotangent: g where it was added (nothing in the layer asks for it)
+    d_add = None if on is None else (jnp.where(on, g, jnp.zeros_like(g)), None)
+    return d_a, d_w, d_weights.astype(weights.dtype), None, None, None, None, None, None, d_add
 
 
 _matmul_combine.defvjp(_matmul_combine_fwd, _matmul_combine_bwd)
@@ -403,6 +429,15 @@ def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=
     only combine (0: automatic, docs/kernels.md#fused-gemm-combine). weight_grad_acc: None, or
     [L, I, N] in w's dtype that w's cotangent is added to, in place on the CUDA backend.
     """
+    return matmul_combine_plus(a, w, res, None, axis_name=axis_name, backend=backend,
+                               combine_blocks=combine_blocks, weight_grad_acc=weight_grad_acc)
+
+
+def matmul_combine_plus(a, w, res, addend, *, axis_name="ep", backend="auto", combine_blocks=0,
+                        weight_grad_acc=None):
+    """`matmul_combine` with addend = None or (add [T, N] in a's dtype, on bool []) added to
+    its output where on (`plus_addend`; the kernel reads add only then): the layer's first pass
+    with the passes after it (docs/design.md#layer-passes-early)."""
     if not isinstance(res, el.ExpertDispatchResult):
         raise TypeError(f"res: expected the ExpertDispatchResult of dispatch_matmul, got "
                         f"{type(res).__name__}")
@@ -416,7 +451,8 @@ def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=
     be = _checks.resolve_backend(backend, empty=rank.send_rows.shape[0] == 0)
     if be == "reference" or runtime.per_process():
         y = _unfused_matmul(a, w, res.expert_sizes, weight_grad_acc, be)
-        return combine(y, handle, axis_name=axis_name, backend=be)
+        out = combine(y, handle, axis_name=axis_name, backend=be)
+        return out if addend is None else plus_addend(out, addend)
     for name, v in (("a", a), ("w_down", w)):
         if jnp.dtype(v.dtype) != jnp.bfloat16:
             raise TypeError(f"{name}: the fused grouped GEMM + combine takes bfloat16, got "
@@ -426,5 +462,5 @@ def matmul_combine(a, w, res, *, axis_name="ep", backend="auto", combine_blocks=
     a, weights = _ffi.varying([a, handle.weights, rank.recv_src], axis_name)[:2]
     a, w, weight_grad_acc = grouped_gemm._same_axes(a, w, weight_grad_acc)   # as dispatch_matmul
     return _matmul_combine(a, w, weights, res.expert_sizes, res.recv_tokens_per_expert,
-                           handle.row_of, handle.src, rank, weight_grad_acc,
+                           handle.row_of, handle.src, rank, weight_grad_acc, addend,
                            _GemmCombineConfig(cfg, K, combine_blocks))

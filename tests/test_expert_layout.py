@@ -402,7 +402,7 @@ def test_fused_combine_backward_rule_equals_the_unfused_ops(meshes, mesh_name, k
         rule = fused._matmul_combine_bwd(
             fused._GemmCombineConfig(cfg, K, 0),
             (a, wd, h.weights, res.expert_sizes, res.recv_tokens_per_expert, h.row_of, h.src,
-             h.rank, None), g)[:3]
+             h.rank, None, None), g)[:3]
         return vjp(g), rule
 
     want, got = to_np(smap(mesh, both)(x, idx, w, a, wd, g))
@@ -432,7 +432,7 @@ def _kernel_stand_ins(monkeypatch):
         xe = xe.at[jnp.where(rows_dups >= 0, rows_dups, C)].set(xe[rows], mode="drop")
         return xe, product(xe, w, sizes, fcfg.w_k_major).astype(x.dtype), None
 
-    def gemm_combine(a, w, weights, sizes, row_of, rank, ccfg, w_k_major=False):
+    def gemm_combine(a, w, weights, sizes, row_of, rank, ccfg, w_k_major=False, addend=None):
         ye = product(a, w, sizes, w_k_major).astype(a.dtype)
         Cr, K = row_of.shape
         yr = jnp.sum(el_take(ye, row_of.reshape(-1)).reshape(Cr, K, -1).astype(jnp.float32)
@@ -440,7 +440,8 @@ def _kernel_stand_ins(monkeypatch):
         yrs = jax.lax.all_gather(yr, ccfg.cfg.axis_name)                      # [R, Cr, N]
         R = yrs.shape[0]
         got = [el_take(yrs[q], rank.send_rows[:, q]).astype(jnp.float32) for q in range(R)]
-        return ye, sum(got).astype(a.dtype)
+        out = sum(got).astype(a.dtype)
+        return ye, out if addend is None else fused.plus_addend(out, addend)
 
     def weight_grad(lhs, g, sizes, counts, acc=None):
         # per segment l: lhs^T @ g over its first counts[l] rows, plus acc
@@ -509,7 +510,7 @@ def test_fused_backward_kernel_rules_equal_the_unfused_ops(meshes, mesh_name, ki
         d_a, d_wd, d_weights = fused._matmul_combine_bwd(
             fused._GemmCombineConfig(cfg, K, 0),
             (a, wd, hd.weights, res.expert_sizes, res.recv_tokens_per_expert, hd.row_of, hd.src,
-             hd.rank, acc2), g)[:3]
+             hd.rank, acc2, None), g)[:3]
         row_first = jnp.where(first_occurrence(hd.row_of), hd.row_of, -1)
         zero = jax.custom_derivatives.SymbolicZero(jax.core.ShapedArray((C, H), x.dtype))
         d_x, d_wgu = fused._gather_matmul_bwd(

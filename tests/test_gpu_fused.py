@@ -207,6 +207,37 @@ def test_fused_matmul_combine_matches_unfused(R, kind):
     _check_gemm_combine(got, R)
 
 
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_fused_matmul_combine_adds_its_addend_only_when_on(R):
+    """With an addend (the layer's sum of its extra passes) that is on, the output is its
+    output without one, in float32, plus the addend, rounded again (`plus_addend`), bit for
+    bit; with one that is off the output is the one without, and the addend (NaN here) is
+    not read. R = 1 runs the direct path, R > 1 the two steps."""
+    T, H, I, K, L = (45 if R > 1 else 200), 384, 256, 4, 4
+    x, idx, w, wgu, E = _setup(R, T, H, I, K, L, "masked", 70 + R)
+    rng = np.random.default_rng(71 + R)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    add = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
+
+    def run(x, idx, w, wgu, wd, add):
+        res, a = dispatch_matmul(x, idx, w, wgu, num_experts=E, backend="cuda")
+        plain = matmul_combine(a, wd, res, backend="cuda")
+        on, off = jnp.ones((), jnp.bool_), jnp.zeros((), jnp.bool_)
+        with_on = fused.matmul_combine_plus(a, wd, res, (add, on), backend="cuda")
+        with_off = fused.matmul_combine_plus(a, wd, res, (jnp.full_like(add, jnp.nan), off),
+                                             backend="cuda")
+        return plain, with_on, with_off, fused.plus_addend(plain, (add, on))
+    poison_gpu_memory()
+    plain, with_on, with_off, want = jax.device_get(
+        gpu_ranks(run, R)(x, idx, w, wgu, wd, add))
+    assert np.isfinite(np.asarray(with_on, np.float32)).all()
+    assert np.any(np.asarray(with_on) != np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(with_on).view(np.uint16),
+                                  np.asarray(want).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(with_off).view(np.uint16),
+                                  np.asarray(plain).view(np.uint16))
+
+
 @pytest.mark.parametrize("R,combine_blocks", [(1, 0), (4, 0), (2, 24)])
 def test_fused_matmul_combine_spans_column_chunks(R, combine_blocks):
     """Outputs wider than one column chunk of the GEMM + combine (its tile queue and its combine

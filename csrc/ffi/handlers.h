@@ -32,5 +32,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendVr);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvVr);
+// unwritten.cc: a result nothing writes (a loop carry's first value).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpUnwritten);
 // grouped_gemm.cc: grouped GEMMs of the experts (no communication).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemm);

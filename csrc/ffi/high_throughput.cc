@@ -519,7 +519,8 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
 ffi::Error HtGemmCombineImpl(
     cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::S32> sizes,
     ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
-    ffi::Buffer<ffi::S32> send_rows, ffi::Result<ffi::Buffer<ffi::BF16>> ye,
+    ffi::Buffer<ffi::S32> send_rows, ffi::Buffer<ffi::BF16> addend,
+    ffi::Buffer<ffi::PRED> addend_on, ffi::Result<ffi::Buffer<ffi::BF16>> ye,
     ffi::Result<ffi::Buffer<ffi::BF16>> yr, ffi::Result<ffi::Buffer<ffi::BF16>> out,
     ffi::Result<ffi::Buffer<ffi::S32>> counters, HtGemmCombineAttrs at, jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_gemm_combine";
@@ -555,6 +556,11 @@ ffi::Error HtGemmCombineImpl(
   JAX_EP_CHECK_SHAPE(*yr, op, "yr", Cr, N);
   JAX_EP_CHECK_SHAPE(*out, op, "out", T, N);
   JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::combine_counter_words(C, Cr, N));
+  const bool has_addend = addend.element_count() != 0;
+  if (has_addend) JAX_EP_CHECK_SHAPE(addend, op, "addend", T, N);
+  if (addend_on.element_count() != 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": addend_on must be one bool, got " +
+                                       dims_str(addend_on.dimensions()));
   const int64_t chunks = jax_ep::fused::combine_chunks(N);
   if (at.group_size * T > kMaxInt || C > kMaxInt || Cr * K > kMaxInt || I > kMaxInt ||
       N > kMaxInt || T * chunks > kMaxInt ||
@@ -586,6 +592,8 @@ ffi::Error HtGemmCombineImpl(
   g.ye = ye->untyped_data();
   g.yr = yr->untyped_data();
   g.out = out->untyped_data();
+  g.addend = has_addend ? addend.untyped_data() : nullptr;
+  g.addend_on = has_addend ? static_cast<const bool*>(addend_on.untyped_data()) : nullptr;
   g.counters = counters->typed_data();
   g.w_k_major = at.w_k_major != 0;
   g.combine_blocks = combine;
@@ -668,17 +676,19 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtCombine, HtCombineImpl, JAX_EP_BIND_HT_COMBI
       JAX_EP_HT_ATTRS_AND_STATE(HtGatherGemmAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT_GATHER_GEMM);
 
-#define JAX_EP_BIND_HT_GEMM_COMBINE                                                   \
-  JAX_EP_HT_BIND                                                                      \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* a [C, I] */                                   \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                                  \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, I, N] or [L, N, I] */                   \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* row_of [Cr, K] */                             \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* weights [Cr, K] */                            \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */                           \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* ye [C, N] */                                  \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* yr [Cr, N] */                                 \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* out [T, N] */                                 \
-      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [combine_counter_words(C, Cr, N)] */ \
+#define JAX_EP_BIND_HT_GEMM_COMBINE                                                    \
+  JAX_EP_HT_BIND                                                                       \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* a [C, I] */                                    \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* sizes [L] */                                   \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [L, I, N] or [L, N, I] */                    \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* row_of [Cr, K] */                              \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* weights [Cr, K] */                             \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* send_rows [T, R] */                            \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* addend [T, N] (may alias out), or [0]: none */ \
+      .Arg<ffi::Buffer<ffi::PRED>>() /* addend_on []: whether it is read */            \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* ye [C, N] */                                   \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* yr [Cr, N] */                                  \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* out [T, N] */                                  \
+      .Ret<ffi::Buffer<ffi::S32>>()  /* counters [combine_counter_words(C, Cr, N)] */  \
       JAX_EP_HT_ATTRS_AND_STATE(HtGemmCombineAttrs)
 JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGemmCombine, HtGemmCombineImpl, JAX_EP_BIND_HT_GEMM_COMBINE);

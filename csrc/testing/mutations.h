@@ -11,7 +11,7 @@
 // gpu_check.sh's MUTATIONS and PLANTED lists name: keep them.
 //
 // Bugs 1 to 8 sit in code that every one-process run executes, 9 and 10 in per-process code
-// only, 11 to 13 and 17 to 20 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
+// only, 11 to 13 and 17 to 21 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
 // multi-rank mode, 16 in every communication kernel's failure path. Plain C++ (constants
 // only): host code and kernels include it.
 #pragma once
@@ -82,7 +82,10 @@ enum Bug : int {
   // fused grouped GEMM + combine: a received row sums only its first group of slots' rows (top-k
   // past kGroup loses the rest; reduce_task, kernels/fused/gemm_combine.cu)
   kCombineOneSlotGroup = 20,
-  kLast = kCombineOneSlotGroup,
+  // fused grouped GEMM + combine: the addend is added whether it is on or not (addend_row,
+  // kernels/fused/gemm_combine.cu)
+  kAddendIgnoresOn = 21,
+  kLast = kAddendIgnoresOn,
 };
 
 // The bug this build carries (0: none).

@@ -22,6 +22,9 @@
 //   token without a slot): no yr and no second step, whose sum over a single rank would round
 //   a bfloat16 value to itself, so the result is the same bit for bit (but for the sign of a
 //   zero: a sum that rounds to -0 stays -0, where the second step's 0 + -0 gave +0).
+//   With an addend that is on, a token's sum is rounded to bfloat16, its addend row added in
+//   float32, and the result rounded again (out_value); an addend that is off is never read.
+//   The addend may share out's buffer (the layer aliases them).
 //   A slot naming a row past the rank's last segment (only a tampered handle names one) adds
 //   nothing, as the zero row it is in the unfused layer. The tasks come from one queue (an
 //   atomic counter): chunk 0's first-step tasks, then its second-step ones, then chunk 1's, and
@@ -119,6 +122,25 @@ __device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
   }
 }
 
+// The 8 columns of `sum` stored to out: their bfloat16 rounding, or with an addend row (the
+// layer's extra passes, docs/design.md#layer-passes-early) that rounding plus the addend's 8
+// values at vector v, in float32, rounded again. The addend may be out itself: the element is
+// loaded here, before the caller stores over it (plain loads: not the read-only path).
+__device__ __forceinline__ int4 out_value(const float* sum, const int4* addend_row, int64_t v) {
+  const int4 r = ht::pack_bf16x8(sum);
+  if (addend_row == nullptr) return r;
+  float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  ht::add_bf16x8(f, r);
+  ht::add_bf16x8(f, addend_row[v]);
+  return ht::pack_bf16x8(f);
+}
+
+// Token t's addend row, or null when the call has none or it is off.
+__device__ __forceinline__ const int4* addend_row(const GemmCombineArgs& a, int64_t t) {
+  if (a.addend == nullptr || (!*a.addend_on && !JAX_EP_PLANTED(kAddendIgnoresOn))) return nullptr;
+  return reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.addend) + t * a.N * 2);
+}
+
 // The next task of a queue for the whole warp (an atomic counter).
 __device__ __forceinline__ int64_t next_task(int* queue, int lane) {
   int task = 0;
@@ -177,6 +199,7 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
     const bool has = held >> i & 1u;
     if (!has && !direct) continue;
     uint8_t* dst = dst_base + (c0 + i) * N * 2;
+    const int4* add = direct ? addend_row(a, c0 + i) : nullptr;
     const int64_t c = has ? row(i) : -1;
     for (int64_t v0 = lo; v0 < hi; v0 += 32 * kUnroll) {
       const int64_t i0 = v0 + lane;
@@ -224,7 +247,8 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (i0 + u * 32 < hi) reinterpret_cast<int4*>(dst)[i0 + u * 32] = ht::pack_bf16x8(part[u]);
+        if (i0 + u * 32 < hi)
+          reinterpret_cast<int4*>(dst)[i0 + u * 32] = out_value(part[u], add, i0 + u * 32);
     }
   }
   if (direct) {
@@ -312,9 +336,10 @@ __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const
         }
         if (s == R - 1) {  // the token's last rank: its sum is stored
           auto* dst = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out) + (t0 + e / R) * N * 2);
+          const int4* add = addend_row(a, t0 + e / R);
 #pragma unroll
           for (int u = 0; u < kPullUnroll; ++u)
-            if (i0 + u * 32 < hi) dst[i0 + u * 32] = ht::pack_bf16x8(total[u]);
+            if (i0 + u * 32 < hi) dst[i0 + u * 32] = out_value(total[u], add, i0 + u * 32);
         }
       }
     }
