@@ -1,11 +1,14 @@
 """What the layer's dropless passes cost when the first pass holds every pair: `moe_ffn` as it is
 (the pair counts' all_gather and the extra passes' while loops, forward and backward, which run
-no pass here) against the same layer with one pass forced (`passes_needed` patched to 1: no
-exchange, no loop; exact only while the first pass holds every pair, as uniform routing at the
-default capacity does), beside the expert compute alone, in paired rounds of one run.
+no pass here), the same layer with the fused forward's passes summed after the first pass
+instead of before its GEMM + combine, and the same layer with one pass forced (`passes_needed`
+patched to 1: no exchange, no loop; exact only while the first pass holds every pair, as
+uniform routing at the default capacity does), beside the expert compute alone, in paired
+rounds of one run.
 
 XLA reads a while loop's predicate on the host: the stream drains there, and the GPU idles
-until the host has launched what follows (docs/design.md#layer-passes-sync).
+until the host has launched what follows (docs/design.md#layer-passes-sync,
+docs/design.md#layer-passes-early).
 
   python benchmarks/pass_loop_cost.py --ranks 2 --out DIR      (over R GPUs, one process)
   python benchmarks/pass_loop_cost.py --ranks 2 --virtual      (R virtual ranks on one GPU)
@@ -36,18 +39,23 @@ from harness import add_virtual_arg, op_timer, paired, rank_map, rank_mesh  # no
 
 
 @contextlib.contextmanager
-def passes(one_pass):
-    """moe_ffn traced as it is, or (one_pass) with passes_needed forced to 1: no loop."""
-    saved = moe.el.passes_needed
-    if one_pass:
+def passes(kind):
+    """moe_ffn traced as it is (None), with the passes after the first summed after it ("late":
+    the loop at the end of the forward), or with passes_needed forced to 1 ("one": no loop)."""
+    saved = moe.el.passes_needed, moe._Passes
+    if kind == "one":
         moe.el.passes_needed = lambda *a, **k: 1
+    elif kind == "late":
+        moe._Passes = lambda plan, ids_of, early, unwritten: saved[1](plan, ids_of, False,
+                                                                      unwritten)
     try:
         yield
     finally:
-        moe.el.passes_needed = saved
+        moe.el.passes_needed, moe._Passes = saved
 
 
-VARIANTS = {"moe_ffn": False, "one pass forced (no loop)": True}
+VARIANTS = {"moe_ffn": None, "passes summed after the first": "late",
+            "one pass forced (no loop)": "one"}
 
 
 def main():
@@ -120,9 +128,12 @@ def main():
                   f"  fwd+bwd {row['fwd+bwd_ms']:7.3f} "
                   f"({row['fwd+bwd_over_expert_compute']:.3f})"
                   + (f"  diff {row['rel_diff_vs_first']:.1e}" if name in outs else ""))
-        layer, one = (rows[-len(names) + i] for i in range(2))
+        layer, late, one = (rows[-len(names) + i] for i in range(3))
         print("  the loop and the count exchange: " + ", ".join(
             f"{op} {layer[op + '_ms'] - one[op + '_ms']:.3f} ms" for op in ("fwd", "fwd+bwd")))
+        print("  the passes summed before the first pass's GEMM + combine, against after it: "
+              + ", ".join(f"{op} {layer[op + '_ms'] - late[op + '_ms']:.3f} ms"
+                          for op in ("fwd", "fwd+bwd")))
     with open(os.path.join(args.out, f"pass_loop_cost{args.tag}.json"), "w") as f:
         json.dump(dict(device=devs[0].device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
                        rows=rows), f, indent=1)

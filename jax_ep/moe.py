@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from jax import lax
 
 from jax_ep import _checks, _ffi, expert_layout as el, grouped_gemm, runtime
 from jax_ep._common import axis_info, quantize_fp8, sanitize, swiglu
-from jax_ep.fused import dispatch_matmul_swiglu, matmul_combine
+from jax_ep.fused import dispatch_matmul_swiglu, matmul_combine_plus, unwritten
 from jax_ep.grouped_gemm_masked import grouped_matmul_masked
 from jax_ep.high_throughput import combine, dispatch
 from jax_ep.low_latency import low_latency_combine, low_latency_dispatch
@@ -177,18 +178,21 @@ def _moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_
 
 
 def _ht_pass(x, topk_idx, topk_weights, w_gate_up, w_down, grad_acc=None, *, num_experts,
-             axis_name, capacity, use_fp8, fused, copy_blocks, combine_blocks, backend):
+             axis_name, capacity, use_fp8, fused, copy_blocks, combine_blocks, backend,
+             addend=None):
     """One expert-major dispatch of `capacity` rows, the experts, and the combine: [T, H].
     grad_acc (the backward of an extra pass): None, or (acc_gate_up, acc_down) that the weights'
-    cotangents are added to in place."""
+    cotangents are added to in place. addend (fused): None, or addend(a) = (add, on), added
+    to the output where on by the GEMM + combine (`plus_addend`), a the first half's output."""
     acc_gu, acc_d = (None, None) if grad_acc is None else grad_acc
     if fused:
         res, a = dispatch_matmul_swiglu(x, topk_idx, topk_weights, w_gate_up,
                                         num_experts=num_experts, axis_name=axis_name,
                                         capacity=capacity, backend=backend,
                                         copy_blocks=copy_blocks, weight_grad_acc=acc_gu)
-        return matmul_combine(a, w_down, res, axis_name=axis_name, backend=backend,
-                              combine_blocks=combine_blocks, weight_grad_acc=acc_d)
+        return matmul_combine_plus(a, w_down, res, None if addend is None else addend(a),
+                                   axis_name=axis_name, backend=backend,
+                                   combine_blocks=combine_blocks, weight_grad_acc=acc_d)
     xin = quantize_fp8(x) if use_fp8 else x
     res = dispatch(xin, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
                    capacity=capacity, layout="expert", backend=backend)
@@ -249,8 +253,19 @@ def _moe_high_throughput(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_ex
                          num_local_experts=L)
     plan = functools.partial(el.pass_keeps, capacity=extra, alignment=A, num_local_experts=L)
     ids_of = functools.partial(el.pass_slots, num_experts=num_experts, axis_name=axis_name)
-    return _in_passes(one, more, (plan, ids_of), x, topk_weights, w_gate_up, w_down, idx, cnt,
-                      kept)
+    # fused: the passes after the first run before its GEMM + combine, which adds their sum
+    # (docs/design.md#layer-passes-early); unfused, after the first pass
+    early = settings["fused"]
+    return _in_passes(one, more, _Passes(plan, ids_of, early, be == "cuda"), x, topk_weights,
+                      w_gate_up, w_down, idx, cnt, kept)
+
+
+class _Passes(NamedTuple):
+    """How the passes after the first are found and where they run."""
+    plan: Callable     # plan(cnt, done): what the passes so far and the next keep
+    ids_of: Callable   # ids_of(idx, done, upto): the next pass's ids
+    early: bool        # their sum goes into the first pass's last kernel (`_early_sum`)
+    unwritten: bool    # the CUDA backend: that sum's first value is written by no kernel
 
 
 def _extra_capacity(T, K, E, L, A, capacity):
@@ -266,15 +281,34 @@ def _extra_capacity(T, K, E, L, A, capacity):
 def _more_passes(passes, idx, cnt, kept, body, init):
     """body(ids, carry) for each pass after the first while a pair is left (pair counts cnt
     [R, E], the first pass kept `kept`), in a while loop: nothing runs (one predicate) when the
-    first pass kept every pair. passes: (plan, ids_of): plan(cnt, done) what the passes so far
-    and the next keep, ids_of(idx, done, upto) the next pass's ids."""
-    plan, ids_of = passes
-
+    first pass kept every pair. passes: a `_Passes`."""
     def step(c):
         done, carry = c
-        upto = plan(cnt, done)
-        return upto, body(ids_of(idx, done, upto), carry)
+        upto = passes.plan(cnt, done)
+        return upto, body(passes.ids_of(idx, done, upto), carry)
     return lax.while_loop(lambda c: jnp.any(cnt > c[0]), step, (kept, init))[1]
+
+
+def _early_sum(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, like):
+    """(add, on): on, whether a pair is left after the first pass; add [T, H] in x's dtype, the
+    sum of the passes after it (in float32, rounded once) when on, else undefined: a loop of at
+    most one iteration, so that nothing (no fill) runs when none is left. The first pass's GEMM
+    + combine adds it to its output where on, in add's buffer, reading it only then. XLA reads
+    the loop's predicate on the host, which drains the stream; here that read comes before a
+    long kernel, the first pass's second half, not at the end of the layer, where the host
+    would then launch the next short kernels one by one to an idle GPU
+    (docs/design.md#layer-passes-early). like: an output of the first pass's first half, which
+    add's buffer follows, so that XLA does not hold it through that half."""
+    on = jnp.any(cnt > kept)
+
+    def rest(c):
+        add = _more_passes(passes, idx, cnt, kept,
+                           lambda ids, add: add + more(x, ids, w, w_gate_up,
+                                                       w_down).astype(jnp.float32),
+                           jnp.zeros_like(x, jnp.float32))
+        return add.astype(x.dtype), jnp.zeros_like(c[1])
+    first = unwritten(like, x.shape, x.dtype) if passes.unwritten else jnp.zeros_like(x)
+    return lax.while_loop(lambda c: c[1], rest, (first, on))[0], on
 
 
 def _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first):
@@ -291,12 +325,26 @@ def _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first):
     return lax.while_loop(lambda c: c[1], rest, (first, jnp.any(cnt > kept)))[0]
 
 
+def _forward(one, more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first_pass):
+    """The layer's output in passes: first_pass(addend) runs one(x, idx, ..., addend=addend),
+    and the passes after it are summed in float32 between its two halves
+    (`_early_sum`, passes.early) or after it (`_forward_rest`)."""
+    if passes.early:
+        # between the first pass's halves, no gradient through it (the backward runs the
+        # passes again): `_early_sum`
+        sg = lax.stop_gradient
+        return first_pass(lambda like: _early_sum(more, passes, sg(x), sg(w), sg(w_gate_up),
+                                                  sg(w_down), idx, cnt, kept, sg(like)))
+    return _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept,
+                         first_pass(None))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _in_passes(one, more, passes, x, w, w_gate_up, w_down, idx, cnt, kept):
     """one(x, idx, ...) plus, over the passes after it (`_more_passes`), more(x, the pass's
     ids, ...): [T, H] in x's dtype, the passes after the first summed in float32."""
-    return _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept,
-                         one(x, idx, w, w_gate_up, w_down))
+    return _forward(one, more, passes, x, w, w_gate_up, w_down, idx, cnt, kept,
+                    lambda addend: one(x, idx, w, w_gate_up, w_down, addend=addend))
 
 
 def _in_passes_fwd(one, more, passes, x, w, w_gate_up, w_down, idx, cnt, kept):
@@ -304,8 +352,23 @@ def _in_passes_fwd(one, more, passes, x, w, w_gate_up, w_down, idx, cnt, kept):
     # the others keep none: the backward runs each again (its communication too) and adds its
     # gradients, the weights' in place (else XLA plans the loop a second set of weight
     # gradients, even when it runs none). FP8 passes have no backward.
-    out, vjp = jax.vjp(lambda *a: one(a[0], idx, *a[1:]), x, w, w_gate_up, w_down)
-    out = _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, out)
+    vjps = []
+
+    def first_pass(addend):
+        out, vjp = jax.vjp(lambda *a: one(a[0], idx, *a[1:], addend=addend), x, w, w_gate_up,
+                           w_down)
+        vjps.append(vjp)
+        return out
+    out = _forward(one, more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first_pass)
+    vjp = vjps[0]
+    if passes.early:
+        # The backward reads the residuals only once the output is made: a cotangent that does
+        # not depend on it (sum(out)'s, a constant) would let XLA run the backward's first
+        # kernels between the loop and the first pass's GEMM + combine, holding the loop's sum
+        # through them (docs/design.md#layer-passes-early).
+        leaves, tree = jax.tree.flatten(vjp)
+        leaves, out = lax.optimization_barrier((leaves, out))
+        vjp = jax.tree.unflatten(tree, leaves)
     return out, (vjp, x, w, w_gate_up, w_down, idx, cnt, kept)
 
 

@@ -484,15 +484,15 @@ def _float32_converts(jaxpr, shape):
     return [(inside, eqn.invars[0].aval.dtype) for inside, eqn in eqns_by_loop(jaxpr, wanted)]
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_extra_passes_sum_in_float32_only_inside_their_loop(cuda_lowering, monkeypatch, mesh2,
-                                                            fused):
-    """Where a routing can overflow the first pass, the layer's output goes to float32 (the sum
-    of the passes) only inside a loop that runs when a pair is left: a routing that fits the
-    first pass passes no [T, H] array over to float32 and back."""
+_PASSES_T = 256
+
+
+def _layer_with_passes_jaxpr(monkeypatch, mesh2, fused):
+    """The jaxpr of moe_ffn's forward (CUDA backend, over 2 ranks of _PASSES_T tokens) at a
+    capacity under the worst case, so that a routing could overflow its first pass."""
     monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
     monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
-    T, cap = 256, 900
+    T, cap = _PASSES_T, 900
     wgu = jnp.ones((LL, LH, 2 * LI), jnp.bfloat16)
 
     def layer(x, idx, w, wd):
@@ -500,10 +500,39 @@ def test_extra_passes_sum_in_float32_only_inside_their_loop(cuda_lowering, monke
                               fused=fused, backend="cuda")
     args = (jnp.ones((2, T, LH), jnp.bfloat16), jnp.zeros((2, T, LK), jnp.int32),
             jnp.ones((2, T, LK), jnp.float32), jnp.ones((2, LL, LI, LH), jnp.bfloat16))
-    jaxpr = jax.make_jaxpr(smap(mesh2, layer))(*args).jaxpr
-    found = _float32_converts(jaxpr, (T, LH))
+    return jax.make_jaxpr(smap(mesh2, layer))(*args).jaxpr
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_extra_passes_sum_in_float32_only_inside_their_loop(cuda_lowering, monkeypatch, mesh2,
+                                                            fused):
+    """Where a routing can overflow the first pass, the layer's output goes to float32 (the sum
+    of the passes) only inside a loop that runs when a pair is left: a routing that fits the
+    first pass passes no [T, H] array over to float32 and back."""
+    jaxpr = _layer_with_passes_jaxpr(monkeypatch, mesh2, fused)
+    found = _float32_converts(jaxpr, (_PASSES_T, LH))
     assert (True, jnp.bfloat16) in found, found          # the sum, inside the loop
     assert not [f for f in found if not f[0]], found
+
+
+def test_fused_extra_passes_run_between_the_halves_into_the_output(cuda_lowering, monkeypatch,
+                                                                   mesh2):
+    """Where a routing can overflow the first pass, the fused layer runs the passes after it in
+    a loop between the first pass's gather + GEMM and its GEMM + combine, which adds their sum
+    in its output's buffer (an operand-output alias): XLA's host read of the loop's predicate
+    then drains the stream before a long kernel, not before the next call's short ones. The
+    loop's first value is written by no kernel (no fill when it runs no pass;
+    docs/design.md#layer-passes-early)."""
+    jaxpr = _layer_with_passes_jaxpr(monkeypatch, mesh2, True)
+    kinds = ("jax_ep_ht_gather_gemm", "jax_ep_unwritten", "jax_ep_ht_gemm_combine")
+
+    def wanted(eqn):
+        return eqn.primitive.name == "while" or (eqn.primitive.name == "jax_ep_call"
+                                                  and eqn.params["target"] in kinds)
+    first = [eqn for inside, eqn in eqns_by_loop(jaxpr, wanted) if not inside]
+    assert [e.params.get("target", "while") for e in first] == [
+        "jax_ep_ht_gather_gemm", "jax_ep_unwritten", "while", "jax_ep_ht_gemm_combine"], first
+    assert first[-1].params["aliases"] == ((6, 2),)          # the sum, into the output
 
 
 @pytest.mark.parametrize("capacity", [None, 16 + 127], ids=["one_pass", "extra_passes"])

@@ -79,15 +79,18 @@ def _passes_run(R, E, idx, capacity):
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 @pytest.mark.parametrize("kind", ["random", "hot", "one_rank"])
-def test_moe_ffn_drops_nothing_past_its_capacity(R, kind):
+@pytest.mark.parametrize("fused", [False, True])
+def test_moe_ffn_drops_nothing_past_its_capacity(R, kind, fused):
     """The smallest capacity (R * T rows a pass): skewed routing needs several passes, and the
-    layer still equals the dense MoE, every (token, expert) pair computed once."""
+    layer still equals the dense MoE, every (token, expert) pair computed once; fused, the
+    passes after the first are summed between its two halves
+    (docs/design.md#layer-passes-early)."""
     x, idx, w, wgu, wd, E = _setup(R, kind)
     cap = R * T
     run = _passes_run(R, E, idx, cap)
     if kind != "random":
         assert run[1], "the routing must overflow the first pass"
-    out = _layer(R, E, capacity=cap)(x, idx, w, wgu, wd)
+    out = _layer(R, E, capacity=cap, fused=fused)(x, idx, w, wgu, wd)
     valid = jnp.where(idx < E, idx, -1)     # the dense MoE's ids: invalid ones act as -1
     np.testing.assert_allclose(out, _dense_moe(x, valid, w, wgu, wd), rtol=2e-5, atol=2e-5)
 
