@@ -293,12 +293,13 @@ def test_fused_ab_baselines_and_their_undoing(monkeypatch):
     assert env == {"JAX_EP_FUSED_BACKWARD": "0"}
     with fused_ab.halves(env):
         assert os.environ["JAX_EP_FUSED_BACKWARD"] == "0"
-        assert moe.matmul_combine is fused.matmul_combine
+        assert moe.matmul_combine_plus is fused.matmul_combine_plus
     assert os.environ["JAX_EP_FUSED_BACKWARD"] == "1"
     mod = fused_ab.load_baseline(fused.__file__)
     with fused_ab.halves(mod):
-        assert moe.matmul_combine is mod.matmul_combine is not fused.matmul_combine
-    assert moe.matmul_combine is fused.matmul_combine
+        assert moe.matmul_combine_plus is mod.matmul_combine_plus is not fused.matmul_combine_plus
+        assert moe.dispatch_matmul_swiglu is mod.dispatch_matmul_swiglu
+    assert moe.matmul_combine_plus is fused.matmul_combine_plus
     with pytest.raises(SystemExit, match="env:JAX_EP_NAME=VALUE"):
         fused_ab.load_baseline("env:FUSED_BACKWARD=0")
 
