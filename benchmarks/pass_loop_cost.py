@@ -4,7 +4,8 @@ no pass here), the same layer with the fused forward's passes summed after the f
 instead of before its GEMM + combine, and the same layer with one pass forced (`passes_needed`
 patched to 1: no exchange, no loop; exact only while the first pass holds every pair, as
 uniform routing at the default capacity does), beside the expert compute alone, in paired
-rounds of one run.
+rounds of one run, with the memory XLA plans for each one's step and training step (as
+bench_layer.py's: gradients reduced to scalars, and every gradient returned).
 
 XLA reads a while loop's predicate on the host: the stream drains there, and the GPU idles
 until the host has launched what follows (docs/design.md#layer-passes-sync,
@@ -34,8 +35,9 @@ from jax_ep import moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_layer import (add_shape_args, expert_compute, layer_inputs,  # noqa: E402
-                         topk_routing, with_backward)
-from harness import add_virtual_arg, op_timer, paired, rank_map, rank_mesh  # noqa: E402
+                         step_bytes, topk_routing, training_step, with_backward)
+from harness import (add_virtual_arg, op_timer, paired, rank_map, rank_mesh,  # noqa: E402
+                     scan_fn)
 
 
 @contextlib.contextmanager
@@ -92,14 +94,24 @@ def main():
 
         def layer(*a):
             return jax_ep.moe_ffn(*a, num_experts=E, fused=fused, backend=be)
-        timers, outs = {}, {}
+        timers, outs, plans = {}, {}, {}
+
+        def plan(f, argnums, fargs, tokens_of_rows=0):
+            """What XLA plans per GPU for a step (bench_layer's "step" and "training step")."""
+            bwd = with_backward(f, argnums)
+            return (step_bytes(scan_fn(mesh, bwd, 1).lower(*fargs).compile())[0],
+                    step_bytes(rank_map(mesh, training_step(f, argnums, tokens_of_rows))
+                               .lower(*fargs).compile())[0])
         for name, p in VARIANTS.items():
             with passes(p):
                 outs[name] = np.asarray(rank_map(mesh, layer)(*lay), np.float32)
+                plans[name] = plan(layer, (0, 2, 3, 4), lay)
                 for op, f in (("fwd", layer), ("fwd+bwd", with_backward(layer, (0, 2, 3, 4)))):
                     timers[name, op] = op_timer(f, lay, n_short, n_long, reps=1, mesh=mesh)
         ec = functools.partial(expert_compute, backend=be)
         ec_args = (xr, w, wgu, wd)
+        if not args.virtual:
+            plans["expert compute alone"] = plan(ec, (0, 1, 2, 3), ec_args, K)
         # (not with virtual ranks: they share one GPU, so no rank's expert compute is a base)
         names = [*VARIANTS] + ([] if args.virtual else ["expert compute alone"])
         for op, f in (("fwd", ec), ("fwd+bwd", with_backward(ec, (0, 1, 2, 3))))[
@@ -120,6 +132,8 @@ def main():
                 row[op + "_ms"] = float(np.median(times[name, op]))
                 row[op + "_rounds"] = times[name, op]
                 row[op + "_over_expert_compute"] = row[op + "_ms"] / base[op]
+            if name in plans:
+                row["step_bytes"], row["train_step_bytes"] = plans[name]
             if name in outs:
                 row["rel_diff_vs_first"] = float(np.linalg.norm(outs[name] - ref)
                                                  / max(np.linalg.norm(ref), 1e-30))
@@ -127,6 +141,8 @@ def main():
             print(f"  {name:<34} fwd {row['fwd_ms']:7.3f} ({row['fwd_over_expert_compute']:.3f})"
                   f"  fwd+bwd {row['fwd+bwd_ms']:7.3f} "
                   f"({row['fwd+bwd_over_expert_compute']:.3f})"
+                  + (f"  step {row['step_bytes'] / 1e9:.2f} GB, training step "
+                     f"{row['train_step_bytes'] / 1e9:.2f} GB" if name in plans else "")
                   + (f"  diff {row['rel_diff_vs_first']:.1e}" if name in outs else ""))
         layer, late, one = (rows[-len(names) + i] for i in range(3))
         print("  the loop and the count exchange: " + ", ".join(
