@@ -289,40 +289,43 @@ def _more_passes(passes, idx, cnt, kept, body, init):
     return lax.while_loop(lambda c: jnp.any(cnt > c[0]), step, (kept, init))[1]
 
 
-def _early_sum(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, like):
-    """(add, on): on, whether a pair is left after the first pass; add [T, H] in x's dtype, the
-    sum of the passes after it (in float32, rounded once) when on, else undefined: a loop of at
-    most one iteration, so that nothing (no fill) runs when none is left. The first pass's GEMM
-    + combine adds it to its output where on, in add's buffer, reading it only then. XLA reads
-    the loop's predicate on the host, which drains the stream; here that read comes before a
-    long kernel, the first pass's second half, not at the end of the layer, where the host
-    would then launch the next short kernels one by one to an idle GPU
-    (docs/design.md#layer-passes-early). like: an output of the first pass's first half, which
-    add's buffer follows, so that XLA does not hold it through that half."""
+def _sum_if_left(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first, start):
+    """(value, on): on, whether a pair is left after the first pass; value, in x's dtype, is
+    `first` when none is, else start(first) (float32) plus the passes after the first pass,
+    summed in float32 and rounded once: a loop of at most one iteration, so that nothing runs
+    over `first` when none is left (docs/design.md#layer-passes-sum)."""
     on = jnp.any(cnt > kept)
 
-    def rest(c):
-        add = _more_passes(passes, idx, cnt, kept,
-                           lambda ids, add: add + more(x, ids, w, w_gate_up,
-                                                       w_down).astype(jnp.float32),
-                           jnp.zeros_like(x, jnp.float32))
-        return add.astype(x.dtype), jnp.zeros_like(c[1])
-    first = unwritten(like, x.shape, x.dtype) if passes.unwritten else jnp.zeros_like(x)
-    return lax.while_loop(lambda c: c[1], rest, (first, on))[0], on
-
-
-def _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first):
-    """The first pass's output `first` plus the passes after it, in float32, in x's dtype.
-    The float32 sum lies inside a loop of at most one iteration, taken only when a pair is
-    left: when none is, `first` goes through in place, with no pass over it to float32 and
-    back (docs/design.md#layer-passes-sum)."""
     def rest(c):
         acc = _more_passes(passes, idx, cnt, kept,
                            lambda ids, acc: acc + more(x, ids, w, w_gate_up,
                                                        w_down).astype(jnp.float32),
-                           c[0].astype(jnp.float32))
+                           start(c[0]))
         return acc.astype(x.dtype), jnp.zeros_like(c[1])
-    return lax.while_loop(lambda c: c[1], rest, (first, jnp.any(cnt > kept)))[0]
+    return lax.while_loop(lambda c: c[1], rest, (first, on))[0], on
+
+
+def _early_sum(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, like):
+    """(add, on): on, whether a pair is left after the first pass; add [T, H] in x's dtype, the
+    sum of the passes after it (in float32, rounded once) when on, else undefined (no fill
+    runs when none is left). The first pass's GEMM + combine adds it to its output where on,
+    in add's buffer, reading it only then. XLA reads the loop's predicate on the host, which
+    drains the stream; here that read comes before a long kernel, the first pass's second
+    half, not at the end of the layer, where the host would then launch the next short kernels
+    one by one to an idle GPU (docs/design.md#layer-passes-early). like: an output of the
+    first pass's first half, which add's buffer follows, so that XLA does not hold it through
+    that half."""
+    first = unwritten(like, x.shape, x.dtype) if passes.unwritten else jnp.zeros_like(x)
+    return _sum_if_left(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first,
+                        lambda _: jnp.zeros_like(x, jnp.float32))
+
+
+def _forward_rest(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first):
+    """The first pass's output `first` plus the passes after it, in float32, in x's dtype:
+    when no pair is left, `first` goes through in place, with no pass over it to float32 and
+    back (`_sum_if_left`)."""
+    return _sum_if_left(more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first,
+                        lambda f: f.astype(jnp.float32))[0]
 
 
 def _forward(one, more, passes, x, w, w_gate_up, w_down, idx, cnt, kept, first_pass):
