@@ -315,23 +315,26 @@ class _GemmCombineConfig(NamedTuple):
 def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg, w_k_major=False,
                        addend=None):
     """(ye, out): ye = grouped_matmul(a, w, sizes) (w_k_major: w [L, N, I], ye = a @ w[l]^T),
-    out = its combine, in one launch. addend: None, or (add [T, N] in a's dtype, on bool []):
-    where on, out = `plus_addend(combine, addend)`, and add is read only then; out takes add's
-    buffer (XLA copies add first when something else still reads it)."""
+    out = its combine, in one launch. Over several ranks ye is scratch: each received row's
+    weighted sum of its rows on the rank takes the row of its first slot there (at R = 1 ye
+    keeps every product, rows past the last segment unwritten). addend: None, or (add [T, N]
+    in a's dtype, on bool []): where on, out = `plus_addend(combine, addend)`, and add is read
+    only then; out takes add's buffer (XLA copies add first when something else still reads
+    it)."""
     C, Cr = a.shape[0], row_of.shape[0]
     N = w.shape[1] if w_k_major else w.shape[2]
     T = rank.send_rows.shape[0]
     words = runtime.extension().fused_combine_counter_words(C, Cr, N)
     add, on = (jnp.zeros((0,), a.dtype), jnp.zeros((), jnp.bool_)) if addend is None \
         else addend
-    # (yr: each received row's weighted sum of its rows here, which the peers pull)
-    ye, _, out, _ = _ffi.call("jax_ep_ht_gemm_combine",
-                              [a, sizes, w, row_of, weights, rank.send_rows, add, on],
-                              [((C, N), a.dtype), ((Cr, N), a.dtype), ((T, N), a.dtype),
-                               ((words,), jnp.int32)],
-                              aliases=() if addend is None else ((6, 2),),
-                              axis_name=ccfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
-                              combine_blocks=ccfg.combine_blocks, w_k_major=int(w_k_major))
+    # (over several ranks each received row's weighted sum of its rows here, which the peers
+    # pull, takes the row of ye of its first slot: ye is the GEMM's rows only at R = 1)
+    ye, out, _ = _ffi.call("jax_ep_ht_gemm_combine",
+                           [a, sizes, w, row_of, weights, rank.send_rows, add, on],
+                           [((C, N), a.dtype), ((T, N), a.dtype), ((words,), jnp.int32)],
+                           aliases=() if addend is None else ((6, 1),),
+                           axis_name=ccfg.cfg.axis_name, num_blocks=runtime.num_blocks(),
+                           combine_blocks=ccfg.combine_blocks, w_k_major=int(w_k_major))
     return ye, out
 
 

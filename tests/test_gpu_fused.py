@@ -161,35 +161,59 @@ def test_fused_first_half_without_a_gradient_leaves_h_unwritten(R, kind):
 
 
 def _gemm_combine_outputs(E, K, weighted, combine_blocks=0):
-    """Per shard: the fused GEMM + combine's (ye, out), combine of its ye, the unfused
-    grouped_matmul and combine, the public op, and recv_count."""
+    """Per shard: the fused GEMM + combine's (ye, out); its GEMM rows alone (the same kernel
+    with no slot to sum leaves ye as the products) and their combine; the unfused
+    grouped_matmul and its combine; the public op; the handle's row_of and weights, the segment
+    sizes and recv_count."""
     def run(x, idx, w, wgu, wd):
         res, a = dispatch_matmul(x, idx, w if weighted else None, wgu, num_experts=E,
                                  backend="cuda")
         handle = res.handle
         ccfg = fused._GemmCombineConfig(
             ht._Config(0, handle.rank.recv_src.shape[0], "ep", "cuda"), K, combine_blocks)
-        ye, out = fused._gemm_combine_call(a, wd, handle.weights, res.expert_sizes,
-                                           handle.row_of, handle.rank, ccfg)
+        call = functools.partial(fused._gemm_combine_call, a, wd, handle.weights,
+                                 res.expert_sizes, rank=handle.rank, ccfg=ccfg)
+        ye, out = call(handle.row_of)
+        prod, _ = call(jnp.full_like(handle.row_of, -1))
         y = jax_ep.grouped_matmul(a, wd, res.expert_sizes, backend="cuda")
         public = matmul_combine(a, wd, res, backend="cuda", combine_blocks=combine_blocks)
-        return (ye, out, jax_ep.combine(ye, handle, backend="cuda"), y,
-                jax_ep.combine(y, handle, backend="cuda"), public, res.recv_count)
+        return (ye, out, prod, jax_ep.combine(prod, handle, backend="cuda"), y,
+                jax_ep.combine(y, handle, backend="cuda"), public, handle.row_of,
+                handle.weights, res.expert_sizes, res.recv_count)
     return run
 
 
+def _bits(a):
+    return np.asarray(a).view(np.uint16)
+
+
 def _check_gemm_combine(got, R):
-    ye, out, out_from_ye, y, out_unfused, public, count = got
+    ye, out, prod, out_from_prod, y, out_unfused, public, row_of, weights, sizes, count = got
     # the combine's arithmetic is the unfused combine's, rounding for rounding
-    np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
-                                  np.asarray(out_from_ye).view(np.uint16))
-    np.testing.assert_array_equal(np.asarray(public).view(np.uint16),
-                                  np.asarray(out).view(np.uint16))
+    np.testing.assert_array_equal(_bits(out), _bits(out_from_prod))
+    np.testing.assert_array_equal(_bits(public), _bits(out))
     assert _rel(out, out_unfused) < 1e-2, _rel(out, out_unfused)
-    C = ye.shape[0] // R
-    for r in range(R):          # ye's rows past the last segment are scratch, not compared
+    C, Cr, L = ye.shape[0] // R, row_of.shape[0] // R, sizes.shape[0] // R
+    for r in range(R):
         rows = slice(r * C, r * C + int(count[r]))
-        assert _rel(ye[rows], y[rows]) < 1e-2, (r, _rel(ye[rows], y[rows]))
+        assert _rel(prod[rows], y[rows]) < 1e-2, (r, _rel(prod[rows], y[rows]))
+        # ye up to the last segment's end (past it: scratch, not written): the products, but
+        # over several ranks each received row's weighted sum (float32 in slot order, rounded
+        # once) in the row of its first slot here
+        end = min(int(np.sum(sizes[r * L:(r + 1) * L])), C)
+        p = np.asarray(prod[r * C:r * C + end])
+        want = p.copy()
+        ro, wq = np.asarray(row_of[r * Cr:(r + 1) * Cr]), np.asarray(weights[r * Cr:(r + 1) * Cr])
+        held = (ro >= 0) & (ro < end)
+        has = held.any(axis=1)
+        if R > 1 and has.any():
+            acc = np.zeros((Cr, p.shape[1]), np.float32)
+            for k in range(ro.shape[1]):
+                term = wq[:, k:k + 1] * p[np.where(held[:, k], ro[:, k], 0)].astype(np.float32)
+                acc = np.where(held[:, k:k + 1], acc + term, acc)
+            first = ro[np.arange(Cr), np.argmax(held, axis=1)]
+            want[first[has]] = acc[has].astype(p.dtype)
+        np.testing.assert_array_equal(_bits(ye[r * C:r * C + end]), _bits(want), err_msg=f"{r}")
 
 
 @pytest.mark.parametrize("kind", ["random", "masked", "skewed", "empty", "invalid"])
@@ -197,7 +221,8 @@ def _check_gemm_combine(got, R):
 def test_fused_matmul_combine_matches_unfused(R, kind):
     """The fused GEMM + combine against grouped_matmul + combine on one expert-major dispatch:
     its output bit-exact against combine of its own GEMM rows, those rows within float32
-    accumulation of grouped_matmul's up to the last segment's end."""
+    accumulation of grouped_matmul's up to the last segment's end, and its rows where they
+    take the received rows' sums (over several ranks) bit-exact against those sums."""
     T, H, I, K, L = (37 if R > 1 else 300), 384, 256, 4, 4
     x, idx, w, wgu, E = _setup(R, T, H, I, K, L, kind, 200 * R + len(kind))
     rng = np.random.default_rng(R)

@@ -516,13 +516,15 @@ ffi::Error HtGatherGemmImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
 }
 
 // ------------------------------------------------------------------------------------------
-ffi::Error HtGemmCombineImpl(
-    cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::S32> sizes,
-    ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
-    ffi::Buffer<ffi::S32> send_rows, ffi::Buffer<ffi::BF16> addend,
-    ffi::Buffer<ffi::PRED> addend_on, ffi::Result<ffi::Buffer<ffi::BF16>> ye,
-    ffi::Result<ffi::Buffer<ffi::BF16>> yr, ffi::Result<ffi::Buffer<ffi::BF16>> out,
-    ffi::Result<ffi::Buffer<ffi::S32>> counters, HtGemmCombineAttrs at, jax_ep::SiteState* st) {
+ffi::Error HtGemmCombineImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> a,
+                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::BF16> w,
+                             ffi::Buffer<ffi::S32> row_of, ffi::Buffer<ffi::F32> weights,
+                             ffi::Buffer<ffi::S32> send_rows, ffi::Buffer<ffi::BF16> addend,
+                             ffi::Buffer<ffi::PRED> addend_on,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> ye,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                             ffi::Result<ffi::Buffer<ffi::S32>> counters, HtGemmCombineAttrs at,
+                             jax_ep::SiteState* st) {
   const char* op = "jax_ep_ht_gemm_combine";
   JAX_EP_RETURN_IF_ERROR(common_checks(op, at, st));
 #if !JAX_EP_WITH_GEMM
@@ -531,7 +533,7 @@ ffi::Error HtGemmCombineImpl(
   jax_ep::GroupInfo gi;
   JAX_EP_RETURN_IF_ERROR(
       jax_ep::resolve_group(device, at.groups, at.group_size, st->lease->slot, &gi));
-  // Peers read yr while this kernel writes it: only one process's buffers allow that.
+  // Peers read ye while this kernel writes it: only one process's buffers allow that.
   if (!st->lease->bufs.empty() || gi.peers.remote != 0)
     return jax_ep::op_error(op,
                             "the fused grouped GEMM + combine runs with one process over the "
@@ -553,7 +555,6 @@ ffi::Error HtGemmCombineImpl(
   JAX_EP_CHECK_SHAPE(sizes, op, "sizes", L);
   JAX_EP_CHECK_SHAPE(weights, op, "weights", Cr, K);
   JAX_EP_CHECK_SHAPE(*ye, op, "ye", C, N);
-  JAX_EP_CHECK_SHAPE(*yr, op, "yr", Cr, N);
   JAX_EP_CHECK_SHAPE(*out, op, "out", T, N);
   JAX_EP_CHECK_SHAPE(*counters, op, "counters", jax_ep::fused::combine_counter_words(C, Cr, N));
   const bool has_addend = addend.element_count() != 0;
@@ -563,7 +564,7 @@ ffi::Error HtGemmCombineImpl(
                                        dims_str(addend_on.dimensions()));
   const int64_t chunks = jax_ep::fused::combine_chunks(N);
   if (at.group_size * T > kMaxInt || C > kMaxInt || Cr * K > kMaxInt || I > kMaxInt ||
-      N > kMaxInt || T * chunks > kMaxInt ||
+      N > kMaxInt || T * chunks > kMaxInt || C + 2 > kMaxInt ||
       (jax_ep::fused::reduce_tasks(Cr) + jax_ep::fused::token_tasks(T)) * chunks > kMaxInt)
     return ffi::Error::InvalidArgument(std::string(op) + ": shapes too large for int32 indices");
   JAX_EP_RETURN_IF_ERROR(fused_gemm_checks(op, "I", C, I, N, L));
@@ -590,7 +591,6 @@ ffi::Error HtGemmCombineImpl(
   g.I = I;
   g.N = N;
   g.ye = ye->untyped_data();
-  g.yr = yr->untyped_data();
   g.out = out->untyped_data();
   g.addend = has_addend ? addend.untyped_data() : nullptr;
   g.addend_on = has_addend ? static_cast<const bool*>(addend_on.untyped_data()) : nullptr;
@@ -687,7 +687,6 @@ JAX_EP_DEFINE_HANDLER_AND_VR(JaxEpHtGatherGemm, HtGatherGemmImpl, JAX_EP_BIND_HT
       .Arg<ffi::Buffer<ffi::BF16>>() /* addend [T, N] (may alias out), or [0]: none */ \
       .Arg<ffi::Buffer<ffi::PRED>>() /* addend_on []: whether it is read */            \
       .Ret<ffi::Buffer<ffi::BF16>>() /* ye [C, N] */                                   \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* yr [Cr, N] */                                  \
       .Ret<ffi::Buffer<ffi::BF16>>() /* out [T, N] */                                  \
       .Ret<ffi::Buffer<ffi::S32>>()  /* counters [combine_counter_words(C, Cr, N)] */  \
       JAX_EP_HT_ATTRS_AND_STATE(HtGemmCombineAttrs)

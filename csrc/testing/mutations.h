@@ -11,7 +11,7 @@
 // gpu_check.sh's MUTATIONS and PLANTED lists name: keep them.
 //
 // Bugs 1 to 8 sit in code that every one-process run executes, 9 and 10 in per-process code
-// only, 11 to 13 and 17 to 21 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
+// only, 11 to 13 and 17 to 22 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
 // multi-rank mode, 16 in every communication kernel's failure path. Plain C++ (constants
 // only): host code and kernels include it.
 #pragma once
@@ -71,7 +71,8 @@ enum Bug : int {
   // (poison::fill, transport/poison.cuh)
   kSkipPoison = 16,
   // fused grouped GEMM + combine: a token's summed row is pulled from a rank without waiting
-  // for that rank to have written it (combine_task, kernels/fused/gemm_combine.cu)
+  // for that rank to have written it (its flag read once; one not yet set counts as no row
+  // there: combine_task, kernels/fused/gemm_combine.cu)
   kCombineSkipsSummed = 17,
   // fused gather + grouped GEMM's activation epilogue: the up projection's columns taken for
   // the gate's and the other way round (store_activation, kernels/fused/gather_gemm.cu)
@@ -85,7 +86,11 @@ enum Bug : int {
   // fused grouped GEMM + combine: the addend is added whether it is on or not (addend_row,
   // kernels/fused/gemm_combine.cu)
   kAddendIgnoresOn = 21,
-  kLast = kAddendIgnoresOn,
+  // fused grouped GEMM + combine over several ranks: a received row's sum goes into the row of
+  // its last slot here, not its first (the flag names that row, so the output stays right;
+  // reduce_task, kernels/fused/gemm_combine.cu)
+  kSumInLastSlot = 22,
+  kLast = kSumInLastSlot,
 };
 
 // The bug this build carries (0: none).

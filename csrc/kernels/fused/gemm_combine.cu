@@ -1,6 +1,6 @@
 // The fused grouped GEMM + combine (gemm_combine.h, docs/kernels.md#fused-gemm-combine).
 //
-// One grid, all blocks co-resident (one per SM). Every block first publishes this rank's yr and
+// One grid, all blocks co-resident (one per SM). Every block first publishes this rank's ye and
 // counters (the pull protocol of transport/pull.cuh), and reads where its segments end.
 // - Tile blocks (the last gemm_blocks) compute ye = a @ w per segment with CUTLASS's SM90
 //   collectives in a loop of our own (kernels/fused/tiles.cuh; TMA-store epilogue), their queue
@@ -12,16 +12,19 @@
 // - The combine, chunk by chunk, on the chunk's columns, in two steps:
 //   1. Per received row of this rank, 4 rows at a time in row order: wait until the row blocks
 //      of the row's slots have the chunk's column tiles here, sum w * row over the slots in
-//      float32 and round once to bfloat16 (the unfused layer's pre-reduction per rank) into yr;
-//      then flag the 4 rows for the chunk (system-scope release; peers read the flags and yr).
+//      float32 and round once to bfloat16 (the unfused layer's pre-reduction per rank) into the
+//      chunk of the row's first slot's row of ye, which only this warp reads, and has read
+//      (no buffer of received rows); then flag each row for the chunk with where its sum is
+//      (system-scope release; peers read the flags and ye).
 //   2. Per token of this rank, 4 at a time in token order: for each rank s holding the token,
-//      wait for its row's flag of the chunk on s, pull the chunk of that one row, and sum over
-//      ranks in rank order, in float32. A token crosses the links once per rank that holds it,
-//      not once per slot.
+//      wait for its row's flag of the chunk on s, pull the chunk of the one row of ye there
+//      that the flag names, and sum over ranks in rank order, in float32. A token crosses the
+//      links once per rank that holds it, not once per slot.
 //   With one rank the first step sums each own token's slots straight into out (zeros for a
-//   token without a slot): no yr and no second step, whose sum over a single rank would round
-//   a bfloat16 value to itself, so the result is the same bit for bit (but for the sign of a
-//   zero: a sum that rounds to -0 stays -0, where the second step's 0 + -0 gave +0).
+//   token without a slot): ye keeps its products and there is no second step, whose sum over a
+//   single rank would round a bfloat16 value to itself, so the result is the same bit for bit
+//   (but for the sign of a zero: a sum that rounds to -0 stays -0, where the second step's
+//   0 + -0 gave +0).
 //   With an addend that is on, a token's sum is rounded to bfloat16, its addend row added in
 //   float32, and the result rounded again (out_value); an addend that is off is never read.
 //   The addend may share out's buffer (the layer aliases them).
@@ -34,7 +37,8 @@
 //   started (read the call's epoch), and end the call (end barrier), so no peer reads this
 //   rank's buffers after it.
 // - Rows of ye past the last segment are not written: no tile computes them, the combine reads
-//   them as zeros without loading them, and nothing else reads ye (the layer's scratch).
+//   them as zeros without loading them, and nothing else reads ye (the layer's scratch; over
+//   several ranks the rows that took a received row's sum hold it, not their product).
 // The phase tracer of the call site's slot gets, per column chunk, the latest times a tile was
 // stored and a task of either step ended (trace::kFused..., benchmarks/trace_phases.py --fused).
 // Tile blocks never wait for the combine; the waits end because every block of every rank runs
@@ -73,7 +77,7 @@ struct Params {
 
 // What every rank published, for each rank.
 struct PeerView {
-  const uint8_t* yr[kMaxRanks];
+  const uint8_t* ye[kMaxRanks];
   const int* counters[kMaxRanks];
   int end;  // rows in this rank's segments: a row at or past it is not computed (reads as zero)
 };
@@ -83,7 +87,7 @@ struct Layout {
   int chunks;      // column chunks
   int need_last;   // column tiles of the last chunk (every other chunk has kChunkBlocks)
   int64_t words;   // the CounterWord words
-  int64_t flags;   // the first step's flags, reduce_tasks(Cr) per chunk
+  int64_t flags;   // the first step's flags, one per received row and chunk (at chunk * Cr + row)
   int64_t n1, n2;  // first- and second-step tasks of one chunk (R = 1: token tasks, none)
   __device__ explicit Layout(const GemmCombineArgs& a)
       : chunks(static_cast<int>(combine_chunks(a.N))),
@@ -92,8 +96,8 @@ struct Layout {
         flags(words + kCounterTail),
         n1(direct(a) ? token_tasks(a.T) : reduce_tasks(a.Cr)),
         n2(direct(a) ? 0 : token_tasks(a.T)) {}
-  // One rank: the first step sums each token's slots straight into out (no yr, no second step;
-  // the second step's sum over one rank would round a bfloat16 value to itself).
+  // One rank: the first step sums each token's slots straight into out (ye keeps its products;
+  // no second step, whose sum over one rank would round a bfloat16 value to itself).
   __device__ static bool direct(const GemmCombineArgs& a) { return a.ps.num_ranks == 1; }
   // The int4 range [lo, hi) of a row's columns in chunk c.
   __device__ int64_t lo(int c) const { return static_cast<int64_t>(c) * kChunkVectors; }
@@ -149,11 +153,13 @@ __device__ __forceinline__ int64_t next_task(int* queue, int lane) {
 }
 
 // A first-step task, one warp: received rows [c0, c0 + kReducedRowsPerTask), the columns of
-// chunk `ch`. yr[c] = the bfloat16 rounding of sum over the slots k of row c (in slot order,
-// float32) of weights[c, k] * ye[row_of[c, k]], once those rows' tiles of the chunk are stored
-// here; a row without a slot here is not written. Then one flag for the task's rows and chunk
-// (1 + the mask of the rows without a slot; system-scope release). The waits of every slot of
-// the task's rows come first, 32 at a time, so that a row's loads follow no wait of their own.
+// chunk `ch`. The bfloat16 rounding of sum over the slots k of row c (in slot order, float32)
+// of weights[c, k] * ye[row_of[c, k]], once those rows' tiles of the chunk are stored here,
+// goes into ye[f], f the row of c's first slot here: ye's rows each belong to one received row
+// (two slots naming one expert name one row), so no other warp reads f, and each lane stores
+// its columns of f after loading them. A row without a slot here writes nothing. Then each row's
+// flag of the chunk (f + 2, or 1 without a slot; system-scope release). The waits of every slot
+// of the task's rows come first, 32 at a time, so that a row's loads follow no wait of their own.
 // With one rank (Layout::direct) the task's rows are those of own tokens [c0, c0 +
 // kTokensPerTask) (send_rows) and each sum goes to out[t], zeros for a token without a slot; no
 // flag, the tokens counted in *done instead. False when a wait gave up.
@@ -165,7 +171,7 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
   const int64_t N = a.N, lo = lay.lo(ch), hi = lay.hi(a, ch);
   const int need = ch == lay.chunks - 1 ? lay.need_last : kChunkBlocks;
   const auto* ye = static_cast<const uint8_t*>(a.ye);
-  auto* dst_base = static_cast<uint8_t*>(direct ? a.out : a.yr);
+  auto* dst_base = static_cast<uint8_t*>(direct ? a.out : a.ye);
   const Waiter me = waiter(a.ps);
   const int64_t c1 = min(c0 + kReducedRowsPerTask, static_cast<int64_t>(direct ? a.T : a.Cr));
   // The task's received rows: its own (c0 + i), or (direct) its tokens' (-1: none)
@@ -176,7 +182,10 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
   };
   // The task's (row, slot) entries, lane e % 32 holding entry e (row e / K, slot e % K).
   const int64_t ne = (c1 - c0) * K;
-  unsigned int held = 0;  // the task's rows with a slot here (bit c - c0)
+  unsigned int held = 0;           // the task's rows with a slot here (bit c - c0)
+  int first[kReducedRowsPerTask];  // per row: the row of its first slot here, or -1 (uniform)
+#pragma unroll
+  for (int i = 0; i < kReducedRowsPerTask; ++i) first[i] = -1;
   for (int64_t base = 0; base < ne; base += 32) {
     const int64_t e = base + lane;
     int j = -1;
@@ -192,13 +201,28 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
                               return ld_acquire_gpu(p);
                             });
     held |= __reduce_or_sync(ht::kFull, j >= 0 ? 1u << (e / K) : 0u);
+#pragma unroll
+    for (int i = 0; i < kReducedRowsPerTask; ++i) {
+      const unsigned int m = __ballot_sync(ht::kFull, j >= 0 && e / K == i);
+      if (JAX_EP_PLANTED(kSumInLastSlot)) {
+        const int f = __shfl_sync(ht::kFull, j, m != 0 ? 31 - __clz(m) : 0);
+        if (m != 0) first[i] = f;
+        continue;
+      }
+      const int f = __shfl_sync(ht::kFull, j, m != 0 ? __ffs(m) - 1 : 0);
+      if (m != 0 && first[i] < 0) first[i] = f;
+    }
     if (!__all_sync(ht::kFull, good)) return false;
   }
   __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
   for (int64_t i = 0; i < c1 - c0; ++i) {
     const bool has = held >> i & 1u;
     if (!has && !direct) continue;
-    uint8_t* dst = dst_base + (c0 + i) * N * 2;
+    int fi = -1;  // first[i], read without indexing the array by a variable
+#pragma unroll
+    for (int q = 0; q < kReducedRowsPerTask; ++q)
+      if (q == i) fi = first[q];
+    uint8_t* dst = dst_base + (direct ? c0 + i : static_cast<int64_t>(fi)) * N * 2;
     const int4* add = direct ? addend_row(a, c0 + i) : nullptr;
     const int64_t c = has ? row(i) : -1;
     for (int64_t v0 = lo; v0 < hi; v0 += 32 * kUnroll) {
@@ -259,41 +283,47 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
     }
     return true;
   }
-  __syncwarp();  // every lane's stores before lane 0's release
-  if (lane == 0) {
-    const unsigned int rows = (1u << (c1 - c0)) - 1u;
-    st_release_sys_s32(a.counters + lay.flags + ch * lay.n1 + c0 / kReducedRowsPerTask,
-                       1 + static_cast<int>(~held & rows));
-    if (ch < trace::kFusedTracedChunks) trace_max(a.ps, trace::kFusedChunkReduced + ch);
+  __syncwarp();  // every lane's stores before the releases
+  if (lane < c1 - c0) {
+    int f = -1;
+#pragma unroll
+    for (int q = 0; q < kReducedRowsPerTask; ++q)
+      if (q == lane) f = first[q];
+    st_release_sys_s32(a.counters + lay.flags + ch * static_cast<int64_t>(a.Cr) + c0 + lane, f + 2);
   }
+  if (lane == 0 && ch < trace::kFusedTracedChunks) trace_max(a.ps, trace::kFusedChunkReduced + ch);
   return true;
 }
 
 // A second-step task, one warp: own tokens [t0, t0 + kTokensPerTask), the columns of chunk
 // `ch`: for each rank s holding the token, wait for its row's flag of the chunk on s, pull the
-// chunk of that one row, and sum over ranks in rank order, in float32. The task's (token, rank)
-// entries are one lane each (e = token * R + rank, as in send_rows): every wait first, then
-// their rows kPullRows at a time, whatever their tokens, summed token by token.
+// chunk of the row of ye there that the flag names, and sum over ranks in rank order, in
+// float32. The task's (token, rank) entries are one lane each (e = token * R + rank, as in
+// send_rows): every wait first, then their rows kPullRows at a time, whatever their tokens,
+// summed token by token.
 // *done: tokens combined. False when a wait gave up.
 __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const Layout& lay,
                              int ch, int64_t t0, int lane, int* done) {
   const int R = a.ps.num_ranks;
   const int64_t N = a.N, lo = lay.lo(ch), hi = lay.hi(a, ch);
-  const int64_t flags = lay.flags + ch * lay.n1;
+  const int64_t flags = lay.flags + ch * static_cast<int64_t>(a.Cr);
   const Waiter me = waiter(a.ps);
   const int64_t t1 = min(t0 + kTokensPerTask, static_cast<int64_t>(a.T));
   const int ne = static_cast<int>(t1 - t0) * R;
   // Lane e < ne: token t0 + e / R's received row on rank e % R (-1: none), once that rank
-  // summed it.
+  // summed it; then the row of that rank's ye that holds the sum (-1: no slot there).
   int r = lane < ne ? ht::ld_nc_s32(a.send_rows + t0 * R + lane) : -1;
   if (r >= a.Cr) r = -1;
   bool good = true;
-  if (r >= 0 && !JAX_EP_PLANTED(kCombineSkipsSummed)) {
-    const int* f = pv.counters[lane % R] + flags + r / kReducedRowsPerTask;
+  if (r >= 0) {
+    const int* f = pv.counters[lane % R] + flags + r;
     int v = 0;
-    good = wait_count_geq(me, a.timeout_ns, kPhaseReduced, lane % R, 1,
-                          [f, &v] { return v = ld_acquire_sys_s32(f); });
-    if (good && ((v - 1) >> (r % kReducedRowsPerTask) & 1)) r = -1;  // no slot there
+    if (JAX_EP_PLANTED(kCombineSkipsSummed))
+      v = ld_acquire_sys_s32(f);  // not yet flagged (0): taken as no slot
+    else
+      good = wait_count_geq(me, a.timeout_ns, kPhaseReduced, lane % R, 1,
+                            [f, &v] { return v = ld_acquire_sys_s32(f); });
+    r = v - 2;
   }
   const bool ok = __all_sync(ht::kFull, good);
   __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
@@ -313,7 +343,7 @@ __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const
           continue;
         }
         const int4* row =
-            reinterpret_cast<const int4*>(pv.yr[e % R] + static_cast<int64_t>(rs[g]) * N * 2);
+            reinterpret_cast<const int4*>(pv.ye[e % R] + static_cast<int64_t>(rs[g]) * N * 2);
 #pragma unroll
         for (int u = 0; u < kPullUnroll; ++u)
           if (i0 + u * 32 < hi) v[g][u] = ht::ld_cg_v4(row + i0 + u * 32);
@@ -444,7 +474,7 @@ __device__ __forceinline__ void gemm_combine(const P& p) {
   const GemmCombineArgs& a = p.a;
   const unsigned long long e = call_epoch(a.ps);
   __shared__ PeerView pv;
-  const void* ptrs[2] = {a.yr, a.counters};
+  const void* ptrs[2] = {a.ye, a.counters};
   const bool ok = ht::publish_and_wait(a.ps, ptrs, 2, e, a.timeout_ns, kPhasePeers);
   const int R = a.ps.num_ranks, tid = threadIdx.x;
   const bool tile_block = static_cast<int>(blockIdx.x) >= a.combine_blocks;
@@ -453,7 +483,7 @@ __device__ __forceinline__ void gemm_combine(const P& p) {
   if (!ok) return;
   trace_mark(a.ps, trace::kFusedStart);
   if (tid < R) {
-    pv.yr[tid] = peer_ptr<const uint8_t>(a.ps, tid, 0);
+    pv.ye[tid] = peer_ptr<const uint8_t>(a.ps, tid, 0);
     pv.counters[tid] = peer_ptr<const int>(a.ps, tid, 1);
   }
   if (tid < 32) {  // warp 0: where this rank's segments end

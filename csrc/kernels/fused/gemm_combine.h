@@ -26,17 +26,18 @@ struct GemmCombineArgs {
   const int32_t* send_rows;  // [T, R] the received row of each own token on each rank, or -1
   int T, C, Cr, K, L;
   int64_t I, N;
-  void* ye;               // [C, N] a @ w per segment; rows past the last segment unwritten
-  void* yr;               // [Cr, N] published: per received row, the weighted sum of its slots'
-                          // rows here, rounded to bfloat16 (rows without a slot: not written;
-                          // with one rank none: the sums go straight into out)
+  void* ye;               // [C, N] published: a @ w per segment, rows past the last segment
+                          // unwritten; over several ranks the row of each received row's first
+                          // slot here then holds that received row's weighted sum of its slots'
+                          // rows, rounded to bfloat16 (with one rank the sums go straight into
+                          // out and ye keeps every product)
   void* out;              // [T, N] per token: the sum over ranks of the rank's weighted sum of rows
                           // (with the addend: that sum rounded to bfloat16, plus the token's
                           // addend row, in float32, rounded again)
   const void* addend;     // [T, N] bfloat16 added to out when *addend_on, or null (none); may
                           // be out itself (each element is read before it is written)
   const bool* addend_on;  // [] whether the addend is read (else it may hold anything); or null
-  int32_t* counters;      // [combine_counter_words(C, Cr)] zeroed before the launch (published)
+  int32_t* counters;      // [combine_counter_words(C, Cr, N)] zeroed before the launch (published)
   bool w_k_major;         // w is [L, N, I] (I contiguous)
   int combine_blocks;     // blocks that only combine; the others compute tiles, then combine too
   int gemm_blocks;

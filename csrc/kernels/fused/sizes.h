@@ -54,7 +54,7 @@ constexpr I row_blocks(I C) {
 constexpr long long counter_words(long long C) { return row_blocks(C) + kCounterTail; }
 
 // Received rows of one pre-reduction task of the GEMM + combine: a warp sums each row's slots
-// into one row per received token, then flags the task's rows at once.
+// into one row per received token, then flags the task's rows.
 constexpr int kReducedRowsPerTask = 4;
 // Own tokens of one task of the GEMM + combine's second step.
 constexpr int kTokensPerTask = 4;
@@ -81,11 +81,11 @@ constexpr long long reduce_tasks(long long Cr) {
 constexpr long long token_tasks(long long T) { return (T + kTokensPerTask - 1) / kTokensPerTask; }
 // Words of the GEMM + combine's counters for C expert-major rows, Cr received rows and N
 // columns (exported as jax_ep._C.fused_combine_counter_words): the per-chunk tile counters, the
-// words of CounterWord, then one flag per chunk and first-step task, at chunk *
-// reduce_tasks(Cr) + task (0: not yet summed; else 1 + the mask of the task's rows that have no
-// slot here, and so no row written).
+// words of CounterWord, then one flag per chunk and received row, at chunk * Cr + row (0: not
+// yet summed; 1: no slot here, nothing written; else 2 + the row of the output where the sum
+// is, the row of the received row's first slot here).
 constexpr long long combine_counter_words(long long C, long long Cr, long long N) {
-  return combine_tile_words(C, N) + kCounterTail + combine_chunks(N) * reduce_tasks(Cr);
+  return combine_tile_words(C, N) + kCounterTail + combine_chunks(N) * Cr;
 }
 
 // The automatic number of blocks that only combine, out of `share`, over `ranks` ranks, for a
