@@ -327,8 +327,6 @@ def _gemm_combine_call(a, w, weights, sizes, row_of, rank, ccfg, w_k_major=False
     words = runtime.extension().fused_combine_counter_words(C, Cr, N)
     add, on = (jnp.zeros((0,), a.dtype), jnp.zeros((), jnp.bool_)) if addend is None \
         else addend
-    # (over several ranks each received row's weighted sum of its rows here, which the peers
-    # pull, takes the row of ye of its first slot: ye is the GEMM's rows only at R = 1)
     ye, out, _ = _ffi.call("jax_ep_ht_gemm_combine",
                            [a, sizes, w, row_of, weights, rank.send_rows, add, on],
                            [((C, N), a.dtype), ((T, N), a.dtype), ((words,), jnp.int32)],
