@@ -79,6 +79,67 @@ def kernel_durations(trace_json: dict, name_regex: str, calls: int) -> dict:
     return dict(devices=devices, kernel_us=med("op_us"), kernel_us_all=med("all_us"))
 
 
+def call_timeline(trace_json: dict, calls: int) -> dict:
+    """Where a GPU has no kernel during one call, on each GPU of a trace of `calls` calls of an
+    op (harness.scan_fn's): the period from one start of the op's anchor kernel (of the names
+    that occur exactly `calls` times, the one with the most time) to its next start, so the
+    tail of one call and the head of the next; the period after anchor calls // 2 - 1 (at
+    least the first), away from the scan's last two calls where it can (their results are the
+    executable's outputs, buffers allocated anew on each run). The trace cannot be split into
+    calls by count: XLA names the fusions of each unrolled call apart, and the scan adds
+    one-off kernels. Per GPU: {"anchor": its name, "period_us": the time per call there,
+    "busy_us": the union of the events' intervals in it, "idle_us": the rest, "events":
+    [(start, dur, gap, name)] in us from the period's start, gap the time since the latest end
+    before it (0 when they overlap), "t0": the period's start in the trace's clock}. A GPU with
+    fewer than 2 calls or no anchor is left out. Under the profiler the host's work costs more
+    (graph launches and updates most), so the gaps after a host read overstate it."""
+    out = {}
+    for dev, ks in gpu_kernels(trace_json).items():
+        count, total = {}, {}
+        for _, dur, name in ks:
+            count[name] = count.get(name, 0) + 1
+            total[name] = total.get(name, 0.0) + dur
+        anchors = [n for n in count if count[n] == calls]
+        if calls < 2 or not anchors:
+            continue
+        anchor = max(anchors, key=lambda n: total[n])
+        starts = [ts for ts, _, name in ks if name == anchor]
+        j = max(0, calls // 2 - 1)
+        t0, t1 = starts[j], starts[j + 1]
+        events, end, busy = [], t0, 0.0
+        for ts, dur, name in ks:
+            if not t0 <= ts < t1:
+                continue
+            events.append((ts - t0, dur, max(0.0, ts - end), name))
+            busy += max(0.0, min(ts + dur, t1) - max(ts, end))
+            end = max(end, ts + dur)
+        out[dev] = dict(anchor=anchor, period_us=t1 - t0, busy_us=busy,
+                        idle_us=t1 - t0 - busy, events=events, t0=t0)
+    return out
+
+
+def host_events(trace_json: dict, t0: float, t1: float, min_dur: float = 5.0) -> list:
+    """[(start, dur, thread, name)] of the host's events (every process not a GPU's) that
+    overlap [t0, t1) and last at least min_dur us, in start order, start in us from t0: what
+    the host did while a GPU had no kernel."""
+    events = trace_json.get("traceEvents", [])
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = str(e.get("args", {}).get("name", ""))
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or "GPU" in procs.get(e.get("pid"), "").upper():
+            continue
+        ts, dur = float(e.get("ts", 0)), float(e.get("dur", 0))
+        if dur >= min_dur and ts < t1 and ts + dur > t0:
+            out.append((ts - t0, dur, threads.get((e.get("pid"), e.get("tid")), ""),
+                        e.get("name", "")))
+    return sorted(out)
+
+
 def report(res: dict, width: int = 60, top: int = 4) -> list:
     """Lines to print for one kernel_durations result (the `top` longest kernels per device;
     the JSON row keeps the totals, the trace keeps everything)."""

@@ -6,9 +6,13 @@ alone), forward and forward + backward: a jit-compiled scan of --calls calls aft
 traced once; per kernel name the count and microseconds per call on the first GPU, longest
 first, and the sum. Shapes as benchmarks/bench_layer.py; routing uniform (softmax top-k of random
 logits) or, with --routing balanced, every expert exactly T * K / L pairs (bench_layer's
-balanced routing: the expert compute's equal groups). Writes layer_kernels.json.
+balanced routing: the expert compute's equal groups). With --timeline, also the events of one
+call's period on the first GPU (from one start of the kernel that runs once a call to the next)
+in start order, each with the time the GPU had no kernel before it (the drain of a host read, a
+chain of short kernels launched one by one). Writes layer_kernels.json.
 
   python benchmarks/layer_kernels.py --ranks 1,2 --out DIR
+  python benchmarks/layer_kernels.py --ranks 2 --only "moe_ffn(fused=True)" --timeline
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/layer_kernels.py \
       --backend reference --ranks 2 --tokens 16 --hidden 64 --inter 32 --experts 2 --topk 2
       (checks the script on a CPU: no kernels to list)
@@ -36,6 +40,26 @@ from bench_layer import (add_shape_args, draw_routing, expert_compute,  # noqa: 
 from harness import scan_fn  # noqa: E402
 
 
+def print_timeline(t, trace):
+    """The lines of one call's timeline (kernel_times.call_timeline, one GPU), then what the
+    host did in its longest gap."""
+    if t is None:
+        print("  timeline: no kernel occurs once per call; not split")
+        return
+    print(f"  timeline, from one start of {t['anchor'][:60]} to the next: {t['period_us']:.1f} "
+          f"us, kernels busy {t['busy_us']:.1f}, no kernel {t['idle_us']:.1f}\n"
+          "      start      dur      gap  event")
+    for start, dur, gap, name in t["events"]:
+        print(f"  {start:9.1f} {dur:8.1f} {gap:8.1f}  {name[:90]}")
+    start, _, gap, name = max(t["events"], key=lambda e: e[2])
+    if gap > 0:
+        t1 = t["t0"] + start
+        print(f"  the host's events of at least 5 us in the longest gap ({gap:.1f} us, before "
+              f"{name[:40]}), start from the gap's start:")
+        for hs, hd, thread, hname in kernel_times.host_events(trace, t1 - gap, t1):
+            print(f"  {hs:9.1f} {hd:8.1f}  [{thread[:20]}] {hname[:80]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -45,6 +69,11 @@ def main():
     ap.add_argument("--top", type=int, default=30, help="kernels printed per variant")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--routing", default="uniform", choices=("uniform", "balanced"))
+    ap.add_argument("--only", default="",
+                    help="comma-separated variants to trace (default every one)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print one call's period of events on the first GPU in start "
+                         "order, with the time the GPU had no kernel before each")
     args = ap.parse_args()
     T, H, I, L, K = args.tokens, args.hidden, args.inter, args.experts, args.topk
     be = args.backend
@@ -70,7 +99,14 @@ def main():
             "expert compute alone": (functools.partial(expert_compute, backend=be),
                                      (xr, w, wgu, wd), (0, 1, 2, 3)),
         }
+        only = [v for v in args.only.split(",") if v]
+        unknown = sorted(set(only) - set(variants))
+        if unknown:
+            raise SystemExit(f"--only: unknown variants {unknown}; expected some of "
+                             f"{sorted(variants)}")
         for name, (fn, fargs, diff) in variants.items():
+            if only and name not in only:
+                continue
             for op, f in (("fwd", fn), ("fwd+bwd", with_backward(fn, diff))):
                 try:
                     c = scan_fn(mesh, f, args.calls).lower(*fargs).compile()
@@ -79,6 +115,9 @@ def main():
                     with tempfile.TemporaryDirectory() as d:
                         res = kernel_times.trace_kernels(functools.partial(c, *fargs), d, ".",
                                                          args.calls)
+                        trace = kernel_times.load_trace(d) if args.timeline else {}
+                        line = (kernel_times.call_timeline(trace, args.calls)
+                                if args.timeline else {})
                 except Exception as e:  # reported, the others still run
                     print(f"\n== R={R} {name} {op}: FAILED {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]}")
@@ -96,8 +135,12 @@ def main():
                 for kname, v in ks[:args.top]:
                     print(f"  {v['us_per_call']:9.1f} us  {v['count'] / args.calls:5.1f} x  "
                           f"{kname[:110]}")
-                out.append(dict(ranks=R, name=name, op=op, device=dev, total_us=total,
-                                kernels={k: v for k, v in ks}))
+                row = dict(ranks=R, name=name, op=op, device=dev, total_us=total,
+                           kernels={k: v for k, v in ks})
+                if args.timeline:
+                    print_timeline(line.get(dev), trace)
+                    row["timeline"] = line.get(dev)
+                out.append(row)
                 jax.clear_caches()
     with open(os.path.join(args.out, "layer_kernels.json"), "w") as f:
         json.dump(dict(device=devs[0].device_kind, routing=args.routing, rows=out), f, indent=1)

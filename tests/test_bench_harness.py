@@ -197,6 +197,41 @@ def test_kernel_durations_gpu_without_thread_names():
     assert res["kernel_us"] == 4 and res["kernel_us_all"] == 4
 
 
+def test_call_timeline_gaps_and_overlap():
+    # GPU 0: the dispatch kernel (the most time of the names that occur once a call) starts at
+    # 5, 105, 205; the first period [5, 105) holds it (10 us), the fusion at 20 (1 us, 5
+    # after 15) and the next call's layout kernel at 100 (2 us, 79 after 21)
+    res = kernel_times.call_timeline(synthetic_trace([(400, 6, "wrapped_broadcast")]), 3)
+    g0 = res["/device:GPU:0"]
+    assert g0["anchor"] == "void jax_ep::ll::dispatch_kernel<128>(Args)"
+    assert [e[:3] for e in g0["events"]] == [(0, 10, 0), (15, 1, 5), (95, 2, 79)]
+    assert g0["period_us"] == 100 and g0["busy_us"] == 13 and g0["idle_us"] == 87
+    assert res["/device:GPU:1"]["period_us"] == 100
+    # overlapping events (two streams) count once; an event past the period's end is cut there
+    trace = {"traceEvents": [_meta(3, "/device:GPU:0"), _x(3, 1, 0, 10, "a"),
+                             _x(3, 2, 4, 10, "b"), _x(3, 1, 20, 5, "c"), _x(3, 1, 30, 10, "a"),
+                             _x(3, 1, 38, 4, "d")]}
+    t = kernel_times.call_timeline(trace, 2)["/device:GPU:0"]
+    assert t["anchor"] == "a" and [e[2] for e in t["events"]] == [0, 0, 6]
+    assert t["busy_us"] == 19 and t["period_us"] == 30 and t["idle_us"] == 11
+    assert t["t0"] == 0
+    # 5 calls: the period after the second start, away from the last two calls (the outputs)
+    five = {"traceEvents": [_meta(3, "/device:GPU:0")] + [_x(3, 1, 10 * i, 2, "a")
+                                                           for i in range(5)]}
+    assert kernel_times.call_timeline(five, 5)["/device:GPU:0"]["t0"] == 10
+    assert kernel_times.call_timeline(trace, 1) == {}          # one call: no period
+    assert kernel_times.call_timeline(trace, 5) == {}          # no name occurs 5 times
+
+
+def test_host_events_in_a_window():
+    trace = synthetic_trace()      # the host's 500 us wrapper on thread "python"
+    trace["traceEvents"].append(_x(1, 5, 150, 4, "short"))
+    assert kernel_times.host_events(trace, 100, 200) == [
+        (-100, 500, "python", "jax_ep dispatch_kernel host wrapper")]
+    assert kernel_times.host_events(trace, 100, 200, min_dur=1)[1] == (50, 4, "python", "short")
+    assert kernel_times.host_events(trace, 600, 700) == []    # GPU events never listed
+
+
 def test_real_cpu_trace(mesh4, inputs, tmp_path):
     if not hasattr(jax, "profiler") or not hasattr(jax.profiler, "trace"):
         pytest.skip("jax.profiler unavailable")
