@@ -201,16 +201,18 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
                               return ld_acquire_gpu(p);
                             });
     held |= __reduce_or_sync(ht::kFull, j >= 0 ? 1u << (e / K) : 0u);
+    if (!direct) {  // (direct: each sum goes to out, not to a slot's row)
 #pragma unroll
-    for (int i = 0; i < kReducedRowsPerTask; ++i) {
-      const unsigned int m = __ballot_sync(ht::kFull, j >= 0 && e / K == i);
-      if (JAX_EP_PLANTED(kSumInLastSlot)) {
-        const int f = __shfl_sync(ht::kFull, j, m != 0 ? 31 - __clz(m) : 0);
-        if (m != 0) first[i] = f;
-        continue;
+      for (int i = 0; i < kReducedRowsPerTask; ++i) {
+        const unsigned int m = __ballot_sync(ht::kFull, j >= 0 && e / K == i);
+        if (JAX_EP_PLANTED(kSumInLastSlot)) {
+          const int f = __shfl_sync(ht::kFull, j, m != 0 ? 31 - __clz(m) : 0);
+          if (m != 0) first[i] = f;
+          continue;
+        }
+        const int f = __shfl_sync(ht::kFull, j, m != 0 ? __ffs(m) - 1 : 0);
+        if (m != 0 && first[i] < 0) first[i] = f;
       }
-      const int f = __shfl_sync(ht::kFull, j, m != 0 ? __ffs(m) - 1 : 0);
-      if (m != 0 && first[i] < 0) first[i] = f;
     }
     if (!__all_sync(ht::kFull, good)) return false;
   }
