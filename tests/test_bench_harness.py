@@ -226,10 +226,11 @@ def test_call_timeline_gaps_and_overlap():
 def test_host_events_in_a_window():
     trace = synthetic_trace()      # the host's 500 us wrapper on thread "python"
     trace["traceEvents"].append(_x(1, 5, 150, 4, "short"))
+    # the GPUs' kernels in [100, 200) are not the host's
     assert kernel_times.host_events(trace, 100, 200) == [
         (-100, 500, "python", "jax_ep dispatch_kernel host wrapper")]
     assert kernel_times.host_events(trace, 100, 200, min_dur=1)[1] == (50, 4, "python", "short")
-    assert kernel_times.host_events(trace, 600, 700) == []    # GPU events never listed
+    assert kernel_times.host_events(trace, 600, 700) == []
 
 
 def test_real_cpu_trace(mesh4, inputs, tmp_path):
