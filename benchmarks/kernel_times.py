@@ -20,15 +20,21 @@ import statistics
 import jax
 
 
-def gpu_kernels(trace_json: dict) -> dict:
-    """{GPU process name: [(ts, dur, name)] in start order} of the kernel events of each GPU."""
-    events = trace_json.get("traceEvents", [])
+def _names(events) -> tuple:
+    """({pid: process name}, {pid: {tid: thread name}}) from a trace's metadata events."""
     procs, threads = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             procs[e["pid"]] = str(e.get("args", {}).get("name", ""))
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             threads.setdefault(e["pid"], {})[e.get("tid")] = str(e.get("args", {}).get("name", ""))
+    return procs, threads
+
+
+def gpu_kernels(trace_json: dict) -> dict:
+    """{GPU process name: [(ts, dur, name)] in start order} of the kernel events of each GPU."""
+    events = trace_json.get("traceEvents", [])
+    procs, threads = _names(events)
     gpus = {pid: name for pid, name in procs.items() if "GPU" in name.upper()}
     out = {name: [] for name in gpus.values()}
     for e in events:
@@ -123,19 +129,14 @@ def host_events(trace_json: dict, t0: float, t1: float, min_dur: float = 5.0) ->
     overlap [t0, t1) and last at least min_dur us, in start order, start in us from t0: what
     the host did while a GPU had no kernel."""
     events = trace_json.get("traceEvents", [])
-    procs, threads = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            procs[e["pid"]] = str(e.get("args", {}).get("name", ""))
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            threads[(e["pid"], e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    procs, threads = _names(events)
     out = []
     for e in events:
         if e.get("ph") != "X" or "GPU" in procs.get(e.get("pid"), "").upper():
             continue
         ts, dur = float(e.get("ts", 0)), float(e.get("dur", 0))
         if dur >= min_dur and ts < t1 and ts + dur > t0:
-            out.append((ts - t0, dur, threads.get((e.get("pid"), e.get("tid")), ""),
+            out.append((ts - t0, dur, threads.get(e.get("pid"), {}).get(e.get("tid"), ""),
                         e.get("name", "")))
     return sorted(out)
 
