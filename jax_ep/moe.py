@@ -53,7 +53,8 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
     Args:
       x: `[T, H]` float32 / bfloat16 / float16 (bfloat16 in low-latency mode).
       topk_idx: `[T, K]` int32 expert ids (-1: unused slot), e.g. from `jax_ep.routing`.
-      topk_weights: `[T, K]` float32 / bfloat16 / float16 router weights.
+      topk_weights: `[T, K]` float32 / bfloat16 / float16 router weights; None in
+        high-throughput mode: each (token, expert) pair weighs 1.
       w_gate_up: `[L, H, 2I]` this rank's experts' gate (first I columns) and up projections,
         L = num_experts // R; `Fp8Weights` of it with use_fp8.
       w_down: `[L, I, H]` the down projections (bfloat16 in FP8 mode).
@@ -84,8 +85,10 @@ def moe_ffn(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None,
         weights transposed (docs/kernels.md#fused-backward). Expert segments start at
         multiples of 128 rows (the default capacity adds L * 127 rows for it). None
         (default): fused wherever it applies (high-throughput mode, x bfloat16, no use_fp8),
-        since it was the faster layer at R = 1, 2 and 4 (docs/API.md#the-moe-layer); True
-        where it does not apply raises ValueError.
+        since its forward was the faster at R = 1, 2 and 4 and its forward + backward within
+        1 % (docs/API.md#the-moe-layer). True in low-latency mode or with use_fp8 raises
+        ValueError; on the CUDA backend, with x not bfloat16, TypeError (the reference
+        backend runs its unfused ops for it in any float dtype).
       fused_copy_blocks: with fused=True, how many of the first launch's blocks (one per SM)
         pull rows before they join the others on the tiles; 0: automatic (an eighth of the
         SMs).
@@ -166,6 +169,9 @@ def _moe_ffn(x, topk_idx, topk_weights, w_gate_up, w_down, *, num_experts, axis_
             raise TypeError(f"{name}: dtype {jnp.dtype(w.dtype).name}, expected {want.name} "
                             "(x's dtype; bfloat16 in low-latency and FP8 modes)")
     if mode == "low_latency":
+        if topk_weights is None:
+            raise ValueError("topk_weights: None (each pair weighing 1) is a high-throughput "
+                             "setting; mode='low_latency' takes [T, K] weights")
         M = max(T, 1) if max_tokens_per_rank is None else max_tokens_per_rank
         return _moe_low_latency(x, topk_idx, topk_weights, w_gate_up, w_down, num_experts,
                                 axis_name, use_fp8, M, backend)

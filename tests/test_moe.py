@@ -96,6 +96,11 @@ def test_moe_ffn_bad_arguments(mesh4):
         call(mode="low_latency")
     with pytest.raises(ValueError, match="max_tokens_per_rank is a low-latency setting"):
         call(max_tokens_per_rank=T)
+    xb, wgub, wdb = (a.astype(jnp.bfloat16) for a in (x, wgu, wd))
+    ll = lambda x, i, a, b: jax_ep.moe_ffn(x, i, None, a, b, num_experts=E,  # noqa: E731
+                                           mode="low_latency", backend="reference")
+    with pytest.raises(ValueError, match="topk_weights: None .* mode='low_latency' takes"):
+        jax.shard_map(ll, mesh=mesh4, in_specs=P("ep"), out_specs=P("ep"))(xb, idx, wgub, wdb)
     with pytest.raises(TypeError, match="w_gate_up: use_fp8=True takes FP8 weights"):
         call(use_fp8=True)
     with pytest.raises(TypeError, match="use_fp8 must be a bool"):
