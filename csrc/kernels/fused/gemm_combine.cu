@@ -152,6 +152,17 @@ __device__ __forceinline__ int64_t next_task(int* queue, int lane) {
   return __shfl_sync(ht::kFull, task, 0);
 }
 
+// first[i] of a task's rows, read without indexing the array by a variable (which would put it
+// in local memory).
+template <class I>
+__device__ __forceinline__ int first_of(const int (&first)[kReducedRowsPerTask], I i) {
+  int f = -1;
+#pragma unroll
+  for (int q = 0; q < kReducedRowsPerTask; ++q)
+    if (q == i) f = first[q];
+  return f;
+}
+
 // A first-step task, one warp: received rows [c0, c0 + kReducedRowsPerTask), the columns of
 // chunk `ch`. The bfloat16 rounding of sum over the slots k of row c (in slot order, float32)
 // of weights[c, k] * ye[row_of[c, k]], once those rows' tiles of the chunk are stored here,
@@ -220,10 +231,7 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
   for (int64_t i = 0; i < c1 - c0; ++i) {
     const bool has = held >> i & 1u;
     if (!has && !direct) continue;
-    int fi = -1;  // first[i], read without indexing the array by a variable
-#pragma unroll
-    for (int q = 0; q < kReducedRowsPerTask; ++q)
-      if (q == i) fi = first[q];
+    const int fi = first_of(first, i);
     uint8_t* dst = dst_base + (direct ? c0 + i : static_cast<int64_t>(fi)) * N * 2;
     const int4* add = direct ? addend_row(a, c0 + i) : nullptr;
     const int64_t c = has ? row(i) : -1;
@@ -286,13 +294,9 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
     return true;
   }
   __syncwarp();  // every lane's stores before the releases
-  if (lane < c1 - c0) {
-    int f = -1;
-#pragma unroll
-    for (int q = 0; q < kReducedRowsPerTask; ++q)
-      if (q == lane) f = first[q];
-    st_release_sys_s32(a.counters + lay.flags + ch * static_cast<int64_t>(a.Cr) + c0 + lane, f + 2);
-  }
+  if (lane < c1 - c0)
+    st_release_sys_s32(a.counters + lay.flags + ch * static_cast<int64_t>(a.Cr) + c0 + lane,
+                       first_of(first, lane) + 2);
   if (lane == 0 && ch < trace::kFusedTracedChunks) trace_max(a.ps, trace::kFusedChunkReduced + ch);
   return true;
 }
