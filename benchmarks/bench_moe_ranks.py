@@ -56,8 +56,8 @@ def main():
     ap.add_argument("--backend", default="cuda", choices=["cuda", "reference"],
                     help="'reference' checks the script on a CPU")
     ap.add_argument("--capacity", type=int, default=0,
-                    help="expert-major rows per rank (0: the worst case, R * T * K rows plus "
-                         "the segments' alignment); a larger one pads more rows")
+                    help="expert-major rows per rank (0: moe_ffn's default, moe_capacity's "
+                         "expected load times 1.25); a larger one pads more rows")
     ap.add_argument("--virtual", action="store_true",
                     help="the R ranks as virtual ranks on the first device (the one-GPU "
                          "multi-rank mode: each rank's kernels on its share of the SMs, peers "
