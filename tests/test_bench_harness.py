@@ -393,3 +393,36 @@ def test_bench_layer_draw_routing_by_name():
     assert counts["uniform"].max() < 1.3 * S * K / E < counts["zipf"].max()
     with pytest.raises(SystemExit, match="--routing: 'skewed'"):
         bench_layer.draw_routing(np.random.default_rng(1), "skewed", S, E, K)
+
+
+@pytest.mark.parametrize("fused_first_half", [False, True])
+def test_moe_parts_run_on_the_rows_of_the_layers_first_pass(mesh4, fused_first_half):
+    """The parts of the layer that bench_moe.py and bench_moe_ranks.py time alone (the first
+    half, unfused here: the fused one needs the CUDA backend; and the layer with only its first
+    half fused, through its unfused fallback) size their expert-major rows as moe_ffn's first
+    pass does (moe_capacity), not as an expert-major dispatch's worst case, so that the time
+    split adds up to the layer."""
+    import jax_ep
+    import moe_parts
+    from helpers import smap
+    R, T, K, L, H, I = 4, 16, 4, 4, 8, 6
+    E = R * L
+    rows = jax_ep.moe_capacity(T, num_experts=E, num_topk=K, num_ranks=R, fused=True,
+                               backend="reference")
+    assert rows < T * R * min(K, L), "the check must tell the two capacities apart"
+    rng = np.random.default_rng(0)
+    idx = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(R * T)]).reshape(R, T, K),
+                      jnp.int32)
+    x = jnp.ones((R, T, H), jnp.float32)
+    w = jnp.ones((R, T, K), jnp.float32)
+    wgu = jnp.ones((R, L, H, 2 * I), jnp.float32)
+    if fused_first_half:
+        # the whole layer's output is [T, H]; its dispatch's rows show in the jaxpr
+        wd = jnp.ones((R, L, I, H), jnp.float32)
+        fn = moe_parts.fused_first_half_only(E, "reference")
+        jaxpr = str(jax.make_jaxpr(smap(mesh4, fn, jit=False))(x, idx, w, wgu, wd))
+        assert f"{rows},{H}]" in jaxpr.replace(" ", ""), jaxpr[:2000]
+        return
+    out = jax.eval_shape(smap(mesh4, moe_parts.first_half(False, E, "reference")), x, idx, w,
+                         wgu)
+    assert out.shape == (R, rows, 2 * I), out.shape
