@@ -100,13 +100,15 @@ def call_timeline(trace_json: dict, calls: int) -> dict:
     fewer than 2 calls or no anchor is left out. Under the profiler the host's work costs more
     (graph launches and updates most), so the gaps after a host read overstate it."""
     out = {}
+    if calls < 2:
+        return out
     for dev, ks in gpu_kernels(trace_json).items():
         count, total = {}, {}
         for _, dur, name in ks:
             count[name] = count.get(name, 0) + 1
             total[name] = total.get(name, 0.0) + dur
         anchors = [n for n in count if count[n] == calls]
-        if calls < 2 or not anchors:
+        if not anchors:
             continue
         anchor = max(anchors, key=lambda n: total[n])
         starts = [ts for ts, _, name in ks if name == anchor]
@@ -168,8 +170,13 @@ def load_trace(log_dir: str) -> dict:
         return json.load(f)
 
 
-def trace_kernels(fn, log_dir: str, name_regex: str, calls: int) -> dict:
-    """kernel_durations of one run of fn() (`calls` calls of the op) under the profiler."""
+def trace_run(fn, log_dir: str) -> dict:
+    """The trace (load_trace's) of one run of fn() under the profiler."""
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         jax.block_until_ready(fn())
-    return kernel_durations(load_trace(log_dir), name_regex, calls)
+    return load_trace(log_dir)
+
+
+def trace_kernels(fn, log_dir: str, name_regex: str, calls: int) -> dict:
+    """kernel_durations of one run of fn() (`calls` calls of the op) under the profiler."""
+    return kernel_durations(trace_run(fn, log_dir), name_regex, calls)

@@ -113,10 +113,9 @@ def main():
                     for _ in range(2):
                         jax.block_until_ready(c(*fargs))
                     with tempfile.TemporaryDirectory() as d:
-                        res = kernel_times.trace_kernels(functools.partial(c, *fargs), d, ".",
-                                                         args.calls)
-                        trace = kernel_times.load_trace(d) if args.timeline else {}
-                        line = (kernel_times.call_timeline(trace, args.calls)
+                        trace = kernel_times.trace_run(functools.partial(c, *fargs), d)
+                    res = kernel_times.kernel_durations(trace, ".", args.calls)
+                    timeline = (kernel_times.call_timeline(trace, args.calls)
                                 if args.timeline else {})
                 except Exception as e:  # reported, the others still run
                     print(f"\n== R={R} {name} {op}: FAILED {type(e).__name__}: "
@@ -138,8 +137,8 @@ def main():
                 row = dict(ranks=R, name=name, op=op, device=dev, total_us=total,
                            kernels={k: v for k, v in ks})
                 if args.timeline:
-                    print_timeline(line.get(dev), trace)
-                    row["timeline"] = line.get(dev)
+                    print_timeline(timeline.get(dev), trace)
+                    row["timeline"] = timeline.get(dev)
                 out.append(row)
                 jax.clear_caches()
     with open(os.path.join(args.out, "layer_kernels.json"), "w") as f:
