@@ -46,6 +46,7 @@ NB_MODULE(_C, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_ep_layout"] = encapsulate(JaxEpLayout);
+    d["jax_ep_expert_positions"] = encapsulate(JaxEpExpertPositions);
     d["jax_ep_grouped_gemm"] = encapsulate(JaxEpGroupedGemm);
     d["jax_ep_unwritten"] = encapsulate(JaxEpUnwritten);
     // Each communication handler and its one-GPU multi-rank twin, target name + "_vr"
@@ -154,6 +155,8 @@ NB_MODULE(_C, m) {
   m.attr("num_slots") = jax_ep::kNumSlots;
   m.attr("max_local_experts") = jax_ep::kMaxLocalExperts;
   m.attr("max_layout_ranks") = jax_ep::kMaxLayoutRanks;
+  m.attr("max_position_experts") = jax_ep::kMaxPositionExperts;
+  m.attr("max_position_rows") = jax_ep::kMaxPositionRows;
   m.attr("max_num_blocks") = jax_ep::kMaxNumBlocks;
   // What every result of an op whose wait gave up holds (docs/API.md#timeouts): each byte, and
   // so each int32.

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import _ffi
+from jax_ep import _ffi, runtime
 from jax_ep._common import axis_info, first_occurrence, order_by_key
 
 
@@ -46,7 +46,29 @@ class ExpertDispatchResult(NamedTuple):
     handle: ExpertDispatchHandle
 
 
-def plan(recv_topk_idx, *, num_local_experts, capacity, alignment):
+def _positions_kernel(backend, L, capacity):
+    """Whether `plan` places the pairs with the CUDA kernel (jax_ep_expert_positions): on the
+    CUDA backend, for as many local experts and rows as it serves (the extension's
+    `max_position_experts` and `max_position_rows`); else XLA ops (a sort by expert), the same
+    integers."""
+    if backend != "cuda":
+        return False
+    ext = runtime.extension()
+    return (L <= int(getattr(ext, "max_position_experts", 0))
+            and capacity <= int(getattr(ext, "max_position_rows", 0)))
+
+
+def _positions(key, L, capacity, A):
+    """(pos [P], src [capacity], counts [L], offsets [L]) of the pairs `key` (their experts, L:
+    none), from one launch: a stable counting sort by expert."""
+    P = key.shape[0]
+    return _ffi.call("jax_ep_expert_positions", [key],
+                     [((P,), jnp.int32), ((capacity,), jnp.int32), ((L,), jnp.int32),
+                      ((L,), jnp.int32)],
+                     pure=True, num_experts=L, capacity=capacity, alignment=A)
+
+
+def plan(recv_topk_idx, *, num_local_experts, capacity, alignment, backend="reference"):
     """Where each received (row, local expert) pair goes in the expert-major layout.
 
     A pair is a row and a local expert it names (a row naming one expert in two slots is one
@@ -61,23 +83,29 @@ def plan(recv_topk_idx, *, num_local_experts, capacity, alignment):
     expert_sizes [L] (segment lengths, padding included: the group sizes of a grouped GEMM
     over the rows), expert_offsets [L] (segment starts), counts [L] (pairs held per expert),
     recv_count (rows up to the end of the last segment) and num_dropped (pairs past capacity).
+    backend: "cuda" places the pairs in one kernel where it serves L, the same integers.
     """
     C, K = recv_topk_idx.shape
     L, P, A = num_local_experts, C * K, alignment
     first = first_occurrence(recv_topk_idx)
     key = jnp.where(first, recv_topk_idx, L).reshape(P)                     # L: no new pair
-    counts = jnp.zeros((L + 1,), jnp.int32).at[key].add(1)[:L]
-    padded = (counts + (A - 1)) // A * A
-    offsets = (jnp.cumsum(padded) - padded).astype(jnp.int32)               # aligned starts
-    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)                 # starts unaligned
-    order = order_by_key(key, L)          # by expert, slot (past the last: no pair, any order)
-    e = jnp.minimum(key[order], L - 1)
-    pos_sorted = jnp.where(key[order] < L,
-                           offsets[e] + jnp.arange(P, dtype=jnp.int32) - starts[e], capacity)
-    pos = jnp.zeros((P,), jnp.int32).at[order].set(pos_sorted, unique_indices=True)
-    keep = pos < capacity
-    src = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(keep, pos, capacity)].set(
-        jnp.arange(P, dtype=jnp.int32), mode="drop")   # dropped pairs share one index
+    if _positions_kernel(backend, L, capacity) and P > 0:
+        pos, src, counts, offsets = _positions(key, L, capacity, A)
+        padded = (counts + (A - 1)) // A * A
+        keep = pos < capacity
+    else:
+        counts = jnp.zeros((L + 1,), jnp.int32).at[key].add(1)[:L]
+        padded = (counts + (A - 1)) // A * A
+        offsets = (jnp.cumsum(padded) - padded).astype(jnp.int32)           # aligned starts
+        starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)             # starts unaligned
+        order = order_by_key(key, L)      # by expert, slot (past the last: no pair, any order)
+        e = jnp.minimum(key[order], L - 1)
+        pos_sorted = jnp.where(key[order] < L,
+                               offsets[e] + jnp.arange(P, dtype=jnp.int32) - starts[e], capacity)
+        pos = jnp.zeros((P,), jnp.int32).at[order].set(pos_sorted, unique_indices=True)
+        keep = pos < capacity
+        src = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(keep, pos, capacity)].set(
+            jnp.arange(P, dtype=jnp.int32), mode="drop")   # dropped pairs share one index
     # every slot takes the row of the first slot naming its expert
     same = recv_topk_idx[:, :, None] == recv_topk_idx[:, None, :]           # [C, k, k']
     first_slot = jnp.argmax(same, axis=2)                                    # [C, K]
@@ -187,13 +215,16 @@ def gave_up(handle, poison):
     return None if poison is None else handle.recv_count == poison
 
 
-def plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights, poison=None):
+def plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights, poison=None,
+                 backend="reference"):
     """Where a rank-major receive's rows go in the expert-major layout, without moving them:
     (the dict of `plan`, the rows' weights or None, the ExpertDispatchHandle). poison: the
     CUDA kernels' int sentinel (None on the reference backend): when the receive gave up, every
-    int result here takes it and every weight is NaN, as the kernels' own results."""
+    int result here takes it and every weight is NaN, as the kernels' own results. backend:
+    `plan`'s."""
     C, K = ridx.shape
-    lay = plan(ridx, num_local_experts=L, capacity=capacity, alignment=alignment)
+    lay = plan(ridx, num_local_experts=L, capacity=capacity, alignment=alignment,
+               backend=backend)
     src, row_of = lay["src"], lay["row_of"]
     # without weights each (token, expert) pair weighs 1, however many slots name it
     w = rw if has_weights else first_occurrence(ridx).astype(jnp.float32)
@@ -209,11 +240,12 @@ def plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights, poison=N
     return lay, (we if has_weights else None), ehandle
 
 
-def to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weights, poison=None):
-    """A rank-major receive -> ExpertDispatchResult (poison: as for `plan_receive`)."""
+def to_expert_major(recv_x, ridx, rw, handle, L, capacity, alignment, has_weights, poison=None,
+                    backend="reference"):
+    """A rank-major receive -> ExpertDispatchResult (poison, backend: as for `plan_receive`)."""
     K = ridx.shape[1]
     lay, we, ehandle = plan_receive(ridx, rw, handle, L, capacity, alignment, has_weights,
-                                    poison)
+                                    poison, backend)
     src = lay["src"]
     bad = gave_up(handle, poison)
     if bad is not None:

@@ -282,7 +282,7 @@ def _dispatch_matmul(x, topk_idx, topk_weights, w, *, num_experts, axis_name, ca
     else:
         _, ridx, rw, _, handle = _dispatch_diff(rows, wts, idx, cfg)
     lay, we, ehandle = el.plan_receive(ridx, rw, handle, L, capacity, A, topk_weights is not None,
-                                       runtime.poison_int())
+                                       runtime.poison_int(), be)
     src = lay["src"]
     row_first = jnp.where(first_occurrence(ridx), lay["row_of"], -1)
     rows_src, rows_dups = _gather_plan(src, lay["row_of"], handle, K, axis_name)

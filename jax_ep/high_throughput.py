@@ -444,7 +444,7 @@ def dispatch(x: jax.Array | tuple[jax.Array, jax.Array], topk_idx: jax.Array,
     if layout == "expert":
         res = to_expert_major(recv_x, ridx, rw, handle, L, capacity, A,
                                topk_weights is not None,
-                               runtime.poison_int() if be == "cuda" else None)
+                               runtime.poison_int() if be == "cuda" else None, be)
         return _check_counts(check, res, axis_name)
     return _check_counts(check, DispatchResult(recv_x, ridx, None if topk_weights is None else rw,
                                                handle.recv_count, per_expert, handle), axis_name)

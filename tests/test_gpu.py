@@ -682,6 +682,52 @@ def test_layout_kernel_matches_reference():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _receive_ids(kind, rng, C, K, L):
+    """A receive's local expert ids [C, K]: -1 for a slot with no expert here."""
+    if kind == "random":
+        idx = rng.integers(0, L, (C, K))
+    elif kind == "masked":       # -1 slots and a row naming one expert in several slots
+        idx = rng.integers(-1, L, (C, K))
+        idx[rng.random((C, K)) < 0.3] = -1
+        idx[:, -1] = np.where(rng.random(C) < 0.2, idx[:, 0], idx[:, -1])
+    elif kind == "skewed":       # every row's first slot on expert 0
+        idx = rng.integers(-1, L, (C, K))
+        idx[:, 0] = 0
+    else:
+        raise ValueError(kind)
+    return idx.astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", ["random", "masked", "skewed"])
+@pytest.mark.parametrize("C, K, L, A, capacity", [
+    (4096, 8, 32, 128, 4096 * 8 + 31 * 127),   # one rank's layer: every pair fits
+    (4096, 8, 32, 128, 20000),                 # pairs past the capacity
+    (16384, 8, 32, 128, 45024),                # four ranks' receive, the layer's capacity
+    (1000, 8, 256, 1, 9000),                   # the most experts the kernel serves
+    (7, 3, 5, 4, 5),                           # tiny and odd
+    (1, 1, 1, 1, 1)])
+def test_expert_positions_kernel_matches_the_xla_plan(kind, C, K, L, A, capacity):
+    """`plan` on the CUDA backend (one kernel places the pairs) gives every array of its XLA
+    ops (a sort by expert), bit for bit, the kernel's results poisoned first."""
+    from jax_ep import expert_layout as el
+    if not _gpus():
+        pytest.skip("needs a GPU")
+    assert L <= jax_ep.runtime.extension().max_position_experts
+    idx = jnp.asarray(_receive_ids(kind, np.random.default_rng(C + K + L + A), C, K, L))
+
+    def run(backend):
+        return jax.jit(functools.partial(el.plan, num_local_experts=L, capacity=capacity,
+                                         alignment=A, backend=backend))(idx)
+    want = run("reference")
+    _poison()
+    got = run("cuda")
+    text = jax.jit(functools.partial(el.plan, num_local_experts=L, capacity=capacity,
+                                     alignment=A, backend="cuda")).lower(idx).as_text()
+    assert "jax_ep_expert_positions" in text
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+
+
 def test_ll_large_topk_fallback_kernel():
     """K > 32 takes the general dispatch kernel."""
     R, T, M, H, K, E = 2, 32, 32, 512, 40, 64

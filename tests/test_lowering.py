@@ -332,6 +332,8 @@ class _LayerTable(_GemmTable):
     fused_block_rows = 128
     fused_block_columns = 256
     fused_max_dups = 4
+    max_position_experts = 256
+    max_position_rows = 48 * 1024
     fused_counter_words = staticmethod(lambda C: 64)
     fused_combine_counter_words = staticmethod(lambda C, Cr, N: 64 + Cr)
     ll_dispatch_buffer_bytes = staticmethod(lambda R, M, K, H, L, fp8: 1 << 20)
@@ -411,6 +413,33 @@ def test_fused_activation_rides_in_the_first_gemm_epilogue(cuda_lowering, monkey
     assert results[2] == f"tensor<{C if epilogue else 0}x{inter}xbf16>", results
     # the XLA activation's float32 rows
     assert (f"tensor<{C}x{inter}xf32>" in text) != epilogue
+
+
+@pytest.mark.parametrize("experts, rows", [(256, 48 * 1024), (LL - 1, 48 * 1024), (256, 1)])
+def test_layout_places_pairs_in_one_kernel_where_it_serves_them(cuda_lowering, monkeypatch,
+                                                                experts, rows):
+    """On the CUDA backend the expert-major layout places its pairs with
+    jax_ep_expert_positions (no sort) when the kernel serves the rank's experts and rows
+    (`max_position_experts`, `max_position_rows`), and with XLA's sort by expert when not."""
+    monkeypatch.setattr(_LayerTable, "max_position_experts", experts)
+    monkeypatch.setattr(_LayerTable, "max_position_rows", rows)
+    monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
+    monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    wgu = jnp.ones((LL, LH, 4 * LI), jnp.bfloat16)
+
+    def layer(x, idx, w, wd):
+        return jax_ep.moe_ffn(x, idx, w, wgu, wd, num_experts=LL, backend="cuda")
+    args = (jnp.ones((1, LT, LH), jnp.bfloat16), jnp.zeros((1, LT, LK), jnp.int32),
+            jnp.ones((1, LT, LK), jnp.float32), jnp.ones((1, LL, 2 * LI, LH), jnp.bfloat16))
+    text = smap(mesh, layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [a for t, a in custom_calls(text) if t == "jax_ep_expert_positions"]
+    served = LL <= experts and rows > 1
+    assert len(calls) == int(served), calls
+    assert ("stablehlo.sort" in text) != served
+    if served:
+        assert int_attr(calls[0], "num_experts") == LL
+        assert int_attr(calls[0], "alignment") == 128
 
 
 @pytest.mark.parametrize("ranks, grad", [(1, False), (1, True), (2, False), (2, True)])
@@ -652,7 +681,10 @@ def test_fused_moe_remat_policy_replays_no_kernel(cuda_lowering, monkeypatch, me
                 jnp.ones((2, LL, LH, 2 * inter), jnp.bfloat16),
                 jnp.ones((2, LL, inter, LH), jnp.bfloat16))
         text = smap(mesh2, step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        return sorted(t for t, _ in custom_calls(text) if t != "jax_ep_grouped_gemm")
+        # (the kernels that communicate: GEMMs and the layout's positions are computation the
+        # policy recomputes)
+        return sorted(t for t, _ in custom_calls(text)
+                      if t not in ("jax_ep_grouped_gemm", "jax_ep_expert_positions"))
     plain, replayed, saved = calls(False), calls(None), calls(jax_ep.remat_policy)
     assert saved == plain, (saved, plain)
     assert len(replayed) > len(plain), (replayed, plain)

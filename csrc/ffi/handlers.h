@@ -8,6 +8,8 @@
 
 // layout.cc: local layout count (tokens per rank / per expert, token-in-rank mask).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLayout);
+// expert_positions.cc: the expert-major rows of a rank's (row, local expert) pairs.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpExpertPositions);
 // high_throughput.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpHtDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpHtDispatchVr);

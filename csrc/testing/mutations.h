@@ -12,7 +12,8 @@
 //
 // Bugs 1 to 8 sit in code that every one-process run executes, 9 and 10 in per-process code
 // only, 11 to 13 and 17 to 22 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
-// multi-rank mode, 16 in every communication kernel's failure path. Plain C++ (constants
+// multi-rank mode, 16 in every communication kernel's failure path, 23 in the expert-major
+// layout's positions kernel. Plain C++ (constants
 // only): host code and kernels include it.
 #pragma once
 
@@ -90,7 +91,10 @@ enum Bug : int {
   // its last slot here, not its first (the flag names that row, so the output stays right;
   // reduce_task, kernels/fused/gemm_combine.cu)
   kSumInLastSlot = 22,
-  kLast = kSumInLastSlot,
+  // expert positions: the pairs of one expert in one step of a warp take their rows in reverse
+  // order, so the sort is no longer stable (positions_kernel, kernels/expert_positions.cuh)
+  kPositionsUnstable = 23,
+  kLast = kPositionsUnstable,
 };
 
 // The bug this build carries (0: none).
