@@ -156,7 +156,7 @@ NB_MODULE(_C, m) {
   m.attr("max_local_experts") = jax_ep::kMaxLocalExperts;
   m.attr("max_layout_ranks") = jax_ep::kMaxLayoutRanks;
   m.attr("max_position_experts") = jax_ep::kMaxPositionExperts;
-  m.attr("max_position_rows") = jax_ep::kMaxPositionRows;
+  m.attr("position_slice_pairs") = jax_ep::kPositionSlicePairs;
   m.attr("max_num_blocks") = jax_ep::kMaxNumBlocks;
   // What every result of an op whose wait gave up holds (docs/API.md#timeouts): each byte, and
   // so each int32.

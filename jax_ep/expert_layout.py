@@ -46,26 +46,25 @@ class ExpertDispatchResult(NamedTuple):
     handle: ExpertDispatchHandle
 
 
-def _positions_kernel(backend, L, capacity):
-    """Whether `plan` places the pairs with the CUDA kernel (jax_ep_expert_positions): on the
-    CUDA backend, for as many local experts and rows as it serves (the extension's
-    `max_position_experts` and `max_position_rows`); else XLA ops (a sort by expert), the same
-    integers."""
+def _positions_kernel(backend, L):
+    """Whether `plan` places the pairs with the CUDA kernels (jax_ep_expert_positions): on the
+    CUDA backend, for as many local experts as they serve (the extension's
+    `max_position_experts`); else XLA ops (a sort by expert), the same integers."""
     if backend != "cuda":
         return False
-    ext = runtime.extension()
-    return (L <= int(getattr(ext, "max_position_experts", 0))
-            and capacity <= int(getattr(ext, "max_position_rows", 0)))
+    return L <= int(getattr(runtime.extension(), "max_position_experts", 0))
 
 
 def _positions(key, L, capacity, A):
     """(pos [P], src [capacity], counts [L], offsets [L]) of the pairs `key` (their experts, L:
-    none), from one launch: a stable counting sort by expert."""
+    none), from one call: a stable counting sort by expert over blocks of the extension's
+    `position_slice_pairs` pairs (their counts a scratch result)."""
     P = key.shape[0]
+    blocks = -(-P // int(runtime.extension().position_slice_pairs))
     return _ffi.call("jax_ep_expert_positions", [key],
                      [((P,), jnp.int32), ((capacity,), jnp.int32), ((L,), jnp.int32),
-                      ((L,), jnp.int32)],
-                     pure=True, num_experts=L, capacity=capacity, alignment=A)
+                      ((L,), jnp.int32), ((blocks, L), jnp.int32)],
+                     pure=True, num_experts=L, capacity=capacity, alignment=A)[:4]
 
 
 def plan(recv_topk_idx, *, num_local_experts, capacity, alignment, backend="reference"):
@@ -83,13 +82,13 @@ def plan(recv_topk_idx, *, num_local_experts, capacity, alignment, backend="refe
     expert_sizes [L] (segment lengths, padding included: the group sizes of a grouped GEMM
     over the rows), expert_offsets [L] (segment starts), counts [L] (pairs held per expert),
     recv_count (rows up to the end of the last segment) and num_dropped (pairs past capacity).
-    backend: "cuda" places the pairs in one kernel where it serves L, the same integers.
+    backend: "cuda" places the pairs in CUDA kernels where they serve L, the same integers.
     """
     C, K = recv_topk_idx.shape
     L, P, A = num_local_experts, C * K, alignment
     first = first_occurrence(recv_topk_idx)
     key = jnp.where(first, recv_topk_idx, L).reshape(P)                     # L: no new pair
-    if _positions_kernel(backend, L, capacity) and P > 0:
+    if _positions_kernel(backend, L) and P > 0:
         pos, src, counts, offsets = _positions(key, L, capacity, A)
         padded = (counts + (A - 1)) // A * A
         keep = pos < capacity

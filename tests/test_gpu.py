@@ -700,15 +700,17 @@ def _receive_ids(kind, rng, C, K, L):
 
 @pytest.mark.parametrize("kind", ["random", "masked", "skewed"])
 @pytest.mark.parametrize("C, K, L, A, capacity", [
-    (4096, 8, 32, 128, 4096 * 8 + 31 * 127),   # one rank's layer: every pair fits
-    (4096, 8, 32, 128, 20000),                 # pairs past the capacity
-    (16384, 8, 32, 128, 45024),                # four ranks' receive, the layer's capacity
-    (1000, 8, 256, 1, 9000),                   # the most experts the kernel serves
-    (7, 3, 5, 4, 5),                           # tiny and odd
+    (4096, 8, 32, 128, 4096 * 8 + 31 * 127),    # one rank's layer: every pair fits
+    (4096, 8, 32, 128, 20000),                  # pairs past the capacity
+    (16384, 8, 32, 128, 45024),                 # four ranks' receive, the layer's capacity
+    (1000, 8, 1024, 1, 9000),                   # the most experts the kernels serve
+    (65536, 8, 32, 128, 4 * 65536 + 31 * 127),  # 256 blocks of pairs, some past the capacity
+    (7, 3, 5, 4, 5),                            # tiny and odd
     (1, 1, 1, 1, 1)])
 def test_expert_positions_kernel_matches_the_xla_plan(kind, C, K, L, A, capacity):
-    """`plan` on the CUDA backend (one kernel places the pairs) gives every array of its XLA
-    ops (a sort by expert), bit for bit, the kernel's results poisoned first."""
+    """`plan` on the CUDA backend (two kernels place the pairs, over blocks of
+    `position_slice_pairs`) gives every array of its XLA ops (a sort by expert), bit for bit, the
+    kernels' results poisoned first."""
     from jax_ep import expert_layout as el
     if not _gpus():
         pytest.skip("needs a GPU")

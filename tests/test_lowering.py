@@ -333,7 +333,7 @@ class _LayerTable(_GemmTable):
     fused_block_columns = 256
     fused_max_dups = 4
     max_position_experts = 256
-    max_position_rows = 48 * 1024
+    position_slice_pairs = 2048
     fused_counter_words = staticmethod(lambda C: 64)
     fused_combine_counter_words = staticmethod(lambda C, Cr, N: 64 + Cr)
     ll_dispatch_buffer_bytes = staticmethod(lambda R, M, K, H, L, fp8: 1 << 20)
@@ -415,14 +415,14 @@ def test_fused_activation_rides_in_the_first_gemm_epilogue(cuda_lowering, monkey
     assert (f"tensor<{C}x{inter}xf32>" in text) != epilogue
 
 
-@pytest.mark.parametrize("experts, rows", [(256, 48 * 1024), (LL - 1, 48 * 1024), (256, 1)])
-def test_layout_places_pairs_in_one_kernel_where_it_serves_them(cuda_lowering, monkeypatch,
-                                                                experts, rows):
+@pytest.mark.parametrize("experts", [1024, LL - 1])
+def test_layout_places_pairs_in_kernels_where_they_serve_the_experts(cuda_lowering, monkeypatch,
+                                                                     experts):
     """On the CUDA backend the expert-major layout places its pairs with
-    jax_ep_expert_positions (no sort) when the kernel serves the rank's experts and rows
-    (`max_position_experts`, `max_position_rows`), and with XLA's sort by expert when not."""
+    jax_ep_expert_positions (no sort) when its kernels serve the rank's experts
+    (`max_position_experts`), and with XLA's sort by expert when not; the call's scratch holds
+    one row of counts per slice of `position_slice_pairs` pairs."""
     monkeypatch.setattr(_LayerTable, "max_position_experts", experts)
-    monkeypatch.setattr(_LayerTable, "max_position_rows", rows)
     monkeypatch.setattr(jax_ep.runtime, "extension", lambda: _LayerTable)
     monkeypatch.setattr(jax_ep.runtime, "current_cuda_device", lambda: 0)
     mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
@@ -434,12 +434,15 @@ def test_layout_places_pairs_in_one_kernel_where_it_serves_them(cuda_lowering, m
             jnp.ones((1, LT, LK), jnp.float32), jnp.ones((1, LL, 2 * LI, LH), jnp.bfloat16))
     text = smap(mesh, layer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = [a for t, a in custom_calls(text) if t == "jax_ep_expert_positions"]
-    served = LL <= experts and rows > 1
+    served = LL <= experts
     assert len(calls) == int(served), calls
     assert ("stablehlo.sort" in text) != served
     if served:
         assert int_attr(calls[0], "num_experts") == LL
         assert int_attr(calls[0], "alignment") == 128
+        blocks = -(-LT * LK // _LayerTable.position_slice_pairs)
+        results = re.findall(r"tensor<[^>]*>", calls[0][calls[0].rindex(") -> "):])
+        assert results[-1] == f"tensor<{blocks}x{LL}xi32>", results
 
 
 @pytest.mark.parametrize("ranks, grad", [(1, False), (1, True), (2, False), (2, True)])

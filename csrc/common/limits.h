@@ -14,8 +14,8 @@ constexpr int kFirstPushSlot = 256;     // slots [0, 256): pull ops (HT); [256, 
 constexpr int kMaxPtrs = 8;             // addresses one op can publish
 constexpr int kMaxLocalExperts = 1024;  // experts per rank of the low-latency ops
 constexpr int kMaxLayoutRanks = 64;     // layout kernel: a token's ranks are one 64-bit mask
-constexpr int kMaxPositionExperts = 256;  // expert_positions kernel: per-warp counts in smem
-constexpr int kMaxPositionRows = 48 * 1024;  // expert_positions kernel: its src in smem
+constexpr int kMaxPositionExperts = 1024;  // expert_positions: per-warp counts in smem
+constexpr int kPositionSlicePairs = 2048;  // expert_positions: the pairs of one block
 constexpr int kMaxNumBlocks = 4096;     // CTAs of the high-throughput kernels (num_blocks)
 // (module.cc exports these limits; jax_ep.runtime.limits() checks them at trace time)
 constexpr int kTraceSlots = 32;  // phase timestamps per slot (peer.cuh trace_mark, diagnostic)

@@ -1,5 +1,5 @@
 // jax_ep_expert_positions: the expert-major rows of a rank's (row, local expert) pairs, a stable
-// counting sort by expert (no communication). See docs/ffi.md.
+// counting sort by expert in two kernels over many blocks (no communication). See docs/ffi.md.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -18,16 +18,16 @@ ffi::Error ExpertPositionsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
                                ffi::Result<ffi::Buffer<ffi::S32>> pos,
                                ffi::Result<ffi::Buffer<ffi::S32>> src,
                                ffi::Result<ffi::Buffer<ffi::S32>> counts,
-                               ffi::Result<ffi::Buffer<ffi::S32>> offsets, int64_t num_experts,
-                               int64_t capacity, int64_t alignment) {
+                               ffi::Result<ffi::Buffer<ffi::S32>> offsets,
+                               ffi::Result<ffi::Buffer<ffi::S32>> block_counts,
+                               int64_t num_experts, int64_t capacity, int64_t alignment) {
   using jax_ep::op_error;
   if (num_experts < 1 || num_experts > jax_ep::kMaxPositionExperts)
     return op_error(kOp, "num_experts must be in [1, " +
                              std::to_string(jax_ep::kMaxPositionExperts) + "], got " +
                              std::to_string(num_experts));
-  if (capacity < 1 || capacity > jax_ep::kMaxPositionRows)
-    return op_error(kOp, "capacity must be in [1, " + std::to_string(jax_ep::kMaxPositionRows) +
-                             "], got " + std::to_string(capacity));
+  if (capacity < 1 || capacity > jax_ep::kInt32Max)
+    return op_error(kOp, "capacity must be in [1, 2^31), got " + std::to_string(capacity));
   if (alignment < 1 || alignment > jax_ep::kInt32Max)
     return op_error(kOp, "alignment must be in [1, 2^31), got " + std::to_string(alignment));
   JAX_EP_RETURN_IF_ERROR(jax_ep::expect_rank(kOp, "key", key.dimensions(), 1, "[P]"));
@@ -39,13 +39,17 @@ ffi::Error ExpertPositionsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
   JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "counts", counts->dimensions(), {num_experts}));
   JAX_EP_RETURN_IF_ERROR(
       jax_ep::expect_dims(kOp, "offsets", offsets->dimensions(), {num_experts}));
-  const size_t smem = jax_ep::positions::smem_bytes(capacity);
-  if (cudaFuncSetAttribute(jax_ep::positions::positions_kernel,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem)) != cudaSuccess)
-    return jax_ep::cuda_error("jax_ep_expert_positions shared memory attribute");
-  jax_ep::positions::positions_kernel<<<1, jax_ep::positions::kThreads, smem, stream>>>(
-      key.typed_data(), P, static_cast<int>(num_experts), capacity, static_cast<int>(alignment),
+  // one block per slice of the pairs (jax_ep._C.position_slice_pairs)
+  const int64_t blocks = (P + jax_ep::kPositionSlicePairs - 1) / jax_ep::kPositionSlicePairs;
+  JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "block_counts", block_counts->dimensions(),
+                                             {blocks, num_experts}));
+  if (blocks == 0) return ffi::Error::Success();  // (no pair: the layout takes XLA's ops)
+  namespace pk = jax_ep::positions;
+  const int L = static_cast<int>(num_experts);
+  pk::count_kernel<<<static_cast<unsigned int>(blocks), pk::kThreads, 0, stream>>>(
+      key.typed_data(), P, L, capacity, src->typed_data(), block_counts->typed_data());
+  pk::place_kernel<<<static_cast<unsigned int>(blocks), pk::kThreads, 0, stream>>>(
+      key.typed_data(), P, L, capacity, static_cast<int>(alignment), block_counts->typed_data(),
       pos->typed_data(), src->typed_data(), counts->typed_data(), offsets->typed_data());
   return jax_ep::cuda_error("jax_ep_expert_positions launch");
 }
@@ -60,6 +64,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpExpertPositions, ExpertPositionsImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // src [capacity]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // counts [L]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // offsets [L]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // block_counts [B, L]
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("capacity")
                                   .Attr<int64_t>("alignment"),
