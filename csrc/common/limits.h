@@ -16,7 +16,7 @@ constexpr int kMaxLocalExperts = 1024;  // experts per rank of the low-latency o
 constexpr int kMaxLayoutRanks = 64;     // layout kernel: a token's ranks are one 64-bit mask
 constexpr int kMaxPositionExperts = 1024;  // expert_positions: per-warp counts in smem
 constexpr int kPositionSlicePairs = 2048;  // expert_positions: the pairs of one block
-constexpr int kMaxNumBlocks = 4096;     // CTAs of the high-throughput kernels (num_blocks)
+constexpr int kMaxNumBlocks = 4096;        // CTAs of the high-throughput kernels (num_blocks)
 // (module.cc exports these limits; jax_ep.runtime.limits() checks them at trace time)
 constexpr int kTraceSlots = 32;  // phase timestamps per slot (peer.cuh trace_mark, diagnostic)
 

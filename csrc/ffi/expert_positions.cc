@@ -19,8 +19,8 @@ ffi::Error ExpertPositionsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
                                ffi::Result<ffi::Buffer<ffi::S32>> src,
                                ffi::Result<ffi::Buffer<ffi::S32>> counts,
                                ffi::Result<ffi::Buffer<ffi::S32>> offsets,
-                               ffi::Result<ffi::Buffer<ffi::S32>> block_counts,
-                               int64_t num_experts, int64_t capacity, int64_t alignment) {
+                               ffi::Result<ffi::Buffer<ffi::S32>> block_counts, int64_t num_experts,
+                               int64_t capacity, int64_t alignment) {
   using jax_ep::op_error;
   if (num_experts < 1 || num_experts > jax_ep::kMaxPositionExperts)
     return op_error(kOp, "num_experts must be in [1, " +
@@ -37,12 +37,11 @@ ffi::Error ExpertPositionsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
   JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "pos", pos->dimensions(), {P}));
   JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "src", src->dimensions(), {capacity}));
   JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "counts", counts->dimensions(), {num_experts}));
-  JAX_EP_RETURN_IF_ERROR(
-      jax_ep::expect_dims(kOp, "offsets", offsets->dimensions(), {num_experts}));
+  JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "offsets", offsets->dimensions(), {num_experts}));
   // one block per slice of the pairs (jax_ep._C.position_slice_pairs)
   const int64_t blocks = (P + jax_ep::kPositionSlicePairs - 1) / jax_ep::kPositionSlicePairs;
-  JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "block_counts", block_counts->dimensions(),
-                                             {blocks, num_experts}));
+  JAX_EP_RETURN_IF_ERROR(
+      jax_ep::expect_dims(kOp, "block_counts", block_counts->dimensions(), {blocks, num_experts}));
   if (blocks == 0) return ffi::Error::Success();  // (no pair: the layout takes XLA's ops)
   namespace pk = jax_ep::positions;
   const int L = static_cast<int>(num_experts);

@@ -92,7 +92,7 @@ enum Bug : int {
   // reduce_task, kernels/fused/gemm_combine.cu)
   kSumInLastSlot = 22,
   // expert positions: the pairs of one expert in one step of a warp take their rows in reverse
-  // order, so the sort is no longer stable (positions_kernel, kernels/expert_positions.cuh)
+  // order, so the sort is no longer stable (place_kernel, kernels/expert_positions.cuh)
   kPositionsUnstable = 23,
   kLast = kPositionsUnstable,
 };
