@@ -66,6 +66,10 @@ SCRIPTS = {
                            "128", "--inter", "128", "--experts", "2", "--topk", "2", "--rounds",
                            "1", "--scan", "1,2"],
                           "pass_loop_cost.json", ["one pass forced (no loop)"]),
+    # the layout's placing step in XLA's ops alone (its CUDA kernels need a GPU)
+    "layout_plan.py": (["--backend", "reference", "--ranks", "1,2", "--tokens", "8", "--experts",
+                        "2", "--topk", "2", "--reps", "1", "--rounds", "1", "--trace", "1"],
+                       "layout_plan.json", ["(reference backend: the CUDA kernels' row skipped)"]),
     # the fused halves against themselves with the backward on the unfused ops (the same on the
     # reference backend; a checkout's fused.py as the baseline: tests/test_bench_harness.py)
     "fused_ab.py": (["--baseline", "env:JAX_EP_FUSED_BACKWARD=0", "--ranks", "2",
