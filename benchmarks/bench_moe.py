@@ -227,7 +227,7 @@ def main():
         jax_ep.dispatch(x, idx, w, num_experts=L, backend=be)))(x, idx, w)
 
     def p_reorder(recv_x, recv_idx):
-        lay = _el.plan(recv_idx, num_local_experts=L, capacity=M, alignment=1)
+        lay = _el.plan(recv_idx, num_local_experts=L, capacity=M, alignment=1, backend=be)
         return _el.expand_rows(recv_x, lay["src"], lay["row_of"], K)
     record("  part: expert-major order and rows (sort + gather)",
            time_op(p_reorder, res, reps=reps), impl="ours", op="part")

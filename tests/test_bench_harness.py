@@ -426,3 +426,22 @@ def test_moe_parts_run_on_the_rows_of_the_layers_first_pass(mesh4, fused_first_h
     out = jax.eval_shape(smap(mesh4, moe_parts.first_half(False, E, "reference")), x, idx, w,
                          wgu)
     assert out.shape == (R, rows, 2 * I), out.shape
+
+
+def test_layout_plan_times_every_array_of_the_xla_plan(mesh4):
+    """layout_plan.py times `expert_layout.plan` through read_every_array, so the compiled scan
+    still sorts the pairs: the harness keeps only a call's smallest output, and of a plan
+    returned whole XLA drops what that leaves unused, the sort among it (which a custom call,
+    run whole, would not get)."""
+    import functools
+
+    import layout_plan
+    from jax_ep import expert_layout
+    ridx = jax.device_put(jnp.asarray(np.random.default_rng(0).integers(-1, 4, (4 * 64, 2)),
+                                      jnp.int32), NamedSharding(mesh4, P("ep")))
+    plan = functools.partial(expert_layout.plan, num_local_experts=4, capacity=160, alignment=1)
+
+    def sorts(body):
+        return " sort(" in compiled(mesh4, body, (ridx,), 2)
+    assert sorts(functools.partial(layout_plan.read_every_array, plan))
+    assert not sorts(plan)   # what the benchmark measured before it read every array
