@@ -32,8 +32,8 @@ ffi::Error ExpertPositionsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
     return op_error(kOp, "alignment must be in [1, 2^31), got " + std::to_string(alignment));
   JAX_EP_RETURN_IF_ERROR(jax_ep::expect_rank(kOp, "key", key.dimensions(), 1, "[P]"));
   const int64_t P = key.dimensions()[0];
-  if (P > jax_ep::kInt32Max)
-    return op_error(kOp, "key has " + std::to_string(P) + " pairs; at most 2^31 - 1");
+  if (P < 1 || P > jax_ep::kInt32Max)  // (with no pair the results would stay unwritten)
+    return op_error(kOp, "key has " + std::to_string(P) + " pairs; expected 1 to 2^31 - 1");
   JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "pos", pos->dimensions(), {P}));
   JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "src", src->dimensions(), {capacity}));
   JAX_EP_RETURN_IF_ERROR(jax_ep::expect_dims(kOp, "counts", counts->dimensions(), {num_experts}));
@@ -42,7 +42,6 @@ ffi::Error ExpertPositionsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
   const int64_t blocks = (P + jax_ep::kPositionSlicePairs - 1) / jax_ep::kPositionSlicePairs;
   JAX_EP_RETURN_IF_ERROR(
       jax_ep::expect_dims(kOp, "block_counts", block_counts->dimensions(), {blocks, num_experts}));
-  if (blocks == 0) return ffi::Error::Success();  // (no pair: the layout takes XLA's ops)
   namespace pk = jax_ep::positions;
   const int L = static_cast<int>(num_experts);
   pk::count_kernel<<<static_cast<unsigned int>(blocks), pk::kThreads, 0, stream>>>(
