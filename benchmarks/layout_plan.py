@@ -106,8 +106,8 @@ def main():
                 c = scan_fn(mesh, f, a.trace).lower(ridx).compile()
                 jax.block_until_ready(c(ridx))
                 with tempfile.TemporaryDirectory() as d:
-                    res = kernel_times.kernel_durations(
-                        kernel_times.trace_run(functools.partial(c, ridx), d), ".", a.trace)
+                    res = kernel_times.trace_kernels(functools.partial(c, ridx), d, ".",
+                                                     a.trace)
                 row["traced_us"][name] = res["kernel_us_all"]
                 if res["devices"]:
                     ks = sorted(next(iter(res["devices"].values()))["kernels"].items(),

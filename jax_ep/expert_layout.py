@@ -67,6 +67,23 @@ def _positions(key, L, capacity, A):
                      pure=True, num_experts=L, capacity=capacity, alignment=A)[:4]
 
 
+def _positions_xla(key, L, capacity, A):
+    """`_positions` in XLA's ops: a histogram, a stable sort by expert and scatters."""
+    P = key.shape[0]
+    counts = jnp.zeros((L + 1,), jnp.int32).at[key].add(1)[:L]
+    padded = (counts + (A - 1)) // A * A
+    offsets = (jnp.cumsum(padded) - padded).astype(jnp.int32)               # aligned starts
+    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)                 # starts unaligned
+    order = order_by_key(key, L)          # by expert, slot (past the last: no pair, any order)
+    e = jnp.minimum(key[order], L - 1)
+    pos_sorted = jnp.where(key[order] < L,
+                           offsets[e] + jnp.arange(P, dtype=jnp.int32) - starts[e], capacity)
+    pos = jnp.zeros((P,), jnp.int32).at[order].set(pos_sorted, unique_indices=True)
+    src = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(pos < capacity, pos, capacity)].set(
+        jnp.arange(P, dtype=jnp.int32), mode="drop")   # dropped pairs share one index
+    return pos, src, counts, offsets
+
+
 def plan(recv_topk_idx, *, num_local_experts, capacity, alignment, backend="reference"):
     """Where each received (row, local expert) pair goes in the expert-major layout.
 
@@ -88,23 +105,10 @@ def plan(recv_topk_idx, *, num_local_experts, capacity, alignment, backend="refe
     L, P, A = num_local_experts, C * K, alignment
     first = first_occurrence(recv_topk_idx)
     key = jnp.where(first, recv_topk_idx, L).reshape(P)                     # L: no new pair
-    if _positions_kernel(backend, L) and P > 0:
-        pos, src, counts, offsets = _positions(key, L, capacity, A)
-        padded = (counts + (A - 1)) // A * A
-        keep = pos < capacity
-    else:
-        counts = jnp.zeros((L + 1,), jnp.int32).at[key].add(1)[:L]
-        padded = (counts + (A - 1)) // A * A
-        offsets = (jnp.cumsum(padded) - padded).astype(jnp.int32)           # aligned starts
-        starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)             # starts unaligned
-        order = order_by_key(key, L)      # by expert, slot (past the last: no pair, any order)
-        e = jnp.minimum(key[order], L - 1)
-        pos_sorted = jnp.where(key[order] < L,
-                               offsets[e] + jnp.arange(P, dtype=jnp.int32) - starts[e], capacity)
-        pos = jnp.zeros((P,), jnp.int32).at[order].set(pos_sorted, unique_indices=True)
-        keep = pos < capacity
-        src = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(keep, pos, capacity)].set(
-            jnp.arange(P, dtype=jnp.int32), mode="drop")   # dropped pairs share one index
+    place = _positions if _positions_kernel(backend, L) and P > 0 else _positions_xla
+    pos, src, counts, offsets = place(key, L, capacity, A)
+    padded = (counts + (A - 1)) // A * A
+    keep = pos < capacity
     # every slot takes the row of the first slot naming its expert
     same = recv_topk_idx[:, :, None] == recv_topk_idx[:, None, :]           # [C, k, k']
     first_slot = jnp.argmax(same, axis=2)                                    # [C, K]
