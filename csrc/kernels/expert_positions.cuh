@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/limits.h"
+#include "common/warp.h"
 #include "testing/mutations.h"
 
 namespace jax_ep {
@@ -18,7 +19,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kWarpPairs = kPositionSlicePairs / kWarps;  // pairs of one warp's slice
 constexpr int kSteps = kWarpPairs / 32;                   // 32 pairs a step
 static_assert(kWarpPairs % 32 == 0, "a warp's slice is whole steps");
-constexpr unsigned int kFull = 0xffffffffu;
 constexpr int kKeyBits = 11;                // bits of a lane's value in peers_of
 constexpr int kNone = (1 << kKeyBits) - 1;  // the value of a lane without a pair
 static_assert(kMaxPositionExperts < kNone, "an expert id and kNone fit kKeyBits");

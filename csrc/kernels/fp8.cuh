@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "common/warp.h"
+
 namespace jax_ep {
 namespace fp8 {
 
@@ -102,7 +104,7 @@ __device__ __forceinline__ float quantise_group_slice(const uint4 (&raw)[2], boo
   bf16x8_to_float(raw[1], w);
   float amax = max_keep_nan(abs_max8(v), abs_max8(w));
 #pragma unroll
-  for (int o = 4; o >= 1; o >>= 1) amax = max_keep_nan(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int o = 4; o >= 1; o >>= 1) amax = max_keep_nan(amax, __shfl_xor_sync(kFull, amax, o));
   float scale, inv;
   group_scale(amax, round_scale, &scale, &inv);
   if (active) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "common/warp.h"
 #include "kernels/expert_ids.cuh"
 
 namespace jax_ep {
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   // Invalid ids: warp reduction, one atomic per warp.
-  for (int o = 16; o > 0; o >>= 1) invalid += __shfl_xor_sync(0xffffffffu, invalid, o);
+  for (int o = 16; o > 0; o >>= 1) invalid += __shfl_xor_sync(kFull, invalid, o);
   if ((threadIdx.x & 31) == 0 && invalid != 0)
     atomicAdd(use_smem ? s_invalid : num_invalid, invalid);
   if (use_smem) {

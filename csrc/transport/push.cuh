@@ -30,6 +30,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/warp.h"
 #include "transport/peer.cuh"
 #include "transport/poison.cuh"
 
@@ -71,7 +72,7 @@ __device__ __forceinline__ Take next_item(Slot* me, int phase, int n, int fin, i
   unsigned long long w = 0;
   __syncwarp();
   if (lane == 0) w = atomicAdd(&me->work[phase], (1ull << 32) | static_cast<unsigned int>(fin));
-  w = __shfl_sync(0xffffffffu, w, 0);
+  w = __shfl_sync(kFull, w, 0);
   const bool closer = fin != 0 && static_cast<int>(w & 0xffffffffu) + fin == n;
   return Take{static_cast<int>(w >> 32), closer};
 }

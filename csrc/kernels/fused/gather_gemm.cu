@@ -79,7 +79,7 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
   for (;;) {
     int c = 0;
     if (lane == 0) c = atomicAdd(queue, 1);
-    c = __shfl_sync(ht::kFull, c, 0);
+    c = __shfl_sync(kFull, c, 0);
     if (c >= chunks) break;
     const int64_t j0 = static_cast<int64_t>(c) * kChunkRows;
     const int64_t j1 = min(j0 + kChunkRows, static_cast<int64_t>(recv));
@@ -88,7 +88,7 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
     int arrived = 0;
     for (int64_t j = j0; j < j1; ++j) {
       uint8_t* dst = xe + j * Hb;
-      const int src = __shfl_sync(ht::kFull, my_src, static_cast<int>(j - j0));
+      const int src = __shfl_sync(kFull, my_src, static_cast<int>(j - j0));
       if (src == -2) continue;  // a copy: its token's first row writes and counts it
       const int64_t s = src >= 0 && T > 0 ? src / T : -1;
       if (s >= 0 && s < R) {
@@ -98,7 +98,7 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
         int d = lane < a.D ? a.rows_dups[j * a.D + lane] : -1;
         if (d >= 0 && (d >= recv || d == j || a.rows_src[d] != -2)) d = -1;
         const bool copy = d >= 0;
-        const unsigned mask = __ballot_sync(ht::kFull, copy);
+        const unsigned mask = __ballot_sync(kFull, copy);
         const int nd = __popc(mask);
         if (copy) s_copies[tid >> 5][__popc(mask & ((1u << lane) - 1))] = d;
         __syncwarp();
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       failed = !wait_count_geq(me, a.timeout_ns, kPhaseRows, -1, target,
                                [c] { return ld_acquire_gpu(c); });
     }
-    failed = __shfl_sync(ht::kFull, failed, 0);
+    failed = __shfl_sync(kFull, failed, 0);
     fence_proxy_async_global();
   };
   const TileProblem t{a.sizes, a.C, a.L, a.H, a.N};

@@ -149,7 +149,7 @@ __device__ __forceinline__ const int4* addend_row(const GemmCombineArgs& a, int6
 __device__ __forceinline__ int64_t next_task(int* queue, int lane) {
   int task = 0;
   if (lane == 0) task = atomicAdd(queue, 1);
-  return __shfl_sync(ht::kFull, task, 0);
+  return __shfl_sync(kFull, task, 0);
 }
 
 // first[i] of a task's rows, read without indexing the array by a variable (which would put it
@@ -211,21 +211,21 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
                             [p = a.counters + static_cast<int64_t>(j / kBlockM) * lay.chunks + ch] {
                               return ld_acquire_gpu(p);
                             });
-    held |= __reduce_or_sync(ht::kFull, j >= 0 ? 1u << (e / K) : 0u);
+    held |= __reduce_or_sync(kFull, j >= 0 ? 1u << (e / K) : 0u);
     if (!direct) {  // (direct: each sum goes to out, not to a slot's row)
 #pragma unroll
       for (int i = 0; i < kReducedRowsPerTask; ++i) {
-        const unsigned int m = __ballot_sync(ht::kFull, j >= 0 && e / K == i);
+        const unsigned int m = __ballot_sync(kFull, j >= 0 && e / K == i);
         if (JAX_EP_PLANTED(kSumInLastSlot)) {
-          const int f = __shfl_sync(ht::kFull, j, m != 0 ? 31 - __clz(m) : 0);
+          const int f = __shfl_sync(kFull, j, m != 0 ? 31 - __clz(m) : 0);
           if (m != 0) first[i] = f;
           continue;
         }
-        const int f = __shfl_sync(ht::kFull, j, m != 0 ? __ffs(m) - 1 : 0);
+        const int f = __shfl_sync(kFull, j, m != 0 ? __ffs(m) - 1 : 0);
         if (m != 0 && first[i] < 0) first[i] = f;
       }
     }
-    if (!__all_sync(ht::kFull, good)) return false;
+    if (!__all_sync(kFull, good)) return false;
   }
   __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
   for (int64_t i = 0; i < c1 - c0; ++i) {
@@ -260,8 +260,8 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
 #pragma unroll
           for (int g = 0; g < kGroup; ++g) {
             const int q = min(q0 + g, 31);
-            j[g] = __shfl_sync(ht::kFull, mj, q);
-            w[g] = __shfl_sync(ht::kFull, mw, q);
+            j[g] = __shfl_sync(kFull, mj, q);
+            w[g] = __shfl_sync(kFull, mw, q);
             if (q0 + g >= n) j[g] = -1;
             if (j[g] < 0) continue;
             const int4* src =
@@ -331,7 +331,7 @@ __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const
                             [f, &v] { return v = ld_acquire_sys_s32(f); });
     r = v - 2;
   }
-  const bool ok = __all_sync(ht::kFull, good);
+  const bool ok = __all_sync(kFull, good);
   __syncwarp();  // orders each lane's acquire before every lane's loads of the rows
   if (!ok) return false;
   for (int64_t v0 = lo; v0 < hi; v0 += 32 * kPullUnroll) {
@@ -343,7 +343,7 @@ __device__ bool combine_task(const GemmCombineArgs& a, const PeerView& pv, const
 #pragma unroll
       for (int g = 0; g < kPullRows; ++g) {
         const int e = e0 + g;
-        rs[g] = __shfl_sync(ht::kFull, r, e & 31);
+        rs[g] = __shfl_sync(kFull, r, e & 31);
         if (e >= ne || rs[g] < 0) {
           rs[g] = -1;
           continue;

@@ -245,7 +245,7 @@ __device__ __forceinline__ int rows_in_segments(const int32_t* sizes, int L, int
   for (int l = lane; l < L; l += 32) s = min(s + max(0, sizes[l]), static_cast<long long>(C));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1)
-    s = min(s + __shfl_xor_sync(ht::kFull, s, o), static_cast<long long>(C));
+    s = min(s + __shfl_xor_sync(kFull, s, o), static_cast<long long>(C));
   return static_cast<int>(s);
 }
 
@@ -260,12 +260,12 @@ __device__ __forceinline__ void segment_starts(const int32_t* sizes, int L, int 
     long long incl = v;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const long long n = __shfl_up_sync(ht::kFull, incl, o);
+      const long long n = __shfl_up_sync(kFull, incl, o);
       if (lane >= o) incl += n;
     }
     const int start = static_cast<int>(min(carry + incl - v, static_cast<long long>(C)));
     if (l < L) block_start[l] = (start + kBlockM - 1) / kBlockM;
-    carry = min(carry + __shfl_sync(ht::kFull, incl, 31), static_cast<long long>(C));
+    carry = min(carry + __shfl_sync(kFull, incl, 31), static_cast<long long>(C));
   }
   if (lane == 0) block_start[L] = static_cast<int>((carry + kBlockM - 1) / kBlockM);
 }
@@ -382,7 +382,7 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
       auto draw = [&, queue, count, chunk, lane] {
         int q = 0;
         if (lane == 0) q = atomicAdd(queue, 1);
-        q = __shfl_sync(ht::kFull, q, 0);
+        q = __shfl_sync(kFull, q, 0);
         return q < count
                    ? chunked_tile_order(ss.block_start, t.L, col_blocks, chunk, kRasterRowBlocks, q)
                    : -1;

@@ -12,8 +12,8 @@
 // dispatches on the inherited DispatchPolicy and calls this mma().
 #pragma once
 #include "cute/tensor.hpp"
+#include "common/warp.h"
 #include "cutlass/cutlass.h"
-
 #include "testing/mutations.h"
 
 namespace jax_ep::gemm {
@@ -66,7 +66,7 @@ struct OverlappedPromotion : Base {
     constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     const Layout group_layout =
         make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
-    const int group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    const int group = __shfl_sync(kFull, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_slice(group_layout(group));
     Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA,M,N,(K,PIPE))

@@ -6,13 +6,13 @@
 
 #include <cstdint>
 
+#include "common/warp.h"
 #include "testing/mutations.h"
 #include "transport/pull.cuh"
 
 namespace jax_ep {
 namespace ht {
 
-constexpr unsigned kFull = 0xffffffffu;
 // int4 loads in flight per lane (row copy): a 14 KiB row (bf16, H = 7168) takes 2 rounds of
 // loads-then-stores per warp, a 7 KiB FP8 row 1.
 constexpr int kCopyUnroll = 16;

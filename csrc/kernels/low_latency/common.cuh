@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "common/warp.h"
 #include "kernels/fp8.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/low_latency.cuh"
@@ -17,7 +18,6 @@ namespace jax_ep {
 namespace ll {
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxParts = 4;       // most warps per (token, destination) send row / received row
 constexpr int kQuantUnits = 4;     // 128-column groups in flight per 8 lanes (quantisation)
