@@ -1,4 +1,5 @@
-// Warp-wide constants of every kernel. A leaf: it includes no other header of the project.
+// Warp-wide constants. A leaf: it includes no other header of the project, so every floor
+// (transport, kernels, ...) may include it.
 #pragma once
 
 namespace jax_ep {

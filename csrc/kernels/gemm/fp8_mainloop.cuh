@@ -11,8 +11,8 @@
 // pipeline, mma_tail) is the CUTLASS collective's, which this type derives from: the kernel
 // dispatches on the inherited DispatchPolicy and calls this mma().
 #pragma once
-#include "cute/tensor.hpp"
 #include "common/warp.h"
+#include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "testing/mutations.h"
 
