@@ -77,9 +77,7 @@ __device__ bool copy_rows(const GatherGemmArgs& a, unsigned long long e) {
   const int64_t chunks = (static_cast<int64_t>(recv) + kChunkRows - 1) / kChunkRows;
   const int64_t T = a.T;
   for (;;) {
-    int c = 0;
-    if (lane == 0) c = atomicAdd(queue, 1);
-    c = __shfl_sync(kFull, c, 0);
+    const int c = warp_ticket(queue, lane);
     if (c >= chunks) break;
     const int64_t j0 = static_cast<int64_t>(c) * kChunkRows;
     const int64_t j1 = min(j0 + kChunkRows, static_cast<int64_t>(recv));

@@ -145,13 +145,6 @@ __device__ __forceinline__ const int4* addend_row(const GemmCombineArgs& a, int6
   return reinterpret_cast<const int4*>(static_cast<const uint8_t*>(a.addend) + t * a.N * 2);
 }
 
-// The next task of a queue for the whole warp (an atomic counter).
-__device__ __forceinline__ int64_t next_task(int* queue, int lane) {
-  int task = 0;
-  if (lane == 0) task = atomicAdd(queue, 1);
-  return __shfl_sync(kFull, task, 0);
-}
-
 // first[i] of a task's rows, read without indexing the array by a variable (which would put it
 // in local memory).
 template <class I>
@@ -396,7 +389,7 @@ __device__ bool combine(const GemmCombineArgs& a, const PeerView& pv, int lane) 
   int* queue = a.counters + lay.words + kTaskQueue;
   int done = 0;
   bool ok = true;
-  for (int64_t i; ok && (i = next_task(queue, lane)) < tasks;) {
+  for (int64_t i; ok && (i = warp_ticket(queue, lane)) < tasks;) {
     const int ch = static_cast<int>(i / per);
     const int64_t r = i - ch * per;
     ok = r < lay.n1 ? reduce_task(a, lay, pv.end, ch, r * kReducedRowsPerTask, lane, &done)

@@ -21,6 +21,7 @@
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/pipeline/pipeline.hpp"
+#include "common/warp.h"
 #include "kernels/fused/sizes.h"
 #include "kernels/fused/tile_order.h"
 #include "kernels/high_throughput/common.cuh"
@@ -380,9 +381,7 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp_idx == 0) {
       auto draw = [&, queue, count, chunk, lane] {
-        int q = 0;
-        if (lane == 0) q = atomicAdd(queue, 1);
-        q = __shfl_sync(kFull, q, 0);
+        const int q = warp_ticket(queue, lane);
         return q < count
                    ? chunked_tile_order(ss.block_start, t.L, col_blocks, chunk, kRasterRowBlocks, q)
                    : -1;
