@@ -70,6 +70,11 @@ SCRIPTS = {
     "layout_plan.py": (["--backend", "reference", "--ranks", "1,2", "--tokens", "8", "--experts",
                         "2", "--topk", "2", "--reps", "1", "--rounds", "1", "--trace", "1"],
                        "layout_plan.json", ["(reference backend: the CUDA kernels' row skipped)"]),
+    # the program Nsight Compute profiles (docs/kernels.md#fused-kernels-profiled), on a CPU
+    "ncu_layer.py": (["--backend", "reference", "--ranks", "2", "--tokens", "8", "--hidden",
+                      "128", "--inter", "128", "--experts", "2", "--topk", "2", "--calls", "2",
+                      "--runs", "1", "--op", "fwd+bwd"],
+                     "ncu_layer.json", ["moe_ffn(fused=True) fwd+bwd, R = 2: 1 runs of 2 calls"]),
     # the fused halves against themselves with the backward on the unfused ops (the same on the
     # reference backend; a checkout's fused.py as the baseline: tests/test_bench_harness.py)
     "fused_ab.py": (["--baseline", "env:JAX_EP_FUSED_BACKWARD=0", "--ranks", "2",
