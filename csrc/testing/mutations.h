@@ -11,9 +11,9 @@
 // gpu_check.sh's MUTATIONS and PLANTED lists name: keep them.
 //
 // Bugs 1 to 8 sit in code that every one-process run executes, 9 and 10 in per-process code
-// only, 11 to 13 and 17 to 22 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the one-GPU
-// multi-rank mode, 16 in every communication kernel's failure path, 23 in the expert-major
-// layout's positions kernel. Plain C++ (constants
+// only, 11 to 13, 17 to 22 and 24 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the
+// one-GPU multi-rank mode, 16 in every communication kernel's failure path, 23 in the
+// expert-major layout's positions kernel. Plain C++ (constants
 // only): host code and kernels include it.
 #pragma once
 
@@ -94,7 +94,10 @@ enum Bug : int {
   // expert positions: the pairs of one expert in one step of a warp take their rows in reverse
   // order, so the sort is no longer stable (place_kernel, kernels/expert_positions.cuh)
   kPositionsUnstable = 23,
-  kLast = kPositionsUnstable,
+  // fused grouped GEMM + combine: a task whose entries stay in the lanes of its waits sums each
+  // row with the next row's entries (reduce_task, kernels/fused/gemm_combine.cu)
+  kKeptEntriesShifted = 24,
+  kLast = kKeptEntriesShifted,
 };
 
 // The bug this build carries (0: none).

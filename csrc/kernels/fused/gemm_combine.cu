@@ -164,6 +164,10 @@ __device__ __forceinline__ int first_of(const int (&first)[kReducedRowsPerTask],
 // its columns of f after loading them. A row without a slot here writes nothing. Then each row's
 // flag of the chunk (f + 2, or 1 without a slot; system-scope release). The waits of every slot
 // of the task's rows come first, 32 at a time, so that a row's loads follow no wait of their own.
+// When the task has at most 32 entries (top-k up to 8), the lanes that waited keep their entry's
+// row and weight, and each row's sum takes them from there: the index arrays are read once a
+// task, not again per pass over a row (each wait's acquire invalidates the SM's L1, so a second
+// read goes to L2: docs/kernels.md#fused-kernels-profiled).
 // With one rank (Layout::direct) the task's rows are those of own tokens [c0, c0 +
 // kTokensPerTask) (send_rows) and each sum goes to out[t], zeros for a token without a slot; no
 // flag, the tokens counted in *done instead. False when a wait gave up.
@@ -186,6 +190,11 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
   };
   // The task's (row, slot) entries, lane e % 32 holding entry e (row e / K, slot e % K).
   const int64_t ne = (c1 - c0) * K;
+  // Entries of a task of at most 32, each in its lane from the waits: its row of ye (-1: none
+  // or past the segments) and its weight.
+  const bool kept = ne <= 32;
+  int kept_j = -1;
+  float kept_w = 0.f;
   unsigned int held = 0;           // the task's rows with a slot here (bit c - c0)
   int first[kReducedRowsPerTask];  // per row: the row of its first slot here, or -1 (uniform)
 #pragma unroll
@@ -197,7 +206,9 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
       const int64_t c = row(e / K);
       if (c >= 0) j = ht::ld_nc_s32(a.row_of + c * K + e % K);
       if (j >= end) j = -1;  // past the segments (a tampered handle): a zero row
+      if (kept && j >= 0) kept_w = ht::ld_nc_f32(a.weights + c * K + e % K);
     }
+    kept_j = j;
     bool good = true;
     if (j >= 0 && !JAX_EP_PLANTED(kCombineSkipsTiles))
       good = wait_count_geq(me, a.timeout_ns, kPhaseTiles, -1, need,
@@ -227,7 +238,7 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
     const int fi = first_of(first, i);
     uint8_t* dst = dst_base + (direct ? c0 + i : static_cast<int64_t>(fi)) * N * 2;
     const int4* add = direct ? addend_row(a, c0 + i) : nullptr;
-    const int64_t c = has ? row(i) : -1;
+    const int64_t c = has && !kept ? row(i) : -1;  // (kept: not needed)
     for (int64_t v0 = lo; v0 < hi; v0 += 32 * kUnroll) {
       const int64_t i0 = v0 + lane;
       float part[kUnroll][8];
@@ -238,7 +249,13 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
       for (int base = 0; has && base < K; base += 32) {
         int mj = -1;
         float mw = 0.f;
-        if (base + lane < K) {
+        if (kept) {  // warp-uniform: entry i * K + lane, from its lane
+          const int64_t row_i = JAX_EP_PLANTED(kKeptEntriesShifted) ? i + 1 : i;
+          const int src = static_cast<int>((row_i * K + base + lane) & 31);
+          mj = __shfl_sync(kFull, kept_j, src);
+          mw = __shfl_sync(kFull, kept_w, src);
+          if (base + lane >= K) mj = -1;
+        } else if (base + lane < K) {
           mj = ht::ld_nc_s32(a.row_of + c * K + base + lane);
           mw = ht::ld_nc_f32(a.weights + c * K + base + lane);
           if (mj >= end) mj = -1;
