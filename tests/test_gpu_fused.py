@@ -295,10 +295,12 @@ def test_fused_matmul_combine_blocks_and_no_weights(combine_blocks, weighted):
 def test_fused_matmul_combine_top_k_fills_and_passes_a_slot_group(R, K):
     """Top-8: a row's slots fill one group of the combine's loads in flight; top-12: two
     groups, the second partly empty. Over a column chunk and a narrower one, bit-exact as
-    above (R = 1 through the direct path)."""
+    above (R = 1 through the direct path). A task of at most 32 (row, slot) entries takes them
+    from the lanes of its waits, a larger one loads them: top-12's tasks of 4 rows load theirs,
+    the last task of fewer rows (T = 161 at R = 1, received rows at R = 2) keeps them."""
     ext = jax_ep.runtime.extension()
     H = ext.fused_chunk_blocks * ext.fused_block_columns + ext.fused_block_columns
-    T, I, L = (45 if R > 1 else 160), 128, 12
+    T, I, L = (45 if R > 1 else 161), 128, 12
     x, idx, w, wgu, E = _setup(R, T, H, I, K, L, "masked", 40 + R + K)
     rng = np.random.default_rng(41 + R + K)
     wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)

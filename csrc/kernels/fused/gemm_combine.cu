@@ -164,10 +164,11 @@ __device__ __forceinline__ int first_of(const int (&first)[kReducedRowsPerTask],
 // its columns of f after loading them. A row without a slot here writes nothing. Then each row's
 // flag of the chunk (f + 2, or 1 without a slot; system-scope release). The waits of every slot
 // of the task's rows come first, 32 at a time, so that a row's loads follow no wait of their own.
-// When the task has at most 32 entries (top-k up to 8), the lanes that waited keep their entry's
-// row and weight, and each row's sum takes them from there: the index arrays are read once a
-// task, not again per pass over a row (each wait's acquire invalidates the SM's L1, so a second
-// read goes to L2: docs/kernels.md#fused-kernels-profiled).
+// When the task has at most 32 entries (top-k up to 8, or a last task of fewer rows up to 32),
+// the lanes that waited keep their entry's row and weight, and each row's sum takes them from
+// there: the index arrays are read once a task, not again per pass over a row (each wait's
+// acquire invalidates the SM's L1, so a second read goes to L2:
+// docs/kernels.md#fused-kernels-profiled).
 // With one rank (Layout::direct) the task's rows are those of own tokens [c0, c0 +
 // kTokensPerTask) (send_rows) and each sum goes to out[t], zeros for a token without a slot; no
 // flag, the tokens counted in *done instead. False when a wait gave up.
@@ -249,12 +250,13 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
       for (int base = 0; has && base < K; base += 32) {
         int mj = -1;
         float mw = 0.f;
-        if (kept) {  // warp-uniform: entry i * K + lane, from its lane
+        if (kept) {  // warp-uniform (K <= 32, so base is 0): entry i * K + lane, from its lane
           const int64_t row_i = JAX_EP_PLANTED(kKeptEntriesShifted) ? i + 1 : i;
-          const int src = static_cast<int>((row_i * K + base + lane) & 31);
+          // (the mask wraps only for lanes past K, masked below)
+          const int src = static_cast<int>((row_i * K + lane) & 31);
           mj = __shfl_sync(kFull, kept_j, src);
           mw = __shfl_sync(kFull, kept_w, src);
-          if (base + lane >= K) mj = -1;
+          if (lane >= K) mj = -1;
         } else if (base + lane < K) {
           mj = ht::ld_nc_s32(a.row_of + c * K + base + lane);
           mw = ht::ld_nc_f32(a.weights + c * K + base + lane);
