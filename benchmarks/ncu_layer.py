@@ -1,15 +1,22 @@
 """One layer variant's calls with nothing else on the GPU: the program to run under Nsight Compute.
 
-Compiles a variant of benchmarks/layer_kernels.py (same shapes, routing and inputs) as a scan of
---calls calls, forward or forward + backward, and runs it --runs times, no profiler of its own
-(a jax.profiler trace and Nsight Compute would both want the GPU's counters); writes each run's
-wall time to ncu_layer.json in --out (not a benchmark: a profiler slows the runs). Nsight Compute
-picks the launches to profile: each call of `moe_ffn(fused=True)` forward launches the gather +
-GEMM, then the GEMM + combine, so skipping 2 * calls launches of those two skips the first run.
+Compiles a variant of benchmarks/layer_kernels.py (its shapes, inputs and kind of routing, drawn
+from a generator of its own) as a scan of --calls calls, forward or forward + backward, and runs
+it --runs times, no profiler of its own (a jax.profiler trace and Nsight Compute would both want
+the GPU's counters); writes each run's wall time to ncu_layer.json in --out (not a benchmark: a
+profiler slows the runs). Nsight Compute picks the launches to profile. At R = 1 each forward
+call of `moe_ffn(fused=True)` launches the gather + GEMM, then the GEMM + combine, so skipping
+2 * calls launches of those two skips the first run; the expert compute launches its two
+CUTLASS GEMMs (`device_kernel`) a call. The backward launches both fused kernels again, and
+over R GPUs each GPU launches its own: count those launches too, or profile one GPU
+(`--devices 0`).
 
   ncu --clock-control none -k 'regex:gather_gemm_kernel|gemm_combine_kernel' \\
       --launch-skip 6 --launch-count 2 --set full --import-source no -o prof \\
       python benchmarks/ncu_layer.py --ranks 1 --only "moe_ffn(fused=True)"
+  ncu --clock-control none -k 'regex:device_kernel' --launch-skip 6 --launch-count 2 \\
+      --set full --import-source no -o prof_ec \\
+      python benchmarks/ncu_layer.py --ranks 1 --only "expert compute alone"
   ncu -i prof.ncu-rep --page source --csv --print-source sass > sass.csv
 """
 from __future__ import annotations
