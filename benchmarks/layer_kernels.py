@@ -60,6 +60,20 @@ def print_timeline(t, trace):
             print(f"  {hs:9.1f} {hd:8.1f}  [{thread[:20]}] {hname[:80]}")
 
 
+def layer_variants(E, lay, ec_args, backend):
+    """{name: (fn, its arguments, the argnums of its gradient)} of the layer's variants: `lay` =
+    (x, idx, w, w_gate_up, w_down) for moe_ffn, `ec_args` = (rows, w, w_gate_up, w_down) for the
+    expert compute alone, E experts in all."""
+    return {
+        "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=False,
+                                                           backend=backend), lay, (0, 2, 3, 4)),
+        "moe_ffn(fused=True)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=True,
+                                                          backend=backend), lay, (0, 2, 3, 4)),
+        "expert compute alone": (functools.partial(expert_compute, backend=backend), ec_args,
+                                 (0, 1, 2, 3)),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -90,15 +104,7 @@ def main():
         E = R * L
         wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
         w, idx = draw_routing(rng, args.routing, R * T, E, K)
-        lay = (x, idx, w, wgu, wd)
-        variants = {
-            "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=False,
-                                                               backend=be), lay, (0, 2, 3, 4)),
-            "moe_ffn(fused=True)": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=True,
-                                                              backend=be), lay, (0, 2, 3, 4)),
-            "expert compute alone": (functools.partial(expert_compute, backend=be),
-                                     (xr, w, wgu, wd), (0, 1, 2, 3)),
-        }
+        variants = layer_variants(E, (x, idx, w, wgu, wd), (xr, w, wgu, wd), be)
         only = [v for v in args.only.split(",") if v]
         unknown = sorted(set(only) - set(variants))
         if unknown:

@@ -32,12 +32,10 @@ import numpy as np
 import jax
 from jax.sharding import Mesh
 
-import jax_ep
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import (add_shape_args, draw_routing, expert_compute,  # noqa: E402
-                         layer_inputs, with_backward)
+from bench_layer import add_shape_args, draw_routing, layer_inputs, with_backward  # noqa: E402
 from harness import scan_fn  # noqa: E402
+from layer_kernels import layer_variants  # noqa: E402
 
 
 def main():
@@ -62,14 +60,8 @@ def main():
     E = R * L
     wgu, wd, x, xr = layer_inputs(R, mesh, R, T, H, I, L, K)
     w, idx = draw_routing(np.random.default_rng(0), args.routing, R * T, E, K)
-    if args.only == "expert compute alone":
-        fn, fargs, diff = (lambda *a: expert_compute(*a, backend=args.backend),
-                           (xr, w, wgu, wd), (0, 1, 2, 3))
-    else:
-        fused = args.only == "moe_ffn(fused=True)"
-        fn, fargs, diff = (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, fused=fused,
-                                                     backend=args.backend),
-                           (x, idx, w, wgu, wd), (0, 2, 3, 4))
+    fn, fargs, diff = layer_variants(E, (x, idx, w, wgu, wd), (xr, w, wgu, wd),
+                                     args.backend)[args.only]
     f = fn if args.op == "fwd" else with_backward(fn, diff)
     c = scan_fn(mesh, f, args.calls).lower(*fargs).compile()
     run_s = []

@@ -75,7 +75,7 @@ def main():
                       f"{max(n(r, 'Instructions Executed') for r in hg)}")
             if "gemm_combine" not in name:
                 continue
-            # the combine: one task per execution of its trace_max atomics' first (ATOMG.MAX.64)
+            # the combine: a task per execution of its first traced mark (ATOMG.E.MAX.64)
             for (lo, hi), who in zip(ranges, ("combine-only blocks",
                                              "tile blocks' consumer warps")):
                 sel = [r for r in rows if lo <= (int(r["Address"], 16) & 0xFFFFF) < hi]
@@ -84,11 +84,10 @@ def main():
                 if not marks:
                     continue
                 tasks = n(marks[0], "Instructions Executed")
-                body = sel
-                inst = sum(n(r, "Instructions Executed") for r in body)
-                cctl = sum(n(r, "Instructions Executed") for r in body if op(r) == "CCTL.IVALL")
+                inst = sum(n(r, "Instructions Executed") for r in sel)
+                cctl = sum(n(r, "Instructions Executed") for r in sel if op(r) == "CCTL.IVALL")
                 mix = Counter()
-                for r in body:
+                for r in sel:
                     mix[op(r).split(".")[0]] += n(r, "Instructions Executed")
                 print(f"  combine, {who}: {tasks} tasks, {inst / max(tasks, 1):.0f} warp "
                       f"instructions a task, {cctl} L1 invalidations (CCTL.IVALL), mix: " +
