@@ -149,7 +149,8 @@ if has planted; then
     21:tests/test_gpu_fused.py::test_fused_matmul_combine_adds_its_addend_only_when_on
     22:tests/test_gpu_fused.py::test_fused_matmul_combine_matches_unfused
     23:tests/test_gpu.py::test_expert_positions_kernel_matches_the_xla_plan
-    24:tests/test_gpu_fused.py::test_fused_matmul_combine_top_k_fills_and_passes_a_slot_group}"
+    24:tests/test_gpu_fused.py::test_fused_matmul_combine_top_k_fills_and_passes_a_slot_group
+    24:tests/test_gpu_fused.py::test_fused_matmul_combine_full_rows_of_top_8}"
   : > "$OUT/planted.log"
   need_nvshmem4py
   set -f   # test ids hold [...]: no globbing of them

@@ -309,6 +309,35 @@ def test_fused_matmul_combine_top_k_fills_and_passes_a_slot_group(R, K):
     _check_gemm_combine(jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu, wd)), R)
 
 
+@pytest.mark.parametrize("kind", ["random", "skewed"])
+def test_fused_matmul_combine_full_rows_of_top_8(kind):
+    """At R = 1, top-8 with no masked slot (skewed: slots naming one expert twice): every task's
+    32 entries name a row and stay in the lanes of its waits, over two whole column chunks and a
+    narrower one, and the last task of one token. Bit-exact as above, and with an addend that is
+    on, bit-exact against `plus_addend` (the addend's test runs masked top-4)."""
+    ext = jax_ep.runtime.extension()
+    H = 2 * ext.fused_chunk_blocks * ext.fused_block_columns + ext.fused_block_columns
+    R, T, I, K, L = 1, 161, 128, 8, 12
+    x, idx, w, wgu, E = _setup(R, T, H, I, K, L, kind, 60 + len(kind))
+    rng = np.random.default_rng(61)
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    add = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
+    poison_gpu_memory()
+    run = _gemm_combine_outputs(E, K, True)
+    _check_gemm_combine(jax.device_get(gpu_ranks(run, R)(x, idx, w, wgu, wd)), R)
+
+    def plus(x, idx, w, wgu, wd, add):
+        res, a = dispatch_matmul(x, idx, w, wgu, num_experts=E, backend="cuda")
+        plain = matmul_combine(a, wd, res, backend="cuda")
+        on = jnp.ones((), jnp.bool_)
+        return (fused.matmul_combine_plus(a, wd, res, (add, on), backend="cuda"),
+                fused.plus_addend(plain, (add, on)))
+    poison_gpu_memory()
+    got, want = jax.device_get(gpu_ranks(plus, R)(x, idx, w, wgu, wd, add))
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 @pytest.mark.parametrize("R, I", [(1, 256), (2, 256), (4, 256), (8, 256), (1, 192), (4, 192)])
 def test_moe_ffn_fused_matches_unfused_and_reference(R, I):
     """The layer's output and gradients, fused against unfused and the reference, on poisoned
