@@ -311,10 +311,11 @@ def test_fused_matmul_combine_top_k_fills_and_passes_a_slot_group(R, K):
 
 @pytest.mark.parametrize("kind", ["random", "skewed"])
 def test_fused_matmul_combine_full_rows_of_top_8(kind):
-    """At R = 1, top-8 with no masked slot (skewed: slots naming one expert twice): every task's
-    32 entries name a row and stay in the lanes of its waits, over two whole column chunks and a
-    narrower one, and the last task of one token. Bit-exact as above, and with an addend that is
-    on, bit-exact against `plus_addend` (the addend's test runs masked top-4)."""
+    """At R = 1, top-8 with no masked slot (skewed: most slots on one expert, named many times
+    in a token): every task's 32 entries name a row and stay in the lanes of its waits, over two
+    whole column chunks and a narrower one, and the last task of one token. Bit-exact as above,
+    and with an addend that is on, bit-exact against `plus_addend` (the addend's test runs
+    masked top-4)."""
     ext = jax_ep.runtime.extension()
     H = 2 * ext.fused_chunk_blocks * ext.fused_block_columns + ext.fused_block_columns
     R, T, I, K, L = 1, 161, 128, 8, 12
