@@ -117,10 +117,11 @@ constexpr const char* kPhaseEnd = "ht_gemm_combine: end barrier";
 // acc[0..8) += w * the 8 bfloat16 of v, product then sum rounded apart (no contraction: the
 // unfused combine's weighting multiplies, then sums).
 __device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+  const uint32_t h[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
+                         static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
+    const float2 f = ht::bf16x2_to_float2(h[i]);
     acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
     acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
   }
@@ -180,6 +181,7 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
   const int64_t N = a.N, lo = lay.lo(ch), hi = lay.hi(a, ch);
   const int need = ch == lay.chunks - 1 ? lay.need_last : kChunkBlocks;
   const auto* ye = static_cast<const uint8_t*>(a.ye);
+  const uint32_t row_bytes = static_cast<uint32_t>(N * 2);
   auto* dst_base = static_cast<uint8_t*>(direct ? a.out : a.ye);
   const Waiter me = waiter(a.ps);
   const int64_t c1 = min(c0 + kReducedRowsPerTask, static_cast<int64_t>(direct ? a.T : a.Cr));
@@ -242,6 +244,9 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
     const int64_t c = has && !kept ? row(i) : -1;  // (kept: not needed)
     for (int64_t v0 = lo; v0 < hi; v0 += 32 * kUnroll) {
       const int64_t i0 = v0 + lane;
+      // this lane's vectors of the pass: u below `in` (a 32-bit compare, once a pass)
+      const int in = static_cast<int>(min(hi - i0, static_cast<int64_t>(32 * kUnroll)));
+      const uint8_t* ye_i0 = ye + i0 * 16;  // column i0 of ye's row 0: a row adds j * row_bytes
       float part[kUnroll][8];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
@@ -276,24 +281,25 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
             w[g] = __shfl_sync(kFull, mw, q);
             if (q0 + g >= n) j[g] = -1;
             if (j[g] < 0) continue;
-            const int4* src =
-                reinterpret_cast<const int4*>(ye + static_cast<int64_t>(j[g]) * N * 2);
+            // (j >= 0 and a row's bytes fit 32 bits: one wide multiply-add for the address)
+            const int4* src = reinterpret_cast<const int4*>(
+                ye_i0 + static_cast<uint64_t>(static_cast<uint32_t>(j[g])) * row_bytes);
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-              if (i0 + u * 32 < hi) v[g][u] = ht::ld_cg_v4(src + i0 + u * 32);
+              if (u * 32 < in) v[g][u] = ht::ld_cg_v4(src + u * 32);
           }
 #pragma unroll
           for (int g = 0; g < kGroup; ++g) {
             if (j[g] < 0) continue;
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-              if (i0 + u * 32 < hi) add_weighted(part[u], w[g], v[g][u]);
+              if (u * 32 < in) add_weighted(part[u], w[g], v[g][u]);
           }
         }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (i0 + u * 32 < hi)
+        if (u * 32 < in)
           reinterpret_cast<int4*>(dst)[i0 + u * 32] = out_value(part[u], add, i0 + u * 32);
     }
   }
