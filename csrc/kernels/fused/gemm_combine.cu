@@ -181,6 +181,7 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
   const int64_t N = a.N, lo = lay.lo(ch), hi = lay.hi(a, ch);
   const int need = ch == lay.chunks - 1 ? lay.need_last : kChunkBlocks;
   const auto* ye = static_cast<const uint8_t*>(a.ye);
+  // (the handler keeps N within an int, so a row's bytes fit 32 bits unsigned)
   const uint32_t row_bytes = static_cast<uint32_t>(N * 2);
   auto* dst_base = static_cast<uint8_t*>(direct ? a.out : a.ye);
   const Waiter me = waiter(a.ps);
@@ -281,7 +282,7 @@ __device__ bool reduce_task(const GemmCombineArgs& a, const Layout& lay, int end
             w[g] = __shfl_sync(kFull, mw, q);
             if (q0 + g >= n) j[g] = -1;
             if (j[g] < 0) continue;
-            // (j >= 0 and a row's bytes fit 32 bits: one wide multiply-add for the address)
+            // (j >= 0: one wide multiply-add for the address)
             const int4* src = reinterpret_cast<const int4*>(
                 ye_i0 + static_cast<uint64_t>(static_cast<uint32_t>(j[g])) * row_bytes);
 #pragma unroll
