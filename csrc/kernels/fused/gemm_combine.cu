@@ -117,11 +117,10 @@ constexpr const char* kPhaseEnd = "ht_gemm_combine: end barrier";
 // acc[0..8) += w * the 8 bfloat16 of v, product then sum rounded apart (no contraction: the
 // unfused combine's weighting multiplies, then sums).
 __device__ __forceinline__ void add_weighted(float* acc, float w, int4 v) {
-  const uint32_t h[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
-                         static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+  const ht::Words4 h = ht::words(v);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = ht::bf16x2_to_float2(h[i]);
+    const float2 f = ht::bf16x2_to_float2(h.w[i]);
     acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
     acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
   }

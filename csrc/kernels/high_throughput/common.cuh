@@ -33,14 +33,22 @@ __device__ __forceinline__ float2 bf16x2_to_float2(uint32_t u) {
   return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
 }
 
+// The 4 words of a 16-byte vector (8 bfloat16, two per word, the lower half first).
+struct Words4 {
+  uint32_t w[4];
+};
+__device__ __forceinline__ Words4 words(int4 v) {
+  return {{static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+           static_cast<uint32_t>(v.w)}};
+}
+
 // acc[0..8) += the 8 bfloat16 of v, in float32 (the high-throughput combine's sum over ranks, and
 // the fused GEMM + combine's).
 __device__ __forceinline__ void add_bf16x8(float* acc, int4 v) {
-  const uint32_t h[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
-                         static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+  const Words4 h = words(v);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = bf16x2_to_float2(h[i]);
+    const float2 f = bf16x2_to_float2(h.w[i]);
     acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
     acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
   }
