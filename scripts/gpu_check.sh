@@ -7,7 +7,7 @@
 #   moe: the MoE layer (moe_ffn) GPU suite; fused: the fused dispatch + grouped GEMM and grouped
 #   GEMM + combine suite (tests/test_gpu_fused.py); leases: the call-site lease suite
 #   (tests/test_gpu_leases.py); timeouts: waits that give up cleanly (tests/test_gpu_timeouts.py);
-#   planted: builds with planted bugs 5 to 24 (csrc/testing/mutations.h
+#   planted: builds with planted bugs 5 to 25 (csrc/testing/mutations.h
 #   lists them), each against the tests that must catch it (PLANTED="M:TEST ..."; planted.log);
 #   gemm-mutations: the grouped-GEMM and MoE suites with each planted GEMM bug (tests/conftest.py);
 #   mutations: tests of the multi-rank suite, each in its own process, built with each planted
@@ -118,7 +118,7 @@ if has timeouts; then
      | tail -15) || rc=1
 fi
 if has planted; then
-  step "planted-bug check: each planted bug (csrc/testing/mutations.h: 5 to 24) must fail its tests"
+  step "planted-bug check: each planted bug (csrc/testing/mutations.h: 5 to 25) must fail its tests"
   # MUTATION:TEST pairs, each test in a process of its own (table: planted.log). Bug 16's layer
   # case is the low-latency one: the high-throughput layer may raise the timeout from its step
   # before any result exists, and then passes whether its results are poisoned or not.
@@ -150,15 +150,16 @@ if has planted; then
     22:tests/test_gpu_fused.py::test_fused_matmul_combine_matches_unfused
     23:tests/test_gpu.py::test_expert_positions_kernel_matches_the_xla_plan
     24:tests/test_gpu_fused.py::test_fused_matmul_combine_top_k_fills_and_passes_a_slot_group
-    24:tests/test_gpu_fused.py::test_fused_matmul_combine_full_rows_of_top_8}"
+    24:tests/test_gpu_fused.py::test_fused_matmul_combine_full_rows_of_top_8
+    25:tests/test_gpu_fused.py::test_fused_dispatch_matmul_matches_unfused}"
   : > "$OUT/planted.log"
   need_nvshmem4py
   set -f   # test ids hold [...]: no globbing of them
   # Every planted build at once, each in a build folder of its own (the planted bug must never
   # reach the real build's CMake cache), the machine's cores shared between them: one after the
   # other they took longer than the tests.
-  # bugs 11 to 22 and 24 sit in the CUTLASS GEMMs or the fused kernels: their builds need them
-  needs_gemm() { { [ "$1" -ge 11 ] && [ "$1" -le 22 ]; } || [ "$1" -eq 24 ]; }
+  # bugs 11 to 22, 24 and 25 sit in the CUTLASS GEMMs or the fused kernels: their builds need them
+  needs_gemm() { { [ "$1" -ge 11 ] && [ "$1" -le 22 ]; } || [ "$1" -ge 24 ]; }
   ms=$(for pair in $pairs; do echo "${pair%%:*}"; done | sort -un)
   nb=$(echo $ms | wc -w); jobs=$(( $(nproc) / nb )); [ $jobs -ge 2 ] || jobs=2
   for m in $ms; do

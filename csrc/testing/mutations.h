@@ -11,7 +11,7 @@
 // gpu_check.sh's MUTATIONS and PLANTED lists name: keep them.
 //
 // Bugs 1 to 8 sit in code that every one-process run executes, 9 and 10 in per-process code
-// only, 11 to 13, 17 to 22 and 24 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the
+// only, 11 to 13, 17 to 22, 24 and 25 in the fused kernels, 14 in the FP8 grouped GEMM, 15 in the
 // one-GPU multi-rank mode, 16 in every communication kernel's failure path, 23 in the
 // expert-major layout's positions kernel. Plain C++ (constants
 // only): host code and kernels include it.
@@ -97,7 +97,10 @@ enum Bug : int {
   // fused grouped GEMM + combine: a task whose entries stay in the lanes of its waits sums each
   // row with the next row's entries (reduce_task, kernels/fused/gemm_combine.cu)
   kKeptEntriesShifted = 24,
-  kLast = kKeptEntriesShifted,
+  // fused kernels' half tiles: the first consumer warpgroup (rows [0, kBlockM / 2), with data)
+  // leaves out its MMAs instead of the second (run_tiles, kernels/fused/tiles.cuh)
+  kHalfTileSkipsRows = 25,
+  kLast = kHalfTileSkipsRows,
 };
 
 // The bug this build carries (0: none).

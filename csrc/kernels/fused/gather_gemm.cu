@@ -187,16 +187,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     while (ring.next(lane) >= 0) {
     }
   };
+  // a segment's last row block: rows of -1 (zero rows) in rows [kBlockM / 2, kBlockM) only
+  auto half_zero = [&a](int b) {
+    const int64_t r0 = static_cast<int64_t>(b) * kBlockM + kBlockM / 2;
+    bool zero = true;
+#pragma unroll
+    for (int r = 0; r < kBlockM / 2; ++r) zero &= r0 + r >= a.C || __ldg(a.rows_src + r0 + r) == -1;
+    return zero;
+  };
   if constexpr (kAct) {
     auto on_acc = [&a](const auto& acc, const auto& mma, int b, int n, int mma_thread) {
       store_activation(a, acc, mma, b, n, mma_thread);
     };
     run_tiles<true>(
         p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows, drain,
-        [](bool) {}, &p.paired_b, on_acc, a.h != nullptr);
+        [](bool) {}, half_zero, &p.paired_b, on_acc, a.h != nullptr);
   } else {
-    run_tiles(p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows, drain,
-              [](bool) {});
+    run_tiles(
+        p.tiles, ss, t, a.counters + row_blocks(a.C) + kTileQueue, wait_for_rows, drain,
+        [](bool) {}, half_zero);
   }
   if (ends_call) end_wait(a.ps, e, a.timeout_ns, kPhaseEnd);
   // The tiles' TMA stores complete before the block counts itself out: a fill must land after.

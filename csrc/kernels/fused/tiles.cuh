@@ -67,7 +67,7 @@ constexpr int kRing = 4;
 constexpr int kRingReaders = 2 * cutlass::NumWarpsPerWarpGroup + 1;
 // Shared memory beside the collectives' (SharedStorage below).
 constexpr int kExtraSmem = static_cast<int>(2 * kRing * sizeof(uint64_t) + kRing * sizeof(int) +
-                                            sizeof(int) * (kMaxExperts + 2));
+                                            sizeof(int) * (kMaxExperts + 2) + kMaxExperts / 8);
 template <bool kKMajorB>
 using MainloopOf =
     MainloopFor<static_cast<int>(sizeof(typename Epilogue::SharedStorage)) + kExtraSmem + 1024,
@@ -103,7 +103,9 @@ struct SharedStorage {
   uint64_t ring_full[kRing], ring_empty[kRing];  // mbarriers of the tile-id ring
   int ring[kRing];                               // tile ids, -1: no tile is left
   int block_start[kMaxExperts + 1];  // first row block of each segment; [L]: blocks in all
-  unsigned int stored;               // zeroed before the tiles: the hooks' count
+  // bit l: segment l's last row block has zero rows in [kBlockM / 2, kBlockM) (last_half_zero)
+  unsigned int last_half_zero[kMaxExperts / 32];
+  unsigned int stored;  // zeroed before the tiles: the hooks' count
 };
 // The dynamic allocation, aligned to 1 KiB by hand (128-byte swizzled TMA tiles need it, and a
 // kernel's static shared memory comes first).
@@ -271,6 +273,22 @@ __device__ __forceinline__ void segment_starts(const int32_t* sizes, int L, int 
   if (lane == 0) block_start[L] = static_cast<int>((carry + kBlockM - 1) / kBlockM);
 }
 
+// One warp, after segment_starts: bit l of bits set when segment l has rows and half_zero(b)
+// (one lane, b the segment's last row block) says that rows [kBlockM / 2, kBlockM) of A's block b
+// are zero rows.
+template <class HalfZero>
+__device__ __forceinline__ void last_blocks_half_zero(const int* block_start, int L,
+                                                      unsigned int* bits, HalfZero&& half_zero,
+                                                      int lane) {
+  for (int base = 0; base < L; base += 32) {
+    const int l = base + lane;
+    const bool z =
+        l < L && block_start[l + 1] > block_start[l] && half_zero(block_start[l + 1] - 1);
+    const unsigned int m = __ballot_sync(kFull, z);
+    if (lane == 0) bits[base / 32] = m;
+  }
+}
+
 // The producer warp (all lanes): the k tiles of tile (b, n) of expert l into the pipeline, A
 // through the mainloop's descriptor (gA: its tiled view, (BLK_M, BLK_K, m, k, l)) and B through
 // the paired one; what CUTLASS's mainloop load does, with B's columns paired.
@@ -312,17 +330,23 @@ __device__ __forceinline__ void load_paired(const TileParams& p, const PairedTma
 // - after_mma(stored): the consumer threads after each tile's MMAs, before its epilogue
 //   (stored: an earlier tile's stores were issued), and once after the last epilogue;
 // - on_acc(acc, tiled_mma, b, n, mma_thread): the consumer threads, each tile's accumulators
-//   (float32, read-only) before its epilogue.
+//   (float32, read-only) before its epilogue;
+// - half_zero(b): one lane of warp 0 at the start, once per segment with rows, b its last row
+//   block: true when rows [kBlockM / 2, kBlockM) of A's block b are zero rows. The second
+//   consumer warpgroup (those rows' MMAs) then issues no MMA for that block's tiles, its
+//   accumulators zero (the product of zero rows): such a tile costs about half its MMAs
+//   (docs/kernels.md#fused-half-tiles).
 // paired: B in paired columns (paired_tma_b, kPaired) instead of the mainloop's descriptor (B =
 // w [L, K, N] only). store_d: false leaves D unwritten (no TMA-store epilogue: on_acc stores
 // what the kernel needs). ML: the mainloop of p (B's layout). True in the consumer threads (232
 // registers each, free once this returns), false in the producer warpgroup's (40 registers).
 template <bool kPaired = false, class ML, class BeforeLoad, class WarpOne, class AfterMma,
-          class OnAcc = void (*)()>
+          class HalfZero, class OnAcc = void (*)()>
 __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStorage& ss,
                                           const TileProblem& t, int* queue,
                                           BeforeLoad&& before_load, WarpOne&& warp_one,
-                                          AfterMma&& after_mma, const PairedTmaB* paired = nullptr,
+                                          AfterMma&& after_mma, HalfZero&& half_zero,
+                                          const PairedTmaB* paired = nullptr,
                                           OnAcc&& on_acc = nullptr, bool store_d = true) {
 #if defined(__CUDA_ARCH__)  // CUTLASS's epilogue visitors are device-only: not in the host pass
   static_assert(!kPaired || std::is_same_v<ML, Mainloop>, "paired columns read w [L, K, N]");
@@ -335,7 +359,11 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
   const int warp_group = cutlass::canonical_warp_group_idx();
   const int lane = thread_idx & 31;
 
-  if (warp_idx == 0) segment_starts(t.sizes, t.L, t.C, ss.block_start, lane);
+  if (warp_idx == 0) {
+    segment_starts(t.sizes, t.L, t.C, ss.block_start, lane);
+    __syncwarp();
+    last_blocks_half_zero(ss.block_start, t.L, ss.last_half_zero, half_zero, lane);
+  }
   if (thread_idx == 0) {
     ss.stored = 0;
     for (int s = 0; s < kRing; ++s) {
@@ -428,10 +456,30 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
   bool stored = false;
   for (int i; (i = ring.next(lane)) >= 0;) {
     const int b = i / col_blocks, n = i % col_blocks;
+    const int l = expert_of(ss.block_start, t.L, b);
     auto acc = partition_fragment_C(tiled_mma, take<0, 2>(Tile{}));
-    mainloop.mma(pipeline, read_state, acc, k_tiles, mma_thread, mainloop_tensors<ML>(ss),
-                 p.mainloop);
-    mainloop.mma_tail(pipeline, read_state, k_tiles);
+    // A's rows [kBlockM / 2, kBlockM) (the tiled MMA's second 64-row atom, the second
+    // warpgroup's) are zero rows: that warpgroup only passes the stages on, and the first one's
+    // MMAs have the tensor cores to themselves.
+    constexpr int kHalfSkipper = JAX_EP_PLANTED(kHalfTileSkipsRows) ? 1 : 2;
+    // (a warp vote: a branch on it leaves the mainloop's stage and descriptor arithmetic in
+    // uniform registers, where a branch on the plain condition moved it to per-thread ones,
+    // R2UR before every wgmma: docs/kernels.md#fused-half-tiles)
+    const bool half_skip =
+        __all_sync(kFull, warp_group == kHalfSkipper && b + 1 == ss.block_start[l + 1] &&
+                              (ss.last_half_zero[l / 32] >> (l % 32) & 1u));
+    if (half_skip) {
+      clear(acc);
+      PipelineState s = read_state;
+      for (int k = 0; k < k_tiles; ++k, ++s) {
+        pipeline.consumer_wait(s, pipeline.consumer_try_wait(s));
+        pipeline.consumer_release(s);
+      }
+    } else {
+      mainloop.mma(pipeline, read_state, acc, k_tiles, mma_thread, mainloop_tensors<ML>(ss),
+                   p.mainloop);
+      mainloop.mma_tail(pipeline, read_state, k_tiles);
+    }
     read_state.advance(k_tiles);
     after_mma(stored);
     if constexpr (JAX_EP_PLANTED(kUnwrittenHSkipsActivation)) {
@@ -441,8 +489,7 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
     if (!store_d) continue;
     auto [load_next, store_next] =
         epilogue.store(epi_load, epi_load_state, epi_store, epi_store_state, mnkl, Tile{},
-                       make_coord(b, n, _, expert_of(ss.block_start, t.L, b)), acc, tiled_mma,
-                       mma_thread, ss.tensors.epilogue);
+                       make_coord(b, n, _, l), acc, tiled_mma, mma_thread, ss.tensors.epilogue);
     epi_load_state = load_next;
     epi_store_state = store_next;
     stored = true;
