@@ -487,7 +487,7 @@ __device__ void tile_role(const P& p, SharedStorage& ss, const PeerView& pv) {
   const TileProblem t{a.sizes, a.C, a.L, a.I, a.N, kChunkBlocks};
   if (run_tiles(
           p.tiles, ss, t, a.counters + combine_tile_words(a.C, a.N) + kTileQueue, [](int) {},
-          signal, count_stored, [](int) { return false; })) {
+          signal, count_stored, nullptr)) {
     if (threadIdx.x == cutlass::NumThreadsPerWarpGroup) trace_max(a.ps, trace::kFusedTilesDone);
     combine(a, pv, lane);
   }

@@ -335,7 +335,8 @@ __device__ __forceinline__ void load_paired(const TileParams& p, const PairedTma
 //   block: true when rows [kBlockM / 2, kBlockM) of A's block b are zero rows. The second
 //   consumer warpgroup (those rows' MMAs) then issues no MMA for that block's tiles, its
 //   accumulators zero (the product of zero rows): such a tile costs about half its MMAs
-//   (docs/kernels.md#fused-half-tiles).
+//   (docs/kernels.md#fused-half-tiles). nullptr: no block skips, and the tile loop has no such
+//   branch.
 // paired: B in paired columns (paired_tma_b, kPaired) instead of the mainloop's descriptor (B =
 // w [L, K, N] only). store_d: false leaves D unwritten (no TMA-store epilogue: on_acc stores
 // what the kernel needs). ML: the mainloop of p (B's layout). True in the consumer threads (232
@@ -350,6 +351,7 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
                                           OnAcc&& on_acc = nullptr, bool store_d = true) {
 #if defined(__CUDA_ARCH__)  // CUTLASS's epilogue visitors are device-only: not in the host pass
   static_assert(!kPaired || std::is_same_v<ML, Mainloop>, "paired columns read w [L, K, N]");
+  constexpr bool kHalfTiles = !std::is_null_pointer_v<std::decay_t<HalfZero>>;
   using Barrier = cutlass::arch::ClusterBarrier;
   using TiledMma = typename ML::TiledMma;
   using MainloopPipeline = typename ML::MainloopPipeline;
@@ -361,8 +363,10 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
 
   if (warp_idx == 0) {
     segment_starts(t.sizes, t.L, t.C, ss.block_start, lane);
-    __syncwarp();
-    last_blocks_half_zero(ss.block_start, t.L, ss.last_half_zero, half_zero, lane);
+    if constexpr (kHalfTiles) {
+      __syncwarp();
+      last_blocks_half_zero(ss.block_start, t.L, ss.last_half_zero, half_zero, lane);
+    }
   }
   if (thread_idx == 0) {
     ss.stored = 0;
@@ -465,9 +469,10 @@ __device__ __forceinline__ bool run_tiles(const TileParamsOf<ML>& p, SharedStora
     // (a warp vote: a branch on it leaves the mainloop's stage and descriptor arithmetic in
     // uniform registers, where a branch on the plain condition moved it to per-thread ones,
     // R2UR before every wgmma: docs/kernels.md#fused-half-tiles)
-    const bool half_skip =
-        __all_sync(kFull, warp_group == kHalfSkipper && b + 1 == ss.block_start[l + 1] &&
-                              (ss.last_half_zero[l / 32] >> (l % 32) & 1u));
+    bool half_skip = false;
+    if constexpr (kHalfTiles)
+      half_skip = __all_sync(kFull, warp_group == kHalfSkipper && b + 1 == ss.block_start[l + 1] &&
+                                        (ss.last_half_zero[l / 32] >> (l % 32) & 1u));
     if (half_skip) {
       clear(acc);
       PipelineState s = read_state;
