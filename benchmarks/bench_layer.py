@@ -16,6 +16,9 @@ the rounds' ratios, so that a clock drifting during the run weighs on both sides
 - `moe_ffn` with its default arguments, and with fused=False and fused=True;
 - the expert compute alone: both grouped GEMMs, the activation and the weighted sum over K, on
   T * K rows per rank in L equal groups, no communication (the layer's floor);
+- the expert compute on routed groups: the same on groups of the routing's sizes (each rank's
+  counts per expert, scaled to T * K rows; at R = 1 the routing's own), whose last GEMM tiles
+  are partial as the layer's are: what any grouped-GEMM layer pays for the routing's unevenness;
 - the communication alone: `dispatch` and `combine` of the received rows;
 - at R > 1, two plain-JAX layers: a GShard-style layer (a capacity factor per expert,
   `lax.all_to_all`, batched einsums) and `lax.ragged_all_to_all` + `lax.ragged_dot` (MaxText's
@@ -140,16 +143,39 @@ def ragged_layer(x, idx, w, wgu, wd, *, num_experts, axis_name="ep"):
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[tok].add(got).astype(x.dtype)
 
 
-def expert_compute(xr, w, wgu, wd, *, backend):
+# the expert compute on the routing's group sizes (routed_sizes): a baseline beside the floor
+ROUTED = "expert compute on routed groups"
+
+
+def expert_compute(xr, w, wgu, wd, sizes=None, *, backend):
     """The layer's floor: both grouped GEMMs, the activation and the weighted sum over K of the
-    T * K rows of this rank (row t * K + k is slot k of token t), in L equal groups."""
+    T * K rows of this rank (row t * K + k is slot k of token t), in L equal groups, or in groups
+    of `sizes` [L] (routed_sizes)."""
     T, K = w.shape
     L = wgu.shape[0]
-    sizes = jnp.full((L,), T * K // L, jnp.int32)
+    if sizes is None:
+        sizes = jnp.full((L,), T * K // L, jnp.int32)
     gm = functools.partial(jax_ep.grouped_matmul, backend=backend)
     y = gm(_moe.swiglu(gm(xr, wgu, sizes)).astype(wd.dtype), wd, sizes)
     y = y.reshape(T, K, -1).astype(jnp.float32) * w.astype(jnp.float32)[:, :, None]
     return jnp.sum(y, axis=1).astype(xr.dtype)
+
+
+def routed_sizes(idx, R, L, rows):
+    """[R * L] int32: per rank, the pairs each of its L experts receives under the routing
+    (ids idx [S, K], -1 masked), scaled to `rows` in all by largest remainders; at R = 1, with
+    every slot routed, the routing's own counts. A rank that receives nothing gets equal
+    groups."""
+    idx = np.asarray(idx).reshape(-1)
+    counts = np.bincount(idx[idx >= 0], minlength=R * L).reshape(R, L).astype(np.float64)
+    out = np.zeros((R, L), np.int64)
+    for r in range(R):
+        total = counts[r].sum()
+        exact = counts[r] * rows / total if total else np.full(L, rows / L)
+        out[r] = np.floor(exact)
+        short = rows - int(out[r].sum())
+        out[r, np.argsort(out[r] - exact, kind="stable")[:short]] += 1
+    return out.reshape(-1).astype(np.int32)
 
 
 def communication(x, idx, w, *, num_experts, backend):
@@ -421,6 +447,13 @@ def main():
                       f"{name} {jax_ep.moe_capacity(T, fused=f, **group)}"
                       for name, f in (("unfused", False), ("fused", True))))
             lay = (x, idx, w, wgu, wd)
+            if args.compile_only:
+                sizes = jax.ShapeDtypeStruct((R * L,), jnp.int32,
+                                             sharding=NamedSharding(mesh, P("ep")))
+            else:
+                sizes = jnp.asarray(routed_sizes(idx, R, L, T * K))
+                if isinstance(mesh, Mesh):
+                    sizes = jax.device_put(sizes, NamedSharding(mesh, P("ep")))
             layers = {
                 "moe_ffn": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend=be), lay),
                 "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(
@@ -429,6 +462,7 @@ def main():
                     *a, num_experts=E, fused=True, backend=be), lay),
                 "expert compute alone": (functools.partial(expert_compute, backend=be),
                                          (xr, w, wgu, wd)),
+                ROUTED: (functools.partial(expert_compute, backend=be), (xr, w, wgu, wd, sizes)),
                 "communication alone": (functools.partial(communication, num_experts=E,
                                                           backend=be), (x, idx, w)),
             }
@@ -442,7 +476,8 @@ def main():
             if default is None:  # fused wherever it applies: here (bfloat16, high-throughput)
                 default = True
             same = f"moe_ffn(fused={default})"
-            diff = {"expert compute alone": (0, 1, 2, 3), "communication alone": (0, 2)}
+            diff = {"expert compute alone": (0, 1, 2, 3), ROUTED: (0, 1, 2, 3),
+                    "communication alone": (0, 2)}
             rows, timers = {}, {}
             # the dense MoE on the first check_tokens tokens of every rank
             S = min(args.check_tokens, T)
@@ -462,7 +497,7 @@ def main():
                 try:
                     if not args.compile_only:
                         out = rank_map(mesh, fn)(*fargs)
-                        if name not in ("expert compute alone", "communication alone"):
+                        if name not in ("expert compute alone", ROUTED, "communication alone"):
                             got = np.asarray(out, np.float64)[pick]
                             row["rel_err_vs_dense"] = float(np.linalg.norm(got - dense)
                                                             / max(np.linalg.norm(dense), 1e-30))
@@ -509,7 +544,7 @@ def main():
                     try:
                         row["train_step_bytes"], _ = step_bytes(rank_map(mesh, training_step(
                             fn, diff.get(name, (0, 2, 3, 4)),
-                            tokens_of_rows=K if name == "expert compute alone" else 0))
+                            tokens_of_rows=K if name.startswith("expert compute") else 0))
                             .lower(*fargs).compile())
                     except Exception as e:  # noqa: BLE001 - reported beside the timings
                         row["train_failed"] = first_line(e)
@@ -580,6 +615,9 @@ def ratios(rows):
             r = ratio(name, base, key)
             if r:
                 out[f"{short} / expert compute {what}"] = r
+            r = ratio(name, ROUTED, key)
+            if r and "memory" not in what:
+                out[f"{short} / {ROUTED} {what}"] = r
         for name, short in (("GShard capacity 1.25 + einsum", "gshard"),
                             ("ragged_all_to_all + ragged_dot", "ragged")):
             r = ratio(name, "moe_ffn", key)

@@ -377,6 +377,29 @@ def test_bench_layer_paired_ratios_are_medians_of_the_rounds_ratios():
     assert bench_layer.ratios(rows)["default / expert compute fwd"] == pytest.approx(2.0)
 
 
+def test_bench_layer_routed_sizes_keep_the_rows_and_the_routings_shares():
+    """routed_sizes: per rank, T * K rows in groups of the routing's counts (exactly those at
+    R = 1), masked slots ignored, a rank with no pairs in equal groups."""
+    import bench_layer
+    rng = np.random.default_rng(3)
+    S, L, K = 512, 8, 4
+    _, idx = bench_layer.draw_routing(rng, "zipf", S, L, K, zipf_s=1.5)
+    idx = np.asarray(idx)
+    np.testing.assert_array_equal(bench_layer.routed_sizes(idx, 1, L, S * K),
+                                  np.bincount(idx.reshape(-1), minlength=L))
+    R = 2
+    _, idx = bench_layer.draw_routing(rng, "zipf", S, R * L, K, zipf_s=1.5)
+    idx = np.asarray(idx).copy()
+    idx[::3, 0] = -1
+    got = bench_layer.routed_sizes(idx, R, L, 1000).reshape(R, L)
+    counts = np.bincount(idx[idx >= 0], minlength=R * L).reshape(R, L)
+    assert got.dtype == np.int32 and (got.sum(axis=1) == 1000).all()
+    np.testing.assert_allclose(got, counts * 1000 / counts.sum(axis=1, keepdims=True), atol=1)
+    idx = np.where(idx < L, idx, 0)                # rank 1 receives nothing
+    got = bench_layer.routed_sizes(idx, R, L, 1001).reshape(R, L)
+    assert got.sum() == 2002 and sorted(set(got[1].tolist())) == [125, 126]
+
+
 def test_bench_layer_draw_routing_by_name():
     """draw_routing: "balanced" gives every expert the same pairs, "uniform" and "zipf" the
     softmax top-k of their logits (zipf's far more skewed), another name is refused."""
