@@ -451,9 +451,8 @@ def main():
                 sizes = jax.ShapeDtypeStruct((R * L,), jnp.int32,
                                              sharding=NamedSharding(mesh, P("ep")))
             else:
-                sizes = jnp.asarray(routed_sizes(idx, R, L, T * K))
-                if isinstance(mesh, Mesh):
-                    sizes = jax.device_put(sizes, NamedSharding(mesh, P("ep")))
+                sizes = jax.device_put(routed_sizes(idx, R, L, T * K),
+                                       NamedSharding(mesh, P("ep")))
             layers = {
                 "moe_ffn": (lambda *a: jax_ep.moe_ffn(*a, num_experts=E, backend=be), lay),
                 "moe_ffn(fused=False)": (lambda *a: jax_ep.moe_ffn(
@@ -623,6 +622,10 @@ def ratios(rows):
             r = ratio(name, "moe_ffn", key)
             if r and "memory" not in what:
                 out[f"{short} / default {what}"] = r
+    for key, what in (("fwd_ms", "fwd"), ("fwd+bwd_ms", "fwd+bwd")):
+        r = ratio(ROUTED, base, key)
+        if r:
+            out[f"{ROUTED} / expert compute {what}"] = r
     r = ratio("moe_ffn(fused=True)", "moe_ffn(fused=False)", "fwd_ms")
     if r:
         out["fused / unfused fwd"] = r

@@ -368,9 +368,12 @@ def test_bench_layer_paired_ratios_are_medians_of_the_rounds_ratios():
         "expert compute alone": {"fwd_ms": 1.0, "fwd_ms_rounds": [1.0, 1.0, 3.0],
                                  "step_bytes": 4},
         "GShard capacity 1.25 + einsum": {"fwd_ms": 4.0},
+        bench_layer.ROUTED: {"fwd_ms": 1.5, "fwd_ms_rounds": [2.0, 1.0, 3.0]},
     }
     r = bench_layer.ratios(rows)
     assert r["default / expert compute fwd"] == pytest.approx(1.0)   # median of 1, 2, 1
+    assert r[f"default / {bench_layer.ROUTED} fwd"] == pytest.approx(1.0)     # 0.5, 2, 1
+    assert r[f"{bench_layer.ROUTED} / expert compute fwd"] == pytest.approx(1.0)  # 2, 1, 1
     assert r["default / expert compute memory"] == pytest.approx(1.5)
     assert r["gshard / default fwd"] == pytest.approx(2.0)          # no rounds: the figures'
     del rows["moe_ffn"]["fwd_ms_rounds"]                             # one side without rounds
