@@ -145,6 +145,10 @@ def ragged_layer(x, idx, w, wgu, wd, *, num_experts, axis_name="ep"):
 
 # the expert compute on the routing's group sizes (routed_sizes): a baseline beside the floor
 ROUTED = "expert compute on routed groups"
+# the expert computes (their rows are T * K per rank) and the baselines that are parts of a
+# layer, not layers (no check against the dense MoE)
+EXPERT_COMPUTES = ("expert compute alone", ROUTED)
+BASELINES = (*EXPERT_COMPUTES, "communication alone")
 
 
 def expert_compute(xr, w, wgu, wd, sizes=None, *, backend):
@@ -496,7 +500,7 @@ def main():
                 try:
                     if not args.compile_only:
                         out = rank_map(mesh, fn)(*fargs)
-                        if name not in ("expert compute alone", ROUTED, "communication alone"):
+                        if name not in BASELINES:
                             got = np.asarray(out, np.float64)[pick]
                             row["rel_err_vs_dense"] = float(np.linalg.norm(got - dense)
                                                             / max(np.linalg.norm(dense), 1e-30))
@@ -537,13 +541,13 @@ def main():
                     if "RESOURCE_EXHAUSTED" in str(e) and not args.compile_only:
                         out_of_memory[name, R, current] = (
                             f"not run: out of memory under {routing} routing ({row['failed']})")
-                    if name.startswith("moe_ffn") or name.endswith("alone"):
+                    if name.startswith("moe_ffn") or name in BASELINES:
                         traceback.print_exc()
                 if "failed" not in row:
                     try:
                         row["train_step_bytes"], _ = step_bytes(rank_map(mesh, training_step(
                             fn, diff.get(name, (0, 2, 3, 4)),
-                            tokens_of_rows=K if name.startswith("expert compute") else 0))
+                            tokens_of_rows=K if name in EXPERT_COMPUTES else 0))
                             .lower(*fargs).compile())
                     except Exception as e:  # noqa: BLE001 - reported beside the timings
                         row["train_failed"] = first_line(e)
